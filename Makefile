@@ -1,0 +1,31 @@
+# Two commands a user needs (README): `make demo` and `make test`.
+# Each creates .venv and installs what it needs on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DILOCO := $(VENV)/bin/diloco
+
+.PHONY: demo test bench install clean
+
+install: $(VENV)/.installed
+
+# torch is pinned to the CPU build this machine type carries (constraints.txt);
+# the package itself accepts a range.
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,plot]'
+	touch $@
+
+test: install
+	$(PY) -m pytest
+
+demo: install
+	$(DILOCO) config check examples/local-4-regions.yaml
+
+bench: install
+	$(PY) bench/codecs.py
+
+clean:
+	rm -rf $(VENV) .diloco .pytest_cache

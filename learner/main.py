@@ -1,0 +1,244 @@
+"""`diloco learner --config C --learner-id ID --region R`: one learner island.
+
+It trains until its step or token budget is spent (or SIGTERM), syncing fragments
+with the shards as it goes, then catches up with the run's final global values
+and writes a report. Under torchrun the island is several processes: DDP inside
+the island, rank 0 alone talks to the syncer and broadcasts every applied
+fragment to the other ranks.
+
+    trainer.step loop:  sync.before_step -> train_step -> sync.after_step
+                        (+ broadcast inside the island, eval, checkpoint)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import pathlib
+import signal
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from torch.nn.parallel import DistributedDataParallel
+
+from learner.checkpoint import load_checkpoint
+from learner.sync import StreamingSync
+from learner.train import Trainer, manifest, named_parameters
+from services.config import Config, load_config
+from services.fragments import FragmentPlan, gather, plan_for_config, scatter
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="cluster YAML file")
+    parser.add_argument("--learner-id", required=True)
+    parser.add_argument("--region", required=True)
+    parser.add_argument("--state-dir", help="checkpoint and report folder "
+                        "(default: <run.state_dir>/learner-<id>)")
+    parser.add_argument("--catch-up-seconds", type=float, default=3.0,
+                        help="after training, pull until no fragment changed for this long")
+    parser.add_argument("--no-sync", action="store_true",
+                        help="train alone, never talking to the syncer (a baseline for benchmarks)")
+
+
+class Island:
+    """The processes of one learner: rank 0 syncs, every rank trains."""
+
+    def __init__(self):
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        if self.world_size > 1:
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def share_weights(self, params: dict[str, torch.Tensor]) -> None:
+        """Every rank starts from rank 0's (global) weights; DDP keeps them equal after."""
+        if self.world_size > 1:
+            for tensor in params.values():
+                dist.broadcast(tensor.data, src=0)
+
+    def broadcast_applied(self, plan: FragmentPlan, applied: list[int],
+                          params: dict[str, torch.Tensor]) -> None:
+        """Rank 0's applied fragment values reach every rank, so the island stays identical."""
+        if self.world_size == 1:
+            return
+        flags = torch.zeros(len(plan.fragments), dtype=torch.uint8)
+        flags[applied] = 1
+        dist.broadcast(flags, src=0)
+        for fragment in plan.fragments:
+            if flags[fragment.id]:
+                flat = gather(fragment, params) if self.leader else torch.empty(fragment.numel)
+                dist.broadcast(flat, src=0)
+                if not self.leader:
+                    scatter(fragment, flat, params)
+
+    def stopping(self, stop: threading.Event) -> bool:
+        """Every rank of an island stops at the same step: rank 0 decides."""
+        if self.world_size == 1:
+            return stop.is_set()
+        flag = torch.tensor([1 if stop.is_set() else 0], dtype=torch.uint8)
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        if self.world_size > 1:
+            dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    cfg = load_config(args.config)
+    learner = cfg.learner(args.learner_id)
+    if learner.region != args.region:
+        raise SystemExit(f"--region {args.region}: learner {learner.id} is in region "
+                         f"{learner.region} in {args.config}")
+    state_dir = pathlib.Path(args.state_dir or pathlib.Path(cfg.run.state_dir) / f"learner-{learner.id}")
+    state_dir.mkdir(parents=True, exist_ok=True)
+    island = Island()
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+
+    trainer = Trainer.from_config(cfg, learner.id, rank=island.rank,
+                                  cache_dir=pathlib.Path(cfg.run.state_dir) / "cache")
+    params = named_parameters(trainer.model)
+    plan = plan_for_config(cfg, manifest(trainer.model))
+    checkpoint_path = state_dir / "checkpoint.pt"
+    checkpoint = load_checkpoint(checkpoint_path) if island.leader else None
+    extra = checkpoint["extra"] if checkpoint else {}
+    if checkpoint:
+        trainer.restore(checkpoint)
+    startup_seconds = time.monotonic() - started
+
+    restore_started = time.monotonic()
+    sync = None
+    if island.leader and not args.no_sync:
+        sync = StreamingSync(cfg, learner.id, learner.region, params, plan)
+        sync.start(extra.get("sync"), should_stop=stop.is_set)
+    island.share_weights(params)
+    if island.world_size > 1:
+        trainer.forward_module = DistributedDataParallel(trainer.model)
+    restore_seconds = time.monotonic() - restore_started
+
+    report = Report(state_dir / "report.json", learner.id, learner.region, extra.get("report"))
+    report.begin_incarnation(sync.incarnation if sync else 0, startup_seconds, restore_seconds,
+                             sync.stats.versions_behind_at_join if sync else 0)
+    try:
+        train(cfg, args, trainer, sync, island, plan, params, report, stop, checkpoint_path)
+    finally:
+        if sync is not None:
+            sync.close(leave=True)
+        island.close()
+    return 0
+
+
+def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: StreamingSync | None,
+          island: Island, plan: FragmentPlan, params: dict[str, torch.Tensor], report: Report,
+          stop: threading.Event, checkpoint_path: pathlib.Path) -> None:
+    budget = cfg.trainer
+
+    def budget_left() -> bool:
+        tokens = trainer.tokens * island.world_size
+        return trainer.step < budget.max_steps and (budget.max_tokens is None or tokens < budget.max_tokens)
+
+    def evaluate() -> None:
+        report.evaluation(trainer.step, trainer.tokens * island.world_size, trainer.evaluate())
+
+    if island.leader and not report.evaluations:
+        evaluate()  # the starting point of the loss curve
+    while budget_left() and not island.stopping(stop):
+        step = trainer.step
+        if sync:
+            sync.before_step(step)
+        stats = trainer.train_step()
+        tokens = stats.tokens * island.world_size
+        report.step(tokens, stats.seconds)
+        applied = sync.after_step(step, tokens, stats.seconds) if sync else []
+        island.broadcast_applied(plan, applied, params)
+        if island.leader and trainer.step % budget.eval_every == 0:
+            evaluate()
+        if island.leader and trainer.step % budget.checkpoint_every == 0:
+            save(trainer, sync, report, checkpoint_path)
+    if not island.leader:
+        return
+    finished = not budget_left()
+    if sync:
+        sync.flush()
+        if finished:
+            sync.catch_up(args.catch_up_seconds, should_stop=stop.is_set)
+    if finished or trainer.step % budget.eval_every:
+        evaluate()  # after catch-up: the loss of the run's final global model
+    save(trainer, sync, report, checkpoint_path)
+    report.write(finished=finished, sync=sync)
+    log.info("learner %s %s at step %d", report.learner_id, "finished" if finished else "stopped",
+             trainer.step)
+
+
+def save(trainer: Trainer, sync: StreamingSync | None, report: Report, path: pathlib.Path) -> None:
+    extra = {"report": report.persistent()}
+    if sync:
+        extra["sync"] = sync.state_dict()
+    trainer.save(path, extra=extra)
+
+
+class Report:
+    """What this learner did, across its incarnations: written as JSON for `diloco sim`."""
+
+    def __init__(self, path: pathlib.Path, learner_id: str, region: str, restored: dict | None):
+        self.path = path
+        self.learner_id = learner_id
+        self.region = region
+        self.started = time.time()
+        saved = restored or {}
+        self.evaluations: list[list[float]] = saved.get("evaluations", [])  # [unix time, step, tokens, loss]
+        self.incarnations: list[dict] = saved.get("incarnations", [])
+        self.compute_seconds = 0.0
+        self.steps = 0
+        self.tokens = 0
+
+    def persistent(self) -> dict:
+        return {"evaluations": self.evaluations, "incarnations": self.incarnations}
+
+    def begin_incarnation(self, incarnation: int, startup: float, restore: float, behind: int) -> None:
+        self.incarnations.append({"incarnation": incarnation, "started": self.started,
+                                  "startup_seconds": startup, "restore_seconds": restore,
+                                  "versions_behind_at_join": behind})
+
+    def step(self, tokens: int, seconds: float) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.compute_seconds += seconds
+
+    def evaluation(self, step: int, tokens: int, loss: float) -> None:
+        self.evaluations.append([time.time(), step, tokens, loss])
+        log.info("learner %s step %d: validation loss %.4f", self.learner_id, step, loss)
+
+    def write(self, finished: bool, sync: StreamingSync | None) -> None:
+        body = {
+            "learner_id": self.learner_id, "region": self.region, "finished": finished,
+            "evaluations": self.evaluations, "incarnations": self.incarnations,
+            "this_incarnation": {"steps": self.steps, "tokens": self.tokens,
+                                 "compute_seconds": self.compute_seconds,
+                                 "wall_seconds": time.time() - self.started},
+        }
+        if sync:
+            stats = sync.stats
+            body["sync"] = {
+                "syncs_started": stats.syncs_started, "syncs_applied": stats.syncs_applied,
+                "syncs_skipped": stats.syncs_skipped, "refused_stale": stats.refused_stale,
+                "blocked_seconds": stats.blocked_seconds, "bytes_up": stats.bytes_up,
+                "bytes_down": stats.bytes_down, "push_results": stats.push_results,
+            }
+            body["fragments"] = {str(fid): {"version": v, "state_hash": h}
+                                 for fid, (v, h) in sync.fragment_hashes().items()}
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(body, indent=1))
+        os.replace(tmp, self.path)

@@ -1,0 +1,387 @@
+"""Streaming fragment sync: the learner's side of the outer loop.
+
+Every inner step the training loop calls `before_step(step)` and
+`after_step(step, tokens)`. Fragment p starts syncing at `step % H == t_p`: its
+outer gradient `anchor_p - theta_p` is compressed (with error feedback) and
+pushed, and the new global value is pulled, all on a background thread while
+training goes on. tau steps later the result is applied:
+`theta_p <- alpha*theta_p + (1-alpha)*g_p`, `anchor_p <- g_p`. The loop blocks
+only when the result is late, and that wait is measured as badput.
+
+A shard that cannot be reached never stops training: the sync is skipped (the
+next outer gradient still carries all local progress, since it is taken against
+the same anchor), and the heartbeat thread rejoins the shard when it is back.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import grpc
+import torch
+
+from services.client import ShardClient, state_hash
+from services.codecs import ErrorFeedback, get_codec
+from services.config import Config
+from services.fragments import Fragment, FragmentPlan, gather, scatter
+from services.wire import pb
+
+log = logging.getLogger(__name__)
+
+# A shard that does not answer is retried after this long, doubling up to the cap.
+RETRY_INITIAL_SECONDS = 0.2
+RETRY_MAX_SECONDS = 5.0
+# Errors that mean "the shard is down or restarting", not "we sent something wrong".
+UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+               grpc.StatusCode.CANCELLED}
+
+
+@dataclass
+class FragmentSync:
+    """What a learner keeps per fragment between syncs."""
+    fragment: Fragment
+    anchor: torch.Tensor  # the global value g_p at `version`, fp32 flat
+    version: int
+    feedback: ErrorFeedback
+    steps_since_sync: int = 0  # c_steps: inner steps since the last delivered sync
+    tokens_since_sync: int = 0  # c_tokens
+    in_flight: Future | None = None
+    apply_at: int = -1  # the step after which the in-flight result is applied
+
+
+@dataclass
+class SyncOutcome:
+    """The result of one background push + pull."""
+    anchor: torch.Tensor | None  # new global value, None when the shard was unreachable
+    version: int
+    push_result: int = pb.PUSH_RESULT_UNSPECIFIED
+    bytes_up: int = 0
+    bytes_down: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class SyncStats:
+    """Counters the learner reports (metrics, final report)."""
+    syncs_started: int = 0
+    syncs_applied: int = 0
+    syncs_skipped: int = 0  # shard unreachable: progress kept for the next sync
+    refused_stale: int = 0
+    blocked_seconds: float = 0.0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    versions_behind_at_join: int = 0
+    push_results: dict[str, int] = field(default_factory=dict)
+
+
+class ShardLink:
+    """One shard: its client and whether this learner is currently joined to it."""
+
+    def __init__(self, index: int, client: ShardClient):
+        self.index = index
+        self.client = client
+        self.joined = False
+        self.last_response: pb.JoinResponse | None = None
+
+
+class StreamingSync:
+    def __init__(self, cfg: Config, learner_id: str, region: str,
+                 params: Mapping[str, torch.Tensor], plan: FragmentPlan,
+                 incarnation: int | None = None):
+        self.cfg = cfg
+        self.learner_id = learner_id
+        self.region = region
+        self.params = params
+        self.incarnation = incarnation if incarnation is not None else time.time_ns()
+        self.manifest = [(name, tuple(p.shape)) for name, p in params.items()]
+        self.plan = plan
+        self.codec = get_codec(cfg.sync.codec)
+        self.links = [ShardLink(i, ShardClient(s.address, cfg.rpc, learner_id, self.incarnation))
+                      for i, s in enumerate(cfg.shards)]
+        self.fragments: dict[int, FragmentSync] = {}
+        self.stats = SyncStats()
+        self.step = 0
+        self.step_seconds = 0.0
+        self.tokens_per_second = 0.0
+        self._lock = threading.Lock()  # guards link.joined and heartbeat-visible fields
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.links)), thread_name_prefix="sync")
+        self._heartbeats: threading.Thread | None = None
+
+    # ---- start-up: join, seed, pull every fragment --------------------------------
+
+    def start(self, restored: Mapping[str, object] | None = None,
+              should_stop: Callable[[], bool] = lambda: False) -> int:
+        """Joins every shard (retrying until each answers), seeds fragments nobody has
+        seeded, pulls every fragment and moves the model onto the global values.
+
+        `restored` is the sync state of a checkpoint (see state_dict); with it the
+        learner pulls only the updates it missed. Returns how many versions it was
+        behind, summed over fragments.
+        """
+        for link in self.links:
+            self._join_with_retry(link, should_stop)
+        behind = 0
+        restored_fragments = (restored or {}).get("fragments", {})
+        for fragment in self.plan.fragments:
+            link = self.links[fragment.shard]
+            saved = restored_fragments.get(fragment.id)
+            base_version = saved["version"] if saved else None
+            base_value = saved["anchor"] if saved else None
+            result = self._retry(link, should_stop,
+                                 lambda: link.client.pull(fragment.id, base_version))
+            anchor = result.apply(base_value.clone() if base_value is not None else None)
+            version = result.version if result.version is not None else base_version
+            if anchor is None:
+                raise RuntimeError(f"fragment {fragment.id}: shard {link.index} sent no value")
+            behind += version - (base_version if base_version is not None else version)
+            self.stats.bytes_down += result.payload_bytes
+            feedback = ErrorFeedback(self.codec, fragment.numel, self.cfg.sync.codec_block_size)
+            if saved:
+                feedback.residual = saved["residual"].clone()
+            self.fragments[fragment.id] = FragmentSync(fragment, anchor, version, feedback)
+            if saved:
+                # Keep local progress since the checkpoint's anchor, like any merge.
+                self._merge_into_model(fragment, anchor)
+            else:
+                scatter(fragment, anchor, self.params)
+        self.stats.versions_behind_at_join = behind
+        log.info("learner %s (incarnation %d) joined %d shards; %d versions behind",
+                 self.learner_id, self.incarnation, len(self.links), behind)
+        self._heartbeats = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        self._heartbeats.start()
+        return behind
+
+    def _join(self, link: ShardLink) -> None:
+        reply = link.client.join(self.region, self.manifest)
+        if reply.plan_digest != self.plan.digest:
+            raise RuntimeError(f"shard {link.index} uses plan {reply.plan_digest[:12]}, this learner "
+                               f"{self.plan.digest[:12]}: model or sync settings differ")
+        for info in reply.fragments:
+            if not info.initialized:
+                self._seed(link, self.plan.fragments[info.fragment_id])
+        with self._lock:
+            link.joined = True
+            link.last_response = reply
+
+    def _seed(self, link: ShardLink, fragment: Fragment) -> None:
+        try:
+            link.client.push(fragment.id, gather(fragment, self.params), codec="fp32",
+                             block_size=self.cfg.sync.codec_block_size, kind=pb.PUSH_KIND_SEED)
+            log.info("seeded fragment %d on shard %d", fragment.id, link.index)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.ALREADY_EXISTS:  # another learner was first: fine
+                raise
+
+    def _join_with_retry(self, link: ShardLink, should_stop: Callable[[], bool]) -> None:
+        self._retry(link, should_stop, lambda: self._join(link))
+
+    def _retry(self, link: ShardLink, should_stop: Callable[[], bool], call):
+        delay = RETRY_INITIAL_SECONDS
+        while True:
+            try:
+                return call()
+            except grpc.RpcError as exc:
+                if exc.code() not in UNREACHABLE or should_stop():
+                    raise
+                log.warning("shard %d unreachable (%s); retrying in %.1fs",
+                            link.index, exc.code().name, delay)
+            self._stop.wait(delay)
+            delay = min(delay * 2, RETRY_MAX_SECONDS)
+
+    # ---- the per-step hooks ---------------------------------------------------------
+
+    def before_step(self, step: int) -> None:
+        """Starts the syncs due at this step (before the step's own update)."""
+        self.step = step
+        for fragment in self.plan.due_at(step):
+            state = self.fragments[fragment.id]
+            if state.in_flight is not None:  # only possible if tau >= H, which config refuses
+                continue
+            self._start_sync(state, apply_at=step + self.cfg.sync.overlap_steps)
+
+    def after_step(self, step: int, tokens: int, step_seconds: float) -> list[int]:
+        """Counts the step and applies results due now; returns the fragment ids applied."""
+        self.step_seconds = step_seconds
+        self.tokens_per_second = tokens / step_seconds if step_seconds > 0 else 0.0
+        applied = []
+        for state in self.fragments.values():
+            state.steps_since_sync += 1
+            state.tokens_since_sync += tokens
+            if state.in_flight is not None and state.apply_at <= step:
+                if self._finish_sync(state):
+                    applied.append(state.fragment.id)
+        return applied
+
+    def due_for_apply(self, step: int) -> list[int]:
+        """Fragment ids whose in-flight sync is applied after `step` (known before it ends)."""
+        return [s.fragment.id for s in self.fragments.values()
+                if s.in_flight is not None and s.apply_at <= step]
+
+    def flush(self) -> None:
+        """Applies every in-flight sync (end of training)."""
+        for state in self.fragments.values():
+            if state.in_flight is not None:
+                self._finish_sync(state)
+
+    def _start_sync(self, state: FragmentSync, apply_at: int) -> None:
+        fragment = state.fragment
+        link = self.links[fragment.shard]
+        outer_gradient = state.anchor - gather(fragment, self.params)
+        residual_before = state.feedback.residual.clone()
+        try:
+            payload, _ = state.feedback.compress(outer_gradient)
+        except ValueError as exc:  # non-finite values: never send them
+            log.error("fragment %d: not pushing: %s", fragment.id, exc)
+            return
+        request = dict(fragment_id=fragment.id, values=payload, numel=fragment.numel,
+                       codec=self.codec, block_size=self.cfg.sync.codec_block_size,
+                       base_version=state.version, c_steps=state.steps_since_sync,
+                       c_tokens=state.tokens_since_sync, step_seconds=self.step_seconds)
+        state.in_flight = self._pool.submit(self._push_and_pull, link, state.anchor.clone(),
+                                            state.version, request)
+        state.in_flight.residual_before = residual_before  # restored if the push is lost
+        state.apply_at = apply_at
+        self.stats.syncs_started += 1
+
+    def _push_and_pull(self, link: ShardLink, anchor: torch.Tensor, version: int,
+                       request: dict) -> SyncOutcome:
+        started = time.perf_counter()
+        fragment_id = request["fragment_id"]
+        if not link.joined:
+            return SyncOutcome(None, version)
+        try:
+            reply = link.client.push(**request)
+            outcome = SyncOutcome(None, version, reply.result, bytes_up=len(request["values"]))
+            if reply.result == pb.PUSH_RESULT_REFUSED_STALE:
+                # Too stale to merge: re-anchor to the current global value.
+                result = link.client.pull(fragment_id, version)
+            else:
+                # Wait for the round holding this contribution to close, within the
+                # overlap window plus the syncer's grace.
+                result = link.client.pull(fragment_id, version, min_version=reply.current_version + 1,
+                                          max_wait_seconds=self._pull_wait_seconds())
+            outcome.anchor = result.apply(anchor)
+            outcome.version = result.version if result.version is not None else version
+            outcome.bytes_down = result.payload_bytes
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                with self._lock:
+                    link.joined = False  # the shard forgot us (restart): heartbeat rejoins
+            log.warning("fragment %d: sync with shard %d failed: %s %s", fragment_id, link.index,
+                        exc.code().name, exc.details())
+            return SyncOutcome(None, version)
+        outcome.seconds = time.perf_counter() - started
+        return outcome
+
+    def _pull_wait_seconds(self) -> float:
+        syncer = self.cfg.syncer
+        return syncer.grace.seconds + syncer.lease_seconds
+
+    def _finish_sync(self, state: FragmentSync) -> bool:
+        future = state.in_flight
+        if not future.done():
+            waited = time.perf_counter()
+            future.result()
+            self.stats.blocked_seconds += time.perf_counter() - waited
+        outcome: SyncOutcome = future.result()
+        state.in_flight = None
+        self.stats.bytes_up += outcome.bytes_up
+        self.stats.bytes_down += outcome.bytes_down
+        name = pb.PushResult.Name(outcome.push_result)
+        self.stats.push_results[name] = self.stats.push_results.get(name, 0) + 1
+        if outcome.anchor is None:
+            # Lost push: undo the residual update so nothing is counted twice; the
+            # next outer gradient still holds this progress.
+            state.feedback.residual = future.residual_before
+            self.stats.syncs_skipped += 1
+            return False
+        if outcome.push_result == pb.PUSH_RESULT_REFUSED_STALE:
+            self.stats.refused_stale += 1
+            state.feedback.residual.zero_()  # what it held was built on a stale anchor
+        self._merge_into_model(state.fragment, outcome.anchor)
+        state.anchor, state.version = outcome.anchor, outcome.version
+        state.steps_since_sync = state.tokens_since_sync = 0
+        self.stats.syncs_applied += 1
+        return True
+
+    def _merge_into_model(self, fragment: Fragment, global_value: torch.Tensor) -> None:
+        alpha = self.cfg.sync.mix_alpha
+        local = gather(fragment, self.params)
+        scatter(fragment, global_value if alpha == 0 else alpha * local + (1 - alpha) * global_value,
+                self.params)
+
+    # ---- heartbeats, leave, final state ---------------------------------------------
+
+    def held_versions(self) -> dict[int, int]:
+        return {fid: s.version for fid, s in self.fragments.items()}
+
+    def _heartbeat_loop(self) -> None:
+        interval = self.cfg.trainer.heartbeat_seconds
+        while not self._stop.wait(interval):
+            for link in self.links:
+                try:
+                    if not link.joined:
+                        self._join(link)
+                        log.info("rejoined shard %d", link.index)
+                    held = {fid: v for fid, v in self.held_versions().items()
+                            if self.plan.fragments[fid].shard == link.index}
+                    link.client.heartbeat(self.step, self.step_seconds, self.tokens_per_second, held)
+                except grpc.RpcError as exc:
+                    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        with self._lock:
+                            link.joined = False
+                    elif exc.code() not in UNREACHABLE:
+                        log.warning("heartbeat to shard %d: %s %s", link.index,
+                                    exc.code().name, exc.details())
+
+    def catch_up(self, quiet_seconds: float, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """After training: keep pulling until no fragment has changed for `quiet_seconds`,
+        so this learner ends holding the run's final global values."""
+        quiet_since = time.monotonic()
+        while time.monotonic() - quiet_since < quiet_seconds and not should_stop():
+            changed = False
+            for state in self.fragments.values():
+                link = self.links[state.fragment.shard]
+                try:
+                    result = link.client.pull(state.fragment.id, state.version,
+                                              min_version=state.version + 1, max_wait_seconds=0.2)
+                except grpc.RpcError as exc:
+                    if exc.code() not in UNREACHABLE:
+                        raise
+                    continue
+                if result.items:
+                    state.anchor = result.apply(state.anchor)
+                    state.version = result.version
+                    self.stats.bytes_down += result.payload_bytes
+                    self._merge_into_model(state.fragment, state.anchor)
+                    changed = True
+            if changed:
+                quiet_since = time.monotonic()
+
+    def fragment_hashes(self) -> dict[int, tuple[int, str]]:
+        """(version, sha256) of the global value this learner holds, per fragment."""
+        return {fid: (s.version, state_hash(s.anchor)) for fid, s in self.fragments.items()}
+
+    def state_dict(self) -> dict:
+        """What a checkpoint needs to resume syncing without a full pull."""
+        return {"incarnation": self.incarnation, "fragments": {
+            fid: {"version": s.version, "anchor": s.anchor.clone(), "residual": s.feedback.residual.clone()}
+            for fid, s in self.fragments.items()}}
+
+    def close(self, leave: bool = True) -> None:
+        self._stop.set()
+        if self._heartbeats is not None:
+            self._heartbeats.join(timeout=5)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for link in self.links:
+            if leave and link.joined:
+                try:
+                    link.client.leave()
+                except grpc.RpcError as exc:
+                    log.warning("leave shard %d: %s", link.index, exc.code().name)
+            link.client.close()

@@ -1,0 +1,140 @@
+"""The learner's inner loop: AdamW on its own data, warm-up then cosine learning rate,
+gradient clipping, and the step time and tokens that the sync metadata and goodput need.
+
+    trainer = Trainer.from_config(cfg, learner_id)
+    while trainer.step < cfg.trainer.max_steps:
+        stats = trainer.train_step()        # StepStats(loss, tokens, seconds, lr, grad_norm)
+        if trainer.step % cfg.trainer.eval_every == 0:
+            val_loss = trainer.evaluate()
+
+Nothing here talks to the syncer. The sync client reads and writes the model's parameters
+between steps (named_parameters, manifest) and may wrap the model for an island's data
+parallel training (`trainer.forward_module = DistributedDataParallel(trainer.model)`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from learner.checkpoint import save_checkpoint
+from learner.data import DataSource, build_data
+from learner.model import build_model
+from services.config import Config, InnerOptimizerConfig, TrainerConfig
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float
+    tokens: int  # consumed by this step on this process: batch_size * seq_len
+    seconds: float  # wall time of the whole step, data included
+    lr: float
+    grad_norm: float  # total L2 norm of the gradients before clipping
+
+
+def lr_at(step: int, opt: InnerOptimizerConfig, max_steps: int) -> float:
+    """Learning rate of inner step `step` (0-based): linear warm-up over warmup_steps up to
+    lr, then cosine decay to lr * min_lr_ratio at max_steps, constant after that."""
+    if step < opt.warmup_steps:
+        return opt.lr * (step + 1) / opt.warmup_steps
+    min_lr = opt.lr * opt.min_lr_ratio
+    if step >= max_steps:
+        return min_lr
+    progress = (step - opt.warmup_steps) / (max_steps - opt.warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (opt.lr - min_lr)
+
+
+def named_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters by name, in the model's order, each shared (tied) tensor once."""
+    return dict(model.named_parameters())
+
+
+def manifest(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter: what the fragment planner takes."""
+    return [(name, tuple(param.shape)) for name, param in model.named_parameters()]
+
+
+def make_optimizer(model: nn.Module, opt: InnerOptimizerConfig) -> torch.optim.AdamW:
+    # nanoGPT: weight decay on matrices and embeddings (dim >= 2), none on biases and norms.
+    params = named_parameters(model).values()
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": opt.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2))
+
+
+class Trainer:
+    """One learner's inner loop.
+
+    `model` is the plain module: its parameters are what gets synced and checkpointed.
+    `forward_module` runs the training forward pass; it is the model itself unless the
+    caller wraps it (DistributedDataParallel inside an island)."""
+
+    def __init__(self, model: nn.Module, data: DataSource, cfg: TrainerConfig, *,
+                 forward_module: nn.Module | None = None):
+        torch.set_num_threads(cfg.threads)
+        self.model = model
+        self.data = data
+        self.cfg = cfg
+        self.forward_module = forward_module if forward_module is not None else model
+        self.optimizer = make_optimizer(model, cfg.inner_optimizer)
+        self.step = 0  # inner steps done
+        self.tokens = 0  # tokens trained on by this process
+        model.train()
+
+    @classmethod
+    def from_config(cls, cfg: Config, learner_id: str, *, rank: int = 0,
+                    cache_dir: str | os.PathLike | None = None) -> Trainer:
+        """Model, data and optimizer of learner `learner_id` as the config describes them."""
+        learner_index = cfg.learners.index(cfg.learner(learner_id))
+        model = build_model(cfg.model, seed=cfg.run.seed)
+        data = build_data(cfg, learner_index, model.seq_len, rank=rank, cache_dir=cache_dir)
+        return cls(model, data, cfg.trainer)
+
+    def train_step(self) -> StepStats:
+        started = time.perf_counter()
+        lr = lr_at(self.step, self.cfg.inner_optimizer, self.cfg.max_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        x, y = self.data.next_batch()
+        _, loss = self.forward_module(x, y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        # With clipping off the norm is still measured (max_norm=inf scales by exactly 1).
+        max_norm = self.cfg.inner_optimizer.grad_clip or math.inf
+        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        self.step += 1
+        self.tokens += x.numel()
+        return StepStats(loss=loss.item(), tokens=x.numel(), seconds=time.perf_counter() - started,
+                         lr=lr, grad_norm=grad_norm.item())
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the fixed validation set."""
+        self.model.eval()  # no dropout
+        try:
+            losses = [self.model(x, y)[1].item() for x, y in self.data.validation_batches()]
+        finally:
+            self.model.train()
+        return sum(losses) / len(losses)
+
+    def save(self, path: str | os.PathLike, extra: dict | None = None) -> None:
+        """Checkpoint the local state; `extra` carries the sync client's state."""
+        save_checkpoint(path, model=self.model, optimizer=self.optimizer, step=self.step,
+                        tokens=self.tokens, data_state=self.data.state_dict(), extra=extra or {})
+
+    def restore(self, checkpoint: dict) -> None:
+        """Continue from a checkpoint (as load_checkpoint returns it) exactly where it was taken."""
+        self.model.load_state_dict(checkpoint["model"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self.data.load_state_dict(checkpoint["data"])
+        torch.set_rng_state(checkpoint["rng"])
+        self.step = checkpoint["step"]
+        self.tokens = checkpoint["tokens"]

@@ -1,0 +1,167 @@
+"""A typed client for one syncer shard: the learner, `diloco status`, the tests
+and the benchmarks all talk to shards through it.
+
+It hides the streaming details of the contract (header first, then ~1 MiB
+chunks; a pull is a sequence of items, each a header and its chunks) and puts a
+deadline on every call. gRPC errors propagate as grpc.RpcError so callers can
+decide on retries by status code.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import grpc
+import torch
+
+from services.codecs import Codec, get_codec
+from services.config import RpcConfig
+from services.payload import Reassembler, decode_payload, describe, iter_chunks
+from services.rpc import open_channel
+from services.wire import pb, pb_grpc
+
+
+def state_hash(values: torch.Tensor) -> str:
+    """sha256 of a fragment's fp32 value: equal hashes mean equal bits."""
+    flat = values.detach().to(torch.float32).contiguous().view(-1)
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+def apply_update(value: torch.Tensor, update: torch.Tensor) -> None:
+    """The one way a decoded update is applied, on shards and learners alike, so
+    both hold the same bits after the same chain of updates."""
+    value.add_(update)
+
+
+@dataclass
+class PulledItem:
+    kind: int  # pb.PAYLOAD_KIND_UPDATE or pb.PAYLOAD_KIND_SNAPSHOT
+    version: int
+    values: torch.Tensor  # decoded fp32
+
+
+@dataclass
+class PullResult:
+    fragment_id: int
+    items: list[PulledItem]
+    state_hash: str  # of the global value after the last item ("" if nothing was sent)
+    payload_bytes: int  # bytes that crossed the wire, for bandwidth accounting
+
+    @property
+    def version(self) -> int | None:
+        return self.items[-1].version if self.items else None
+
+    def apply(self, value: torch.Tensor | None) -> torch.Tensor | None:
+        """The fragment's value after this pull: a snapshot replaces, updates add in order."""
+        for item in self.items:
+            if item.kind == pb.PAYLOAD_KIND_SNAPSHOT:
+                value = item.values.clone()
+            else:
+                if value is None:
+                    raise ValueError(f"fragment {self.fragment_id}: update to v{item.version} "
+                                     "without a base value")
+                apply_update(value, item.values)
+        return value
+
+
+class ShardClient:
+    def __init__(self, address: str, rpc: RpcConfig, learner_id: str = "", incarnation: int = 0):
+        self.address = address
+        self.rpc = rpc
+        self.learner_id = learner_id
+        self.incarnation = incarnation
+        self.channel = open_channel(address, rpc)
+        self.stub = pb_grpc.SyncerStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "ShardClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _stream_deadline(self, payload_bytes: int) -> float:
+        # Large transfers over a slow WAN link need more than a unary deadline:
+        # allow the unary deadline again for every MiB.
+        return self.rpc.deadline_seconds * (1 + payload_bytes / (1 << 20))
+
+    def join(self, region: str, manifest: Sequence[tuple[str, Sequence[int]]]) -> pb.JoinResponse:
+        request = pb.JoinRequest(
+            learner_id=self.learner_id, incarnation=self.incarnation, region=region,
+            manifest=pb.ParameterManifest(tensors=[pb.TensorSpec(name=n, shape=list(s)) for n, s in manifest]))
+        return self.stub.Join(request, timeout=self.rpc.deadline_seconds)
+
+    def heartbeat(self, step: int = 0, step_seconds: float = 0.0, tokens_per_second: float = 0.0,
+                  held_versions: dict[int, int] | None = None) -> pb.HeartbeatResponse:
+        request = pb.HeartbeatRequest(
+            learner_id=self.learner_id, incarnation=self.incarnation, step=step,
+            step_seconds=step_seconds, tokens_per_second=tokens_per_second,
+            held_versions=held_versions or {})
+        return self.stub.Heartbeat(request, timeout=self.rpc.deadline_seconds)
+
+    def leave(self) -> None:
+        self.stub.Leave(pb.LeaveRequest(learner_id=self.learner_id, incarnation=self.incarnation),
+                        timeout=self.rpc.deadline_seconds)
+
+    def push(self, fragment_id: int, values: torch.Tensor | bytes, *, codec: Codec | str,
+             block_size: int, kind: int = pb.PUSH_KIND_OUTER_GRADIENT, base_version: int = 0,
+             c_steps: int = 0, c_tokens: int = 0, step_seconds: float = 0.0,
+             numel: int | None = None) -> pb.PushResponse:
+        """Pushes a tensor (encoded here) or an already-encoded payload (then give numel)."""
+        codec = get_codec(codec) if isinstance(codec, (str, int)) else codec
+        if isinstance(values, torch.Tensor):
+            numel = values.numel()
+            payload = codec.encode(values, block_size)
+        else:
+            payload = values
+            if numel is None:
+                raise ValueError("push of an encoded payload needs numel")
+        header = pb.PushHeader(
+            learner_id=self.learner_id, incarnation=self.incarnation, fragment_id=fragment_id,
+            kind=kind, base_version=base_version, c_steps=c_steps, c_tokens=c_tokens,
+            step_seconds=step_seconds, payload=describe(codec, numel, payload, block_size))
+
+        def requests() -> Iterator[pb.PushRequest]:
+            yield pb.PushRequest(header=header)
+            for chunk in iter_chunks(payload):
+                yield pb.PushRequest(chunk=chunk)
+
+        return self.stub.PushFragment(requests(), timeout=self._stream_deadline(len(payload)))
+
+    def pull(self, fragment_id: int, base_version: int | None = None, *, min_version: int = 0,
+             max_wait_seconds: float = 0.0) -> PullResult:
+        """The updates after base_version (or a snapshot), waiting up to max_wait_seconds
+        for the fragment to reach min_version."""
+        request = pb.PullRequest(learner_id=self.learner_id, fragment_id=fragment_id,
+                                 min_version=min_version, max_wait_seconds=max_wait_seconds)
+        if base_version is not None:
+            request.base_version = base_version
+        responses = self.stub.PullFragment(request, timeout=max_wait_seconds + self._stream_deadline(0))
+        items: list[PulledItem] = []
+        final_hash, wire_bytes = "", 0
+        header, assembler = None, None
+        for response in responses:
+            if response.HasField("header"):
+                if assembler is not None:
+                    raise ValueError(f"fragment {fragment_id}: new item before v{header.version} finished")
+                header = response.header
+                assembler = Reassembler(header.payload)
+                final_hash = header.state_hash or final_hash
+            else:
+                if assembler is None:
+                    raise ValueError(f"fragment {fragment_id}: chunk before any item header")
+                assembler.add(response.chunk)
+            if assembler is not None and assembler.complete:
+                payload = assembler.finish()
+                wire_bytes += len(payload)
+                items.append(PulledItem(header.kind, header.version, decode_payload(header.payload, payload)))
+                header, assembler = None, None
+        if assembler is not None:
+            raise ValueError(f"fragment {fragment_id}: stream ended inside v{header.version}")
+        return PullResult(fragment_id, items, final_hash, wire_bytes)
+
+    def status(self) -> pb.StatusResponse:
+        return self.stub.Status(pb.StatusRequest(), timeout=self.rpc.deadline_seconds)

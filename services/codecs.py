@@ -1,0 +1,347 @@
+"""Codecs: how a 1-D fp32 tensor (an outer gradient, an update, a snapshot) becomes bytes and back.
+
+    codec = get_codec("int4")                  # or get_codec(pb.CODEC_INT4)
+    payload = codec.encode(delta, block_size=128)
+    delta_hat = codec.decode(payload, delta.numel(), block_size=128)   # fp32 again
+
+Decoding always gives fp32: accumulation never happens in a compressed format.
+
+Payload layouts (little-endian; `n` values, `b = ceil(n / block_size)` blocks):
+
+    fp32      n x float32
+    bf16      n x bfloat16, rounded to nearest even
+    int8      b x float32 scale, then n x int8 code          value = code * scale, |code| <= 127
+    int4      b x float32 scale, then ceil(n / 2) bytes      value = code * scale, |code| <= 7
+    fp4_e3m0  b x float32 scale, then ceil(n / 2) bytes      value = sign * scale * 2^(e - 7), or 0 if e = 0
+
+The quantised codecs scale each block by its largest magnitude (absmax), so one outlier only
+costs precision in its own block. 4-bit codes are packed two per byte, the first value in the
+low nibble; an odd count leaves the last high nibble zero. An int4 code is a two's-complement
+nibble; an fp4_e3m0 code is a sign bit (8) and a 3-bit exponent e (0..7), so the levels are 0
+and 2^-6 .. 2^0 of the block's absmax. Every value goes to its nearest level.
+
+`block_size` must be positive for every codec (fp32 and bf16 ignore it), so a payload header is
+valid or not regardless of its codec.
+
+Non-finite values: `encode` refuses any NaN or +-Inf, for every codec, with a ValueError that
+counts them. A NaN outer gradient must never leave the learner, and one non-finite value would
+poison its block's scale. bf16 also refuses finite values beyond its range (|x| > 3.39e38),
+which would round to Inf. The quantised codecs accept every finite value, up to +-3.4e38,
+without overflowing a scale. `decode` checks only the payload's length: fp32 and bf16 bytes
+from a hostile or broken sender can decode to NaN or Inf, so a receiver that merges what it
+decodes must check the result itself (the quantised codecs can produce non-finite values only
+from a non-finite scale).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from services.wire import pb
+
+DEFAULT_BLOCK_SIZE = 128
+
+# Quantise this many values at a time, so that the fp32 temporaries stay in cache instead of
+# costing fresh (page-faulting) allocations the size of the whole tensor.
+_CHUNK_VALUES = 1 << 18
+
+
+def _read(payload: bytes | memoryview, dtype: torch.dtype, offset: int = 0, count: int = -1) -> torch.Tensor:
+    """`count` values of `dtype` at byte `offset` of `payload`, copied into a new tensor.
+
+    torch cannot wrap read-only memory such as `bytes` without warning, so a read is a copy;
+    the block codecs read chunk by chunk, so the copies stay in cache.
+    """
+    size = -1 if count == -1 else count * dtype.itemsize
+    return torch.from_numpy(np.frombuffer(payload, np.uint8, size, offset).copy()).view(dtype)
+
+
+def _check_block_size(block_size: int) -> None:
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+
+
+def _non_finite_error(codec: str, values: torch.Tensor) -> ValueError:
+    count = values.numel() - int(torch.isfinite(values).sum())
+    return ValueError(
+        f"{codec} refuses to encode {count} non-finite value(s) out of {values.numel()}: "
+        "a NaN or Inf must never leave the sender"
+    )
+
+
+class Codec(ABC):
+    """One way to put a 1-D fp32 tensor on the wire. Instances are immutable and shared."""
+
+    name: str  # as written in config files
+    wire: int  # pb.Codec value
+
+    def encode(self, values: torch.Tensor, block_size: int) -> bytes:
+        _check_block_size(block_size)
+        if values.dtype != torch.float32 or values.dim() != 1:
+            raise ValueError(f"{self.name} encodes 1-D float32 tensors, got {values.dtype} of shape {tuple(values.shape)}")
+        return self._encode(values.contiguous(), block_size)
+
+    def decode(self, payload: bytes | memoryview, numel: int, block_size: int) -> torch.Tensor:
+        """A new 1-D fp32 tensor of `numel` values."""
+        expected = self.encoded_size(numel, block_size)
+        size = memoryview(payload).nbytes
+        if size != expected:
+            raise ValueError(
+                f"{self.name} payload of {size} bytes does not match numel={numel}, "
+                f"block_size={block_size}: expected {expected}"
+            )
+        if numel == 0:  # frombuffer refuses empty buffers
+            return torch.empty(0)
+        return self._decode(payload, numel, block_size)
+
+    def encoded_size(self, numel: int, block_size: int) -> int:
+        """The exact length of what `encode` produces for `numel` values."""
+        _check_block_size(block_size)
+        if numel < 0:
+            raise ValueError(f"numel must not be negative, got {numel}")
+        return self._encoded_size(numel, block_size)
+
+    @abstractmethod
+    def _encode(self, values: torch.Tensor, block_size: int) -> bytes: ...
+
+    @abstractmethod
+    def _decode(self, payload: bytes | memoryview, numel: int, block_size: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _encoded_size(self, numel: int, block_size: int) -> int: ...
+
+
+@dataclass(frozen=True)
+class FloatCodec(Codec):
+    """Every value as a float of `dtype`: fp32 is exact, bf16 rounds to nearest even."""
+
+    name: str
+    wire: int
+    dtype: torch.dtype
+
+    def _encode(self, values: torch.Tensor, block_size: int) -> bytes:
+        encoded = values.to(self.dtype)  # counts bf16 overflow as non-finite too
+        if not torch.isfinite(encoded).all():
+            raise _non_finite_error(self.name, encoded)
+        # numpy has no bfloat16: hand it the bits as int16.
+        return encoded.view(torch.int16 if self.dtype == torch.bfloat16 else self.dtype).numpy().tobytes()
+
+    def _decode(self, payload: bytes | memoryview, numel: int, block_size: int) -> torch.Tensor:
+        return _read(payload, self.dtype).float()
+
+    def _encoded_size(self, numel: int, block_size: int) -> int:
+        return numel * self.dtype.itemsize
+
+
+@cache
+def _largest_scale(top: float) -> float:
+    """The largest fp32 scale whose `top * scale` is still finite in fp32."""
+    scale = torch.tensor(torch.finfo(torch.float32).max / top, dtype=torch.float32)
+    if scale.item() * top > torch.finfo(torch.float32).max:
+        scale = scale.nextafter(torch.tensor(0.0))
+    return scale.item()
+
+
+def _block_scales(absmax: torch.Tensor, top: float) -> torch.Tensor:
+    """fp32 scales such that |x| / scale rounds to at most `top` for every x of a block (codes
+    need no clamping, even when the scale is subnormal) and `top * scale` never overflows."""
+    exact = absmax.double() / top
+    scale = exact.float()
+    scale = torch.where(scale.double() < -exact, scale.nextafter(torch.tensor(math.inf)), scale)  # round up
+    return scale.clamp_(max=_largest_scale(top))
+
+
+class BlockCodec(Codec):
+    """Block-wise absmax quantisation to `bits`-bit codes (8 or 4) with one fp32 scale per block.
+
+    A subclass says how a scaled value r = x / scale, |r| <= top, becomes a code (one uint8 per
+    value, low `bits` bits used) and what a code's unscaled value is.
+    """
+
+    bits: int
+    top: float  # largest |x| / scale; the block's absmax maps to it
+
+    @abstractmethod
+    def _to_codes(self, scaled: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _from_codes(self, codes: torch.Tensor) -> torch.Tensor: ...
+
+    def _code_bytes(self, count: int) -> int:
+        return (count * self.bits + 7) // 8
+
+    def _encoded_size(self, numel: int, block_size: int) -> int:
+        return 4 * -(-numel // block_size) + self._code_bytes(numel)
+
+    def _chunk_values(self, block_size: int) -> int:
+        """Values per chunk: whole blocks, and an even count so that 4-bit codes pack into whole bytes."""
+        return block_size * 2 * max(1, _CHUNK_VALUES // (2 * block_size))
+
+    def _encode(self, values: torch.Tensor, block_size: int) -> bytes:
+        numel = values.numel()
+        blocks = -(-numel // block_size)
+        out = torch.empty(self._encoded_size(numel, block_size), dtype=torch.uint8)
+        scales, codes = out[: 4 * blocks].view(torch.float32), out[4 * blocks :]
+        step = self._chunk_values(block_size)
+        for start in range(0, numel, step):
+            x = values[start : start + step]
+            count = len(x)
+            if count % block_size:  # only the last block can be partial: pad it with zeros
+                x = F.pad(x, (0, block_size - count % block_size))
+            x = x.view(-1, block_size)
+            absmax = x.abs().amax(1)  # NaN and Inf propagate into it
+            if not torch.isfinite(absmax).all():
+                raise _non_finite_error(self.name, values)
+            scale = _block_scales(absmax, self.top)
+            scales[start // block_size : start // block_size + len(scale)] = scale
+            scaled = x / scale.masked_fill(scale == 0, 1.0)[:, None]  # an all-zero block stays zero
+            chunk_codes = self._to_codes(scaled.view(-1)[:count])
+            self._pack(chunk_codes, codes[self._code_bytes(start) : self._code_bytes(start + count)])
+        return out.numpy().tobytes()
+
+    def _decode(self, payload: bytes | memoryview, numel: int, block_size: int) -> torch.Tensor:
+        blocks = -(-numel // block_size)
+        scales = _read(payload, torch.float32, count=blocks)
+        out = torch.empty(numel)
+        step = self._chunk_values(block_size)
+        for start in range(0, numel, step):
+            count = min(step, numel - start)
+            offset = 4 * blocks + self._code_bytes(start)
+            chunk_codes = self._unpack(_read(payload, torch.uint8, offset, self._code_bytes(count)), count)
+            values, dest = self._from_codes(chunk_codes), out[start : start + count]
+            scale = scales[start // block_size : start // block_size + -(-count // block_size)]
+            full = count // block_size * block_size  # whole blocks, then the partial one (if any)
+            torch.mul(values[:full].view(-1, block_size), scale[: full // block_size, None], out=dest[:full].view(-1, block_size))
+            torch.mul(values[full:], scale[full // block_size :], out=dest[full:])
+        return out
+
+    def _pack(self, chunk_codes: torch.Tensor, dest: torch.Tensor) -> None:
+        if self.bits == 8:
+            dest.copy_(chunk_codes)
+            return
+        pairs = F.pad(chunk_codes, (0, len(chunk_codes) % 2)).view(-1, 2)
+        torch.bitwise_or(pairs[:, 0], pairs[:, 1] << 4, out=dest)
+
+    def _unpack(self, packed: torch.Tensor, count: int) -> torch.Tensor:
+        if self.bits == 8:
+            return packed
+        return torch.stack((packed & 0xF, packed >> 4), dim=1).view(-1)[:count]
+
+
+@dataclass(frozen=True)
+class IntCodec(BlockCodec):
+    """Signed integer codes in [-top, top], top = 2^(bits-1) - 1: the nearest of evenly spaced
+    levels, so the error is at most half a level, absmax / (2 * top)."""
+
+    name: str
+    wire: int
+    bits: int
+
+    @property
+    def top(self) -> float:
+        return float(2 ** (self.bits - 1) - 1)
+
+    def _to_codes(self, scaled: torch.Tensor) -> torch.Tensor:
+        # int8 -> uint8 keeps the two's-complement bits; the mask keeps the low `bits` of them.
+        return scaled.round_().to(torch.int8).view(torch.uint8) & (2**self.bits - 1)
+
+    def _from_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        shift = 8 - self.bits  # the code's sign bit up to the byte's, then back with sign extension
+        return ((codes << shift).view(torch.int8) >> shift).float()
+
+
+_FP32_ONE = 127 << 23  # the fp32 bits of 2^0; exponent e of a code stands for 2^(e - 7)
+_HALF_MANTISSA = 1 << 22  # mantissa bits of 1.5: from there up, 2^(k+1) is nearer than 2^k
+
+
+@dataclass(frozen=True)
+class Fp4E3M0Codec(BlockCodec):
+    """Sign and a 3-bit exponent, no mantissa: the levels are 0 and 2^-6 .. 2^0 of the block's
+    absmax. A value goes to the nearest level, so the error is at most a third of the value
+    for |x| >= 2^-6 * absmax, and at most 2^-7 * absmax below that (values under half the
+    smallest level flush to zero)."""
+
+    name: str
+    wire: int
+    bits = 4
+    top = 1.0
+
+    def _to_codes(self, scaled: torch.Tensor) -> torch.Tensor:
+        # Work on the fp32 bits: for 2^k <= r < 2^(k+1) the nearest power of two is 2^(k+1)
+        # exactly when the mantissa is >= 1.5, so adding half the mantissa range to the bits
+        # carries into the exponent in precisely those cases.
+        bits = scaled.view(torch.int32)
+        magnitude = bits & 0x7FFFFFFF
+        sign = (bits >> 28) & 8  # bit 31 to bit 3
+        # r in [2^-7, 2^-6) is nearer 2^-6 than 0 (it is below the rounding midpoint of 2^-6).
+        exponent = ((magnitude.clamp(min=_FP32_ONE - (6 << 23)) + _HALF_MANTISSA) >> 23) - (127 - 7)
+        exponent *= magnitude >= _FP32_ONE - (7 << 23)  # below 2^-7 (half of 2^-6): zero
+        return (exponent | sign).to(torch.uint8)
+
+    def _from_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        codes = codes.int()
+        exponent = codes & 7
+        bits = ((codes & 8) << 28) | ((exponent + (127 - 7)) << 23)
+        return bits.masked_fill_(exponent == 0, 0).view(torch.float32)
+
+
+CODECS: tuple[Codec, ...] = (
+    FloatCodec("fp32", pb.CODEC_FP32, torch.float32),
+    FloatCodec("bf16", pb.CODEC_BF16, torch.bfloat16),
+    IntCodec("int8", pb.CODEC_INT8, bits=8),
+    IntCodec("int4", pb.CODEC_INT4, bits=4),
+    Fp4E3M0Codec("fp4_e3m0", pb.CODEC_FP4_E3M0),
+)
+CODEC_NAMES: tuple[str, ...] = tuple(codec.name for codec in CODECS)
+_BY_KEY: dict[str | int, Codec] = {key: codec for codec in CODECS for key in (codec.name, codec.wire)}
+
+
+def get_codec(key: str | int) -> Codec:
+    """The codec with this config name or pb.Codec value."""
+    codec = _BY_KEY.get(key)
+    if codec is None:
+        valid = ", ".join(f"{codec.name} ({codec.wire})" for codec in CODECS)
+        raise ValueError(f"unknown codec {key!r}; valid codecs: {valid}")
+    return codec
+
+
+class ErrorFeedback:
+    """Sender-side error feedback: keeps what quantisation dropped and adds it to the next push.
+
+    Over any number of pushes, the sum of what was sent differs from the sum of the inputs by
+    exactly the current residual, so nothing is lost for good, only delayed.
+    """
+
+    def __init__(self, codec: Codec, numel: int, block_size: int):
+        codec.encoded_size(numel, block_size)  # validates the arguments
+        self.codec, self.numel, self.block_size = codec, numel, block_size
+        self._residual = torch.zeros(numel)
+
+    @property
+    def residual(self) -> torch.Tensor:
+        """fp32, `numel` values; save it with a checkpoint and assign it back on restore."""
+        return self._residual
+
+    @residual.setter
+    def residual(self, value: torch.Tensor) -> None:
+        if value.dtype != torch.float32 or value.shape != (self.numel,):
+            raise ValueError(f"residual must be float32 of shape ({self.numel},), got {value.dtype} of shape {tuple(value.shape)}")
+        self._residual = value
+
+    def compress(self, values: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+        """(payload, decoded): the payload to send and exactly what the receiver will decode.
+
+        If encoding fails (a non-finite value) the residual is left as it was.
+        """
+        total = values + self._residual
+        payload = self.codec.encode(total, self.block_size)
+        decoded = self.codec.decode(payload, self.numel, self.block_size)
+        self._residual = total.sub_(decoded)
+        return payload, decoded

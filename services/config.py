@@ -1,0 +1,254 @@
+"""One YAML file describes a whole run: shards, learners, the sync schedule, the
+syncer's outer loop, the learners' inner loop, the model and the data.
+
+    cfg = load_config("examples/local-4-regions.yaml")
+
+Loading validates everything up front. An unknown key, a wrong type or an
+impossible value raises ConfigError naming the key (`sync.overlap_steps: ...`),
+so a bad file never starts a process. Symbols from the papers are given beside
+the keys: H, P, tau, alpha, K.
+"""
+from __future__ import annotations
+
+import pathlib
+import re
+from typing import Annotated, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from services.codecs import CODEC_NAMES
+
+
+class ConfigError(ValueError):
+    """A configuration file that cannot describe a run; the message names the key."""
+
+
+class _Section(BaseModel):
+    # strict: "4" is not 4 and 1.5 is not an int; extra="forbid": typos are errors.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+Port = Annotated[int, Field(ge=0, le=65535)]
+HostPort = Annotated[str, Field(pattern=r"^[^\s:]+:\d{1,5}$|^\[[0-9a-fA-F:]+\]:\d{1,5}$")]
+Identifier = Annotated[str, Field(pattern=r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")]
+
+
+class RunConfig(_Section):
+    name: Identifier = "diloco"
+    seed: NonNegativeInt = 0
+    state_dir: str = ".diloco"  # shards and learners keep their state below this folder
+
+
+class ShardConfig(_Section):
+    address: HostPort  # host:port learners dial; the shard listens on this port
+    metrics_port: Port = 9100  # 0 disables the /metrics endpoint
+
+
+class LearnerConfig(_Section):
+    id: Identifier
+    region: Identifier
+    metrics_port: Port = 9100
+
+
+class SyncConfig(_Section):
+    fragments: PositiveInt = 4  # P
+    interval_steps: PositiveInt = 24  # H: each fragment is synced every H inner steps
+    overlap_steps: NonNegativeInt = 2  # tau: apply a sync's result tau steps after it started
+    mix_alpha: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0  # alpha: 0 overwrites, 0.5 averages
+    codec: str = "int4"
+    codec_block_size: PositiveInt = 128
+    fragmentation: Literal["balanced", "strided"] = "balanced"
+
+
+class GraceConfig(_Section):
+    # fixed: wait `seconds` after quorum; adaptive: gamma * (tau*step - quorum - sync time),
+    # from moving averages, capped by `seconds`.
+    mode: Literal["fixed", "adaptive"] = "adaptive"
+    seconds: Annotated[float, Field(ge=0.0)] = 1.0
+    gamma: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.5
+
+
+class OuterOptimizerConfig(_Section):
+    lr: PositiveFloat = 0.7
+    momentum: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.9
+    nesterov: bool = True
+
+
+class SyncerConfig(_Section):
+    quorum: PositiveInt = 1  # K: contributions that may close a round once grace has passed
+    grace: GraceConfig = GraceConfig()
+    merge: Literal["rda", "mean"] = "rda"  # radial-directional averaging or weighted mean
+    max_staleness: NonNegativeInt = 4  # versions; older contributions are refused
+    stale_weight_decay: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0  # weight *= decay**staleness
+    outer_optimizer: OuterOptimizerConfig = OuterOptimizerConfig()
+    history_versions: PositiveInt = 32  # L: decoded updates kept for catch-up pulls
+    lease_seconds: PositiveFloat = 5.0
+    max_update_norm: PositiveFloat = 1.0e4  # pushes whose decoded L2 norm is larger are refused
+
+
+class InnerOptimizerConfig(_Section):
+    lr: PositiveFloat = 4.0e-4
+    weight_decay: Annotated[float, Field(ge=0.0)] = 0.1
+    beta1: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.9
+    beta2: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.95
+    warmup_steps: NonNegativeInt = 50
+    min_lr_ratio: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1  # cosine decays to lr * ratio
+    grad_clip: Annotated[float, Field(ge=0.0)] = 1.0  # 0 disables clipping
+
+
+class TrainerConfig(_Section):
+    batch_size: PositiveInt = 8
+    max_steps: PositiveInt = 1000  # inner-step budget of each learner
+    max_tokens: PositiveInt | None = None  # token budget; whichever budget ends first
+    inner_optimizer: InnerOptimizerConfig = InnerOptimizerConfig()
+    heartbeat_seconds: PositiveFloat = 0.5
+    eval_every: PositiveInt = 100
+    eval_batches: PositiveInt = 8
+    checkpoint_every: PositiveInt = 200
+    threads: PositiveInt = 1  # torch intra-op threads per learner process
+
+
+class GPTConfig(_Section):
+    """The built-in byte-level GPT."""
+    n_layer: PositiveInt = 2
+    n_head: PositiveInt = 4
+    n_embd: PositiveInt = 128
+    seq_len: PositiveInt = 128
+    dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
+
+
+class CorpusConfig(_Section):
+    """The built-in corpus: the Python standard library's own .py sources."""
+    corpus: Literal["python-stdlib"] = "python-stdlib"
+    validation_fraction: Annotated[float, Field(gt=0.0, lt=0.5)] = 0.05
+    max_bytes: PositiveInt | None = None  # read at most this much of the corpus
+
+
+Factory = Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]  # "pkg.module:factory"
+
+
+class RpcConfig(_Section):
+    deadline_seconds: PositiveFloat = 60.0  # every unary call; streams get this per MiB too
+    max_message_bytes: Annotated[int, Field(ge=4 << 20)] = 16 << 20
+    keepalive_seconds: PositiveFloat = 30.0
+
+
+class Config(_Section):
+    run: RunConfig = RunConfig()
+    shards: Annotated[list[ShardConfig], Field(min_length=1)]
+    learners: Annotated[list[LearnerConfig], Field(min_length=1)]
+    sync: SyncConfig = SyncConfig()
+    syncer: SyncerConfig = SyncerConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    model: Union[Factory, GPTConfig] = GPTConfig()
+    data: Union[Factory, CorpusConfig] = CorpusConfig()
+    rpc: RpcConfig = RpcConfig()
+
+    def learner(self, learner_id: str) -> LearnerConfig:
+        for learner in self.learners:
+            if learner.id == learner_id:
+                return learner
+        raise ConfigError(f"learners: no learner with id {learner_id!r} "
+                          f"(known: {', '.join(l.id for l in self.learners)})")
+
+    def shard(self, index: int) -> ShardConfig:
+        if not 0 <= index < len(self.shards):
+            raise ConfigError(f"shards: no shard with index {index} (the config has {len(self.shards)})")
+        return self.shards[index]
+
+
+def _check_relations(cfg: Config) -> None:
+    """Constraints between keys that a per-field schema cannot express."""
+    sync, syncer = cfg.sync, cfg.syncer
+    if sync.overlap_steps >= sync.interval_steps:
+        raise ConfigError(f"sync.overlap_steps: tau={sync.overlap_steps} must be smaller than "
+                          f"sync.interval_steps (H={sync.interval_steps})")
+    if sync.codec not in CODEC_NAMES:
+        raise ConfigError(f"sync.codec: unknown codec {sync.codec!r} (valid: {', '.join(CODEC_NAMES)})")
+    if syncer.quorum > len(cfg.learners):
+        raise ConfigError(f"syncer.quorum: K={syncer.quorum} exceeds the number of learners "
+                          f"(M={len(cfg.learners)})")
+    if len(cfg.shards) > sync.fragments:
+        raise ConfigError(f"shards: {len(cfg.shards)} shards but only sync.fragments={sync.fragments} "
+                          f"fragments; a shard would own nothing")
+    if cfg.trainer.heartbeat_seconds * 2 > syncer.lease_seconds:
+        raise ConfigError(f"syncer.lease_seconds: {syncer.lease_seconds} must be at least twice "
+                          f"trainer.heartbeat_seconds ({cfg.trainer.heartbeat_seconds})")
+    for key, items, field in (("learners", cfg.learners, "id"), ("shards", cfg.shards, "address")):
+        seen = set()
+        for i, item in enumerate(items):
+            value = getattr(item, field)
+            if value in seen:
+                raise ConfigError(f"{key}[{i}].{field}: duplicate value {value!r}")
+            seen.add(value)
+    if isinstance(cfg.model, GPTConfig) and cfg.model.n_embd % cfg.model.n_head:
+        raise ConfigError(f"model.n_embd: {cfg.model.n_embd} is not divisible by "
+                          f"model.n_head ({cfg.model.n_head})")
+
+
+def _key_path(loc: tuple) -> str:
+    # pydantic reports union members by type name ("GPTConfig", "function-after[...]"):
+    # they are not keys the user wrote, so drop them.
+    parts = []
+    for part in loc:
+        if isinstance(part, int):
+            parts.append(f"[{part}]")
+        elif re.fullmatch(r"[a-z_][a-z0-9_]*", part):
+            parts.append(("." if parts else "") + part)
+    return "".join(parts) or "(top level)"
+
+
+def parse_config(data: object, source: str = "config") -> Config:
+    """Validates an already-parsed YAML document."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            detail = err["msg"]
+            if err["type"] == "extra_forbidden":
+                detail = "unknown key"
+            elif "input" in err and not isinstance(err["input"], (dict, list)):
+                detail += f" (got {err['input']!r})"
+            lines.append(f"{_key_path(err['loc'])}: {detail}")
+        raise ConfigError(f"{source}: " + "; ".join(dict.fromkeys(lines))) from None
+    try:
+        _check_relations(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    return cfg
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads 1e-4 as a float (YAML 1.1 would make it a string)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def load_config(path: str | pathlib.Path) -> Config:
+    path = pathlib.Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
+    try:
+        data = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_config(data, source=str(path))
+
+
+def dump_config(cfg: Config) -> str:
+    """YAML text that load_config reads back to an equal Config."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

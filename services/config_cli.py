@@ -1,0 +1,37 @@
+"""`diloco config check C`: validate a config file and summarise the run it describes."""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+
+from services.config import ConfigError, load_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["check"], help="check: validate and summarise")
+    parser.add_argument("config", help="path to the cluster YAML file")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        print(f"invalid: {exc}", file=sys.stderr)
+        return 2
+    regions = collections.Counter(learner.region for learner in cfg.learners)
+    sync, syncer = cfg.sync, cfg.syncer
+    print(f"{args.config}: valid")
+    print(f"  run        {cfg.run.name} (seed {cfg.run.seed}, state in {cfg.run.state_dir})")
+    print(f"  shards     {len(cfg.shards)}: {', '.join(s.address for s in cfg.shards)}")
+    print(f"  learners   {len(cfg.learners)} in {len(regions)} regions: "
+          + ", ".join(f"{region} x{n}" for region, n in sorted(regions.items())))
+    print(f"  sync       H={sync.interval_steps} P={sync.fragments} tau={sync.overlap_steps} "
+          f"alpha={sync.mix_alpha} codec={sync.codec} ({sync.fragmentation})")
+    print(f"  syncer     K={syncer.quorum} grace={syncer.grace.mode}<= {syncer.grace.seconds}s "
+          f"merge={syncer.merge} max_staleness={syncer.max_staleness} "
+          f"outer lr={syncer.outer_optimizer.lr} momentum={syncer.outer_optimizer.momentum}")
+    model = cfg.model if isinstance(cfg.model, str) else (
+        f"GPT {cfg.model.n_layer} layers x {cfg.model.n_embd}, context {cfg.model.seq_len}")
+    print(f"  model      {model}")
+    return 0

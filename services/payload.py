@@ -1,0 +1,120 @@
+"""Encoded tensors on gRPC streams: a PayloadHeader, then the payload cut into Chunks.
+
+Sender:
+
+    header, payload = encode_payload(codec, delta, block_size)
+    yield header ...; yield from iter_chunks(payload)
+
+Receiver:
+
+    assembler = Reassembler(header, max_payload_bytes=limit)   # refuses a bad header at once
+    for chunk in chunks: assembler.add(chunk)                    # refuses gaps, repeats, overflow
+    values = decode_payload(header, assembler.finish())          # finish() checks count and crc32
+
+Nothing is decoded, let alone merged, before the whole payload is there and its checksum
+matches. Every refusal is a PayloadError whose message names what is wrong.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+
+import torch
+
+from services.codecs import Codec, get_codec
+from services.wire import pb
+
+CHUNK_BYTES = 1 << 20
+
+
+class PayloadError(ValueError):
+    """Malformed or corrupted payload; the message names what is wrong."""
+
+
+def encode_payload(codec: Codec, values: torch.Tensor, block_size: int) -> tuple[pb.PayloadHeader, bytes]:
+    payload = codec.encode(values, block_size)
+    return describe(codec, values.numel(), payload, block_size), payload
+
+
+def describe(
+    codec: Codec, numel: int, payload: bytes, block_size: int, chunk_bytes: int = CHUNK_BYTES
+) -> pb.PayloadHeader:
+    """The header announcing `payload` as iter_chunks(payload, chunk_bytes) will send it."""
+    return pb.PayloadHeader(
+        codec=codec.wire,
+        numel=numel,
+        payload_bytes=len(payload),
+        chunk_count=-(-len(payload) // chunk_bytes),
+        crc32=zlib.crc32(payload),
+        block_size=block_size,
+    )
+
+
+def iter_chunks(payload: bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.Chunk]:
+    """The payload as numbered chunks of at most `chunk_bytes`; an empty payload has none."""
+    view = memoryview(payload)
+    for index, start in enumerate(range(0, len(view), chunk_bytes)):
+        # protobuf takes bytes only, so each chunk costs one copy of its slice.
+        yield pb.Chunk(index=index, data=bytes(view[start : start + chunk_bytes]))
+
+
+class Reassembler:
+    """Collects the chunks of one payload, in order, into a buffer sized from the header."""
+
+    def __init__(self, header: pb.PayloadHeader, max_payload_bytes: int | None = None):
+        try:
+            codec = get_codec(header.codec)
+            expected = codec.encoded_size(header.numel, header.block_size)
+        except ValueError as error:
+            raise PayloadError(f"bad payload header: {error}") from error
+        if header.payload_bytes != expected:
+            raise PayloadError(
+                f"header says payload_bytes={header.payload_bytes}, but {codec.name} of "
+                f"numel={header.numel}, block_size={header.block_size} takes {expected}"
+            )
+        if max_payload_bytes is not None and header.payload_bytes > max_payload_bytes:
+            raise PayloadError(f"payload of {header.payload_bytes} bytes exceeds the limit of {max_payload_bytes}")
+        # Senders may cut the payload as they like, but bytes need at least one chunk and no bytes none.
+        if (header.chunk_count == 0) != (header.payload_bytes == 0):
+            raise PayloadError(f"chunk_count={header.chunk_count} cannot carry payload_bytes={header.payload_bytes}")
+        self.header = header
+        self._buffer = bytearray(header.payload_bytes)
+        self._received_bytes = 0
+        self._next_index = 0
+        self._crc32 = 0
+
+    def add(self, chunk: pb.Chunk) -> None:
+        index, count = chunk.index, self.header.chunk_count
+        if index >= count:
+            raise PayloadError(f"chunk {index} beyond chunk_count={count}")
+        if index < self._next_index:
+            raise PayloadError(f"duplicate chunk {index}")
+        if index > self._next_index:
+            raise PayloadError(f"chunk {index} arrived, expected {self._next_index} (missing chunk {self._next_index})")
+        end = self._received_bytes + len(chunk.data)
+        if end > self.header.payload_bytes:
+            raise PayloadError(f"chunk {index} brings the payload to {end} bytes, beyond payload_bytes={self.header.payload_bytes}")
+        self._buffer[self._received_bytes : end] = chunk.data
+        self._crc32 = zlib.crc32(chunk.data, self._crc32)
+        self._received_bytes = end
+        self._next_index += 1
+
+    def finish(self) -> bytes:
+        """The whole payload, once every chunk is in and the checksum matches."""
+        header = self.header
+        if self._next_index != header.chunk_count:
+            raise PayloadError(f"received {self._next_index} of {header.chunk_count} chunks")
+        if self._received_bytes != header.payload_bytes:
+            raise PayloadError(f"received {self._received_bytes} of {header.payload_bytes} bytes")
+        if self._crc32 != header.crc32:
+            raise PayloadError(f"crc32 mismatch: header says {header.crc32:#010x}, payload has {self._crc32:#010x}")
+        return bytes(self._buffer)
+
+
+def decode_payload(header: pb.PayloadHeader, payload: bytes) -> torch.Tensor:
+    """The fp32 values of a payload that `header` describes."""
+    try:
+        return get_codec(header.codec).decode(payload, header.numel, header.block_size)
+    except ValueError as error:
+        raise PayloadError(str(error)) from error

@@ -1,0 +1,111 @@
+"""gRPC plumbing both services share: channel and server options, the standard
+health and reflection services, and graceful shutdown on SIGTERM.
+
+Conventions (DESIGN.md §4): message limits and keepalive are set on both ends,
+every call carries a deadline, and nothing is gzipped (payloads are already
+quantised; compressing them again costs CPU and saves nothing).
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+from typing import Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.config import RpcConfig
+
+log = logging.getLogger(__name__)
+
+
+def _common_options(cfg: RpcConfig) -> list[tuple[str, int]]:
+    keepalive_ms = int(cfg.keepalive_seconds * 1000)
+    return [
+        ("grpc.max_send_message_length", cfg.max_message_bytes),
+        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", max(1000, keepalive_ms // 3)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def channel_options(cfg: RpcConfig) -> list[tuple[str, int]]:
+    return _common_options(cfg) + [
+        # Reconnect quickly after a shard restart instead of backing off for minutes.
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+        ("grpc.enable_retries", 0),  # the learner's sync client owns retry policy
+    ]
+
+
+def server_options(cfg: RpcConfig) -> list[tuple[str, int]]:
+    keepalive_ms = int(cfg.keepalive_seconds * 1000)
+    return _common_options(cfg) + [
+        # Accept client pings as often as clients are configured to send them.
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", keepalive_ms // 2),
+        ("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms // 2),
+    ]
+
+
+def open_channel(address: str, cfg: RpcConfig) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=channel_options(cfg),
+                                 compression=grpc.Compression.NoCompression)
+
+
+class Server:
+    """A grpc.Server with health and reflection, stopped gracefully on SIGTERM.
+
+    Graceful stop: health flips to NOT_SERVING (load balancers and probes stop
+    sending new work), in-flight calls get `drain_seconds` to finish, then the
+    server stops.
+    """
+
+    def __init__(self, cfg: RpcConfig, service_names: Iterable[str], max_workers: int = 32):
+        self.grpc_server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+            options=server_options(cfg),
+            compression=grpc.Compression.NoCompression,
+        )
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
+        self._service_names = list(service_names)
+        reflection.enable_server_reflection(
+            self._service_names + [health.SERVICE_NAME, reflection.SERVICE_NAME], self.grpc_server)
+        self._stopped = threading.Event()
+        self.port = 0
+
+    def start(self, listen: str) -> int:
+        """Binds `listen` (host:port, port 0 picks a free one) and starts serving."""
+        self.port = self.grpc_server.add_insecure_port(listen)
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC server to {listen}")
+        self.grpc_server.start()
+        for name in self._service_names + [""]:
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    def stop(self, drain_seconds: float) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.health.enter_graceful_shutdown()  # every service -> NOT_SERVING
+        self.grpc_server.stop(grace=drain_seconds).wait()
+
+    def serve_until_signal(self, drain_seconds: float) -> None:
+        """Blocks until SIGTERM or SIGINT, then stops gracefully and returns."""
+        received = threading.Event()
+
+        def handle(signum, _frame):
+            log.info("%s: draining for up to %.1fs", signal.Signals(signum).name, drain_seconds)
+            received.set()
+
+        signal.signal(signal.SIGTERM, handle)
+        signal.signal(signal.SIGINT, handle)
+        while not received.wait(timeout=1.0):  # a timed wait keeps signals deliverable
+            pass
+        self.stop(drain_seconds)

@@ -1,0 +1,312 @@
+"""Codecs: error bounds per codec, exact sizes, the non-finite policy, error feedback."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from services import codecs
+from services.codecs import CODEC_NAMES, DEFAULT_BLOCK_SIZE, ErrorFeedback, get_codec
+from services.wire import pb
+
+QUANTISED = ("int8", "int4", "fp4_e3m0")
+FLT_MAX = torch.finfo(torch.float32).max
+TINY = 2.0**-140  # absolute slack for subnormal scales and products
+BF16_TINY = 2.0**-134  # half the smallest bf16 subnormal
+ROUNDING = 2.0**-20  # relative slack for fp32 rounding in scale, division and product
+
+
+def block_absmax(values: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Each value's block absmax, computed independently of the codecs."""
+    blocks = [values[i : i + block_size].abs().max() for i in range(0, len(values), block_size)]
+    return torch.stack(blocks).repeat_interleave(block_size)[: len(values)] if blocks else values
+
+
+def error_bound(name: str, values: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The largest |x - decode(encode(x))| each codec allows, per value."""
+    magnitude = values.abs()
+    if name == "fp32":
+        return torch.zeros_like(values)
+    if name == "bf16":  # 8 significant bits, round to nearest
+        return magnitude * 2.0**-8 + BF16_TINY
+    absmax = block_absmax(values, block_size)
+    if name in ("int8", "int4"):  # half of the step absmax / top
+        top = {"int8": 127, "int4": 7}[name]
+        return absmax / (2 * top) * (1 + ROUNDING) + TINY
+    # fp4_e3m0 levels are 0 and absmax * 2^-6 .. 2^0. Between two powers of two the worst case
+    # is the midpoint 1.5 * 2^k, a third of the value away from either. Below 2^-6 the nearest
+    # level is 0 (under 2^-7) or 2^-6, at most absmax * 2^-7 away.
+    return torch.maximum(magnitude / 3, absmax * 2.0**-7) * (1 + ROUNDING) + TINY
+
+
+def round_trip(name: str, values: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+    codec = get_codec(name)
+    payload = codec.encode(values, block_size)
+    assert len(payload) == codec.encoded_size(len(values), block_size)
+    decoded = codec.decode(payload, len(values), block_size)
+    assert decoded.dtype == torch.float32 and decoded.shape == values.shape
+    return decoded
+
+
+def assert_within_bound(name: str, values: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+    decoded = round_trip(name, values, block_size)
+    assert torch.isfinite(decoded).all()
+    error = (values.double() - decoded.double()).abs()
+    excess = error - error_bound(name, values, block_size).double()
+    assert (excess <= 0).all(), f"{name}: error exceeds its bound by {excess.max().item():.3g}"
+    return decoded
+
+
+def outlier_among_tiny() -> torch.Tensor:
+    values = torch.full((300,), 1e-6)
+    values[7] = -1e3  # costs precision in block 0 only
+    return values
+
+
+def huge() -> torch.Tensor:
+    values = torch.randn(300, generator=torch.Generator().manual_seed(1)) * 1e37
+    values[[3, 150, 299]] = torch.tensor([3e38, -3e38, 2e38])
+    return values
+
+
+INPUTS = {
+    "normal": lambda: torch.randn(1001, generator=torch.Generator().manual_seed(0)),
+    "zeros": lambda: torch.zeros(300),
+    "huge": huge,
+    "outlier": outlier_among_tiny,
+    "subnormal": lambda: torch.tensor([1e-45, -3e-45, 0.0, 1e-40, -2e-39] * 30),
+    **{f"length{n}": (lambda n=n: torch.linspace(-2, 3, n)) for n in (0, 1, 127, 129)},
+}
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("make", INPUTS.values(), ids=INPUTS.keys())
+def test_round_trip_error_within_bound(name, make):
+    assert_within_bound(name, make())
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_zero_blocks_decode_to_exact_zeros(name):
+    values = torch.zeros(3 * DEFAULT_BLOCK_SIZE)
+    values[DEFAULT_BLOCK_SIZE + 5] = 1.0  # one live block between two all-zero ones
+    decoded = round_trip(name, values)
+    assert torch.equal(decoded[:DEFAULT_BLOCK_SIZE], torch.zeros(DEFAULT_BLOCK_SIZE))
+    assert torch.equal(decoded[2 * DEFAULT_BLOCK_SIZE :], torch.zeros(DEFAULT_BLOCK_SIZE))
+    assert decoded[DEFAULT_BLOCK_SIZE + 5] == pytest.approx(1.0, rel=1e-6)
+
+
+def test_fp32_is_exact_and_bf16_rounds_to_nearest():
+    values = torch.randn(1001, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(round_trip("fp32", values), values)
+    assert torch.equal(round_trip("bf16", values), values.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("name", QUANTISED)
+def test_largest_finite_values_do_not_overflow(name):
+    values = torch.tensor([FLT_MAX, -FLT_MAX, 1.0, FLT_MAX / 3])
+    decoded = assert_within_bound(name, values, block_size=4)
+    assert decoded[0] > 3e38 and decoded[1] < -3e38
+
+
+@pytest.mark.parametrize("name", QUANTISED)
+def test_outlier_costs_precision_in_its_own_block_only(name):
+    values = outlier_among_tiny()
+    error = (round_trip(name, values) - values).abs()
+    assert error[:DEFAULT_BLOCK_SIZE].max() > 1e-7  # 1e-6 is far below a step of a block scaled by 1e3
+    assert error[DEFAULT_BLOCK_SIZE:].max() < 1e-12  # later blocks keep their own scale
+
+
+def test_fp4_decodes_to_the_nearest_level():
+    values = torch.randn(2000, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 0, 2000)
+    block_size = 100
+    decoded = round_trip("fp4_e3m0", values, block_size)
+    absmax = block_absmax(values, block_size)[:, None]
+    magnitudes = torch.cat((torch.zeros(1), 2.0 ** torch.arange(-6.0, 1.0)))
+    levels = torch.cat((magnitudes, -magnitudes)) * absmax  # every level of each value's block
+    nearest = (values[:, None] - levels).abs().min(dim=1).values
+    assert ((values - decoded).abs() <= nearest * (1 + ROUNDING)).all()
+    assert torch.isin(decoded / absmax[:, 0], torch.cat((magnitudes, -magnitudes))).all()
+
+
+def test_fp4_flushes_only_below_half_the_smallest_level():
+    smallest = 2.0**-6
+    values = torch.tensor([1.0, smallest * 0.49, smallest * 0.51, smallest * 0.76, -smallest * 1.49, -smallest * 1.51])
+    expected = torch.tensor([1.0, 0.0, smallest, smallest, -smallest, -2 * smallest])
+    assert torch.equal(round_trip("fp4_e3m0", values), expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(CODEC_NAMES),
+    numel=st.integers(0, 700),
+    block_size=st.sampled_from([1, 2, 3, 7, 32, 128]),
+    exponent=st.integers(-38, 37),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_round_trip_error_within_bound_for_random_lengths_and_scales(name, numel, block_size, exponent, seed):
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(numel, generator=generator) * torch.rand(numel, generator=generator) * 10.0**exponent
+    assert_within_bound(name, values, block_size)
+
+
+def test_chunking_does_not_change_the_result(monkeypatch):
+    values = torch.randn(1001, generator=torch.Generator().manual_seed(4))
+    cases = [(get_codec(name), block_size) for name in QUANTISED for block_size in (1, 3, 7)]
+    whole = [codec.encode(values, block_size) for codec, block_size in cases]
+    decoded = [codec.decode(payload, 1001, block_size) for (codec, block_size), payload in zip(cases, whole)]
+    monkeypatch.setattr(codecs, "_CHUNK_VALUES", 10)  # many chunks of a few blocks each
+    for (codec, block_size), payload, expected in zip(cases, whole, decoded):
+        assert codec.encode(values, block_size) == payload
+        assert torch.equal(codec.decode(payload, 1001, block_size), expected)
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("block_size", [1, 7, 128])
+def test_encoded_size_is_exact(name, block_size):
+    codec = get_codec(name)
+    for numel in (0, 1, 2, 127, 128, 129, 1001):
+        assert len(codec.encode(torch.ones(numel), block_size)) == codec.encoded_size(numel, block_size)
+
+
+def test_bytes_per_parameter():
+    numel = 1 << 16
+    ideal = {"fp32": 4, "bf16": 2, "int8": 1, "int4": 0.5, "fp4_e3m0": 0.5}
+    for name in CODEC_NAMES:
+        size = get_codec(name).encoded_size(numel, DEFAULT_BLOCK_SIZE)
+        scales = 0 if name in ("fp32", "bf16") else 4 / DEFAULT_BLOCK_SIZE
+        assert size / numel == ideal[name] + scales
+    assert get_codec("int4").encoded_size(numel, DEFAULT_BLOCK_SIZE) / numel <= 0.55
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_encode_refuses_non_finite_values(name, bad):
+    values = torch.randn(300)
+    values[[5, 200]] = bad
+    with pytest.raises(ValueError, match=rf"^{name} refuses to encode 2 non-finite value\(s\) out of 300"):
+        get_codec(name).encode(values, DEFAULT_BLOCK_SIZE)
+
+
+def test_bf16_refuses_values_beyond_its_range():
+    with pytest.raises(ValueError, match="1 non-finite"):
+        get_codec("bf16").encode(torch.tensor([1.0, FLT_MAX]), DEFAULT_BLOCK_SIZE)
+
+
+def test_float_decode_passes_hostile_nan_through():
+    """Documented: fp32/bf16 decode does not check values; the receiver does."""
+    values = torch.tensor([math.nan, 1.5, math.inf])
+    fp32 = values.numpy().tobytes()
+    bf16 = values.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+    for name, payload in (("fp32", fp32), ("bf16", bf16)):
+        decoded = get_codec(name).decode(payload, 3, DEFAULT_BLOCK_SIZE)
+        assert decoded[0].isnan() and decoded[1] == 1.5 and decoded[2] == math.inf
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_decode_refuses_wrong_length(name):
+    codec = get_codec(name)
+    payload = codec.encode(torch.randn(1001), DEFAULT_BLOCK_SIZE)
+    expected = len(payload)
+    message = rf"^{name} payload of {expected - 1} bytes does not match numel=1001, block_size=128: expected {expected}$"
+    with pytest.raises(ValueError, match=message):
+        codec.decode(payload[:-1], 1001, DEFAULT_BLOCK_SIZE)
+    with pytest.raises(ValueError, match=f"^{name} payload of {expected} bytes does not match numel=1000"):
+        codec.decode(payload, 1000, DEFAULT_BLOCK_SIZE)
+
+
+def test_decode_reads_memoryview_and_returns_a_writable_copy():
+    payload = bytearray(get_codec("fp32").encode(torch.ones(4), DEFAULT_BLOCK_SIZE))
+    decoded = get_codec("fp32").decode(memoryview(payload), 4, DEFAULT_BLOCK_SIZE)
+    payload[:] = bytes(len(payload))
+    decoded += 1  # a new tensor: the buffer is untouched and did not change it
+    assert torch.equal(decoded, torch.full((4,), 2.0))
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_invalid_arguments(name):
+    codec = get_codec(name)
+    with pytest.raises(ValueError, match="block_size must be positive, got 0"):
+        codec.encode(torch.ones(3), 0)
+    with pytest.raises(ValueError, match="block_size must be positive"):
+        codec.decode(b"", 0, 0)
+    with pytest.raises(ValueError, match="numel must not be negative"):
+        codec.encoded_size(-1, 128)
+    with pytest.raises(ValueError, match="1-D float32"):
+        codec.encode(torch.ones(3, dtype=torch.float64), 128)
+    with pytest.raises(ValueError, match="1-D float32"):
+        codec.encode(torch.ones(2, 2), 128)
+
+
+def test_get_codec_by_name_and_wire_value():
+    wire = {"fp32": pb.CODEC_FP32, "bf16": pb.CODEC_BF16, "int8": pb.CODEC_INT8, "int4": pb.CODEC_INT4, "fp4_e3m0": pb.CODEC_FP4_E3M0}
+    assert set(CODEC_NAMES) == set(wire)
+    for name, value in wire.items():
+        assert get_codec(name) is get_codec(value)
+        assert (get_codec(name).name, get_codec(name).wire) == (name, value)
+    for unknown in ("int2", "INT4", pb.CODEC_UNSPECIFIED, 99):
+        with pytest.raises(ValueError, match=rf"unknown codec {unknown!r}; valid codecs: fp32 \(1\), bf16 \(2\), int8 \(3\)"):
+            get_codec(unknown)
+
+
+def test_codecs_are_immutable():
+    with pytest.raises(AttributeError):
+        get_codec("int4").name = "int8"
+
+
+# --- error feedback --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", QUANTISED + ("bf16",))
+def test_error_feedback_loses_nothing_but_the_residual(name):
+    generator = torch.Generator().manual_seed(5)
+    numel = 1001
+    feedback = ErrorFeedback(get_codec(name), numel, DEFAULT_BLOCK_SIZE)
+    sent = torch.zeros(numel, dtype=torch.float64)
+    inputs = torch.zeros(numel, dtype=torch.float64)
+    for _ in range(30):
+        values = torch.randn(numel, generator=generator) * 1e-2
+        total = values + feedback.residual
+        payload, decoded = feedback.compress(values)
+        assert torch.equal(decoded, get_codec(name).decode(payload, numel, DEFAULT_BLOCK_SIZE))
+        # The residual is one push's quantisation error: it does not grow with the pushes.
+        assert (feedback.residual.abs() <= error_bound(name, total, DEFAULT_BLOCK_SIZE)).all()
+        inputs += values.double()
+        sent += decoded.double()
+    assert torch.allclose(inputs - sent, feedback.residual.double(), rtol=0, atol=1e-6)
+
+
+def test_error_feedback_tracks_a_small_constant_signal_that_plain_int4_flushes():
+    numel, pushes, signal = DEFAULT_BLOCK_SIZE, 200, 0.01
+    values = torch.full((numel,), signal)
+    values[0] = 1.0  # the block's scale: signal / step = 0.07, rounds to code 0
+    int4 = get_codec("int4")
+    plain = int4.decode(int4.encode(values, DEFAULT_BLOCK_SIZE), numel, DEFAULT_BLOCK_SIZE)
+    assert torch.equal(plain[1:], torch.zeros(numel - 1))
+    feedback = ErrorFeedback(int4, numel, DEFAULT_BLOCK_SIZE)
+    sent = sum(feedback.compress(values)[1] for _ in range(pushes))
+    # Each value's total is off by at most its residual, half a step (1 / 14), over 200 pushes.
+    assert torch.allclose(sent[1:] / pushes, torch.full((numel - 1,), signal), rtol=0, atol=1 / 14 / pushes + 1e-6)
+
+
+def test_error_feedback_residual_survives_a_checkpoint():
+    int4 = get_codec("int4")
+    values = torch.randn(300, generator=torch.Generator().manual_seed(6))
+    original = ErrorFeedback(int4, 300, DEFAULT_BLOCK_SIZE)
+    original.compress(values)
+    restored = ErrorFeedback(int4, 300, DEFAULT_BLOCK_SIZE)
+    restored.residual = original.residual.clone()
+    assert original.compress(values)[0] == restored.compress(values)[0]
+    with pytest.raises(ValueError, match=r"residual must be float32 of shape \(300,\)"):
+        restored.residual = torch.zeros(299)
+
+
+def test_error_feedback_keeps_its_residual_when_encoding_fails():
+    feedback = ErrorFeedback(get_codec("int8"), 300, DEFAULT_BLOCK_SIZE)
+    feedback.compress(torch.randn(300))
+    before = feedback.residual.clone()
+    values = torch.randn(300)
+    values[10] = math.nan
+    with pytest.raises(ValueError, match="1 non-finite"):
+        feedback.compress(values)
+    assert torch.equal(feedback.residual, before)

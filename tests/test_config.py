@@ -1,0 +1,123 @@
+"""Config loading: the example is valid, and each kind of bad input is refused
+with a message that names the key."""
+import pathlib
+
+import pytest
+import yaml
+
+from services.config import Config, ConfigError, GPTConfig, dump_config, load_config, parse_config
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "local-4-regions.yaml"
+
+
+def example() -> dict:
+    return yaml.safe_load(EXAMPLE.read_text())
+
+
+def test_example_config_is_valid_and_describes_four_regions():
+    cfg = load_config(EXAMPLE)
+    assert len(cfg.shards) == 2
+    assert {l.region for l in cfg.learners} == {"us-east", "us-west", "us-central", "us-south"}
+    assert isinstance(cfg.model, GPTConfig)
+    assert cfg.trainer.inner_optimizer.lr == pytest.approx(1e-3)
+
+
+def test_every_config_in_examples_is_valid():
+    paths = sorted((ROOT / "examples").glob("*.yaml"))
+    assert paths
+    for path in paths:
+        load_config(path)
+
+
+def test_dump_round_trips():
+    cfg = load_config(EXAMPLE)
+    assert parse_config(yaml.safe_load(dump_config(cfg))) == cfg
+
+
+def test_scientific_notation_is_a_float(tmp_path):
+    data = example()
+    text = yaml.safe_dump(data).replace("lr: 0.001", "lr: 1e-4")
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    assert load_config(path).trainer.inner_optimizer.lr == pytest.approx(1e-4)
+
+
+def mutate(path: str, value):
+    data = example()
+    node = data
+    keys = path.split(".")
+    for key in keys[:-1]:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    node[keys[-1]] = value
+    return data
+
+
+@pytest.mark.parametrize("path, value, expected", [
+    ("sync.fragmnets", 4, "sync.fragmnets: unknown key"),
+    ("sync.fragments", "four", "sync.fragments: Input should be a valid integer"),
+    ("sync.fragments", "4", "sync.fragments: Input should be a valid integer"),
+    ("sync.fragments", 0, "sync.fragments: Input should be greater than 0"),
+    ("sync.overlap_steps", 50, "sync.overlap_steps: tau=50 must be smaller than sync.interval_steps (H=50)"),
+    ("sync.codec", "int3", "sync.codec: unknown codec 'int3'"),
+    ("sync.mix_alpha", 1.5, "sync.mix_alpha: Input should be less than or equal to 1"),
+    ("sync.fragmentation", "random", "sync.fragmentation: Input should be 'balanced' or 'strided'"),
+    ("syncer.quorum", 5, "syncer.quorum: K=5 exceeds the number of learners (M=4)"),
+    ("syncer.merge", "median", "syncer.merge: Input should be 'rda' or 'mean'"),
+    ("syncer.grace.gamma", 1.0, "syncer.grace.gamma: Input should be less than 1"),
+    ("syncer.lease_seconds", 0.5, "syncer.lease_seconds: 0.5 must be at least twice trainer.heartbeat_seconds"),
+    ("shards.0.address", "localhost", "shards[0].address: String should match pattern"),
+    ("shards.1.address", "127.0.0.1:50061", "shards[1].address: duplicate value"),
+    ("learners.1.id", "us-east-0", "learners[1].id: duplicate value"),
+    ("learners.0.id", "Bad Id!", "learners[0].id: String should match pattern"),
+    ("model.n_head", 3, "model.n_embd: 128 is not divisible by model.n_head (3)"),
+    ("model", "not a factory", "model: String should match pattern"),
+    ("trainer.batch_size", 2.5, "trainer.batch_size: Input should be a valid integer"),
+    ("learners", [], "learners: List should have at least 1 item"),
+])
+def test_bad_values_are_refused_naming_the_key(path, value, expected):
+    with pytest.raises(ConfigError) as info:
+        parse_config(mutate(path, value))
+    assert expected in str(info.value)
+
+
+def test_more_shards_than_fragments_is_refused():
+    data = mutate("sync.fragments", 1)
+    with pytest.raises(ConfigError, match=r"shards: 2 shards but only sync.fragments=1"):
+        parse_config(data)
+
+
+def test_missing_required_section_is_named():
+    data = example()
+    del data["shards"]
+    with pytest.raises(ConfigError, match=r"shards: Field required"):
+        parse_config(data)
+
+
+def test_user_factories_are_accepted():
+    data = mutate("model", "mypkg.models:tiny_transformer")
+    data["data"] = "mypkg.data:my_shards"
+    cfg = parse_config(data)
+    assert cfg.model == "mypkg.models:tiny_transformer" and cfg.data == "mypkg.data:my_shards"
+
+
+def test_unreadable_and_non_yaml_files_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("shards: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(bad)
+
+
+def test_lookup_of_unknown_learner_and_shard():
+    cfg = load_config(EXAMPLE)
+    assert cfg.learner("us-west-0").region == "us-west"
+    with pytest.raises(ConfigError, match="no learner with id 'eu-0'"):
+        cfg.learner("eu-0")
+    with pytest.raises(ConfigError, match="no shard with index 2"):
+        cfg.shard(2)
+    assert isinstance(cfg, Config)
