@@ -11,11 +11,13 @@ install: $(VENV)/.installed
 
 # torch is pinned to the CPU build this machine type carries (constraints.txt);
 # the package itself accepts a range.
-$(VENV)/.installed: pyproject.toml constraints.txt
+# helm is not packaged by Debian: scripts/install-helm.sh fetches a pinned binary.
+$(VENV)/.installed: pyproject.toml constraints.txt scripts/install-helm.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,plot]'
+	scripts/install-helm.sh $(VENV)/bin
 	touch $@
 
 test: install

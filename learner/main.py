@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", help="checkpoint and report folder "
                         "(default: <run.state_dir>/learner-<id>)")
     parser.add_argument("--catch-up-seconds", type=float, default=3.0,
-                        help="after training, pull until no fragment changed for this long")
+                        help="after training, pull until no fragment changed for this long "
+                             "(or until SIGTERM), so the learner ends with the run's final values")
     parser.add_argument("--no-sync", action="store_true",
                         help="train alone, never talking to the syncer (a baseline for benchmarks)")
 
@@ -129,8 +130,10 @@ def run(args: argparse.Namespace) -> int:
     restore_seconds = time.monotonic() - restore_started
 
     report = Report(state_dir / "report.json", learner.id, learner.region, extra.get("report"))
-    report.begin_incarnation(sync.incarnation if sync else 0, startup_seconds, restore_seconds,
-                             sync.stats.versions_behind_at_join if sync else 0)
+    report.begin_incarnation(sync.incarnation if sync else 0, trainer.step, startup_seconds,
+                             restore_seconds, sync.stats.versions_behind_at_join if sync else 0)
+    if island.leader:
+        save(trainer, sync, report, checkpoint_path)  # so this incarnation's record survives a kill
     try:
         train(cfg, args, trainer, sync, island, plan, params, report, stop, checkpoint_path)
     finally:
@@ -160,7 +163,7 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
             sync.before_step(step)
         stats = trainer.train_step()
         tokens = stats.tokens * island.world_size
-        report.step(tokens, stats.seconds)
+        report.step(stats.seconds)
         applied = sync.after_step(step, tokens, stats.seconds) if sync else []
         island.broadcast_applied(plan, applied, params)
         if island.leader and trainer.step % budget.eval_every == 0:
@@ -173,16 +176,18 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
     if sync:
         sync.flush()
         if finished:
-            sync.catch_up(args.catch_up_seconds, should_stop=stop.is_set)
-    if finished or trainer.step % budget.eval_every:
-        evaluate()  # after catch-up: the loss of the run's final global model
+            report.write("catching_up", trainer, sync, island.world_size)
+        # Hold the run's final global values: until it is quiet (or we are stopped).
+        sync.catch_up(args.catch_up_seconds, should_stop=stop.is_set)
+    evaluate()
     save(trainer, sync, report, checkpoint_path)
-    report.write(finished=finished, sync=sync)
+    report.write("done" if finished else "training", trainer, sync, island.world_size)
     log.info("learner %s %s at step %d", report.learner_id, "finished" if finished else "stopped",
              trainer.step)
 
 
 def save(trainer: Trainer, sync: StreamingSync | None, report: Report, path: pathlib.Path) -> None:
+    report.update(sync)
     extra = {"report": report.persistent()}
     if sync:
         extra["sync"] = sync.state_dict()
@@ -190,53 +195,57 @@ def save(trainer: Trainer, sync: StreamingSync | None, report: Report, path: pat
 
 
 class Report:
-    """What this learner did, across its incarnations: written as JSON for `diloco sim`."""
+    """What this learner did, across its incarnations, as JSON for `diloco sim` and people.
+
+    Each incarnation (process start) has a record; the records ride along in the
+    checkpoint, so a restarted learner's report still shows the lives before it."""
 
     def __init__(self, path: pathlib.Path, learner_id: str, region: str, restored: dict | None):
         self.path = path
         self.learner_id = learner_id
         self.region = region
-        self.started = time.time()
         saved = restored or {}
         self.evaluations: list[list[float]] = saved.get("evaluations", [])  # [unix time, step, tokens, loss]
         self.incarnations: list[dict] = saved.get("incarnations", [])
-        self.compute_seconds = 0.0
-        self.steps = 0
-        self.tokens = 0
+        self.current: dict = {}
 
     def persistent(self) -> dict:
         return {"evaluations": self.evaluations, "incarnations": self.incarnations}
 
-    def begin_incarnation(self, incarnation: int, startup: float, restore: float, behind: int) -> None:
-        self.incarnations.append({"incarnation": incarnation, "started": self.started,
-                                  "startup_seconds": startup, "restore_seconds": restore,
-                                  "versions_behind_at_join": behind})
+    def begin_incarnation(self, incarnation: int, restored_step: int, startup: float, restore: float,
+                          behind: int) -> None:
+        self.current = {"incarnation": incarnation, "started": time.time(), "restored_step": restored_step,
+                        "startup_seconds": startup, "restore_seconds": restore,
+                        "versions_behind_at_join": behind, "steps": 0, "compute_seconds": 0.0}
+        self.incarnations.append(self.current)
 
-    def step(self, tokens: int, seconds: float) -> None:
-        self.steps += 1
-        self.tokens += tokens
-        self.compute_seconds += seconds
+    def step(self, seconds: float) -> None:
+        self.current["steps"] += 1
+        self.current["compute_seconds"] += seconds
 
     def evaluation(self, step: int, tokens: int, loss: float) -> None:
         self.evaluations.append([time.time(), step, tokens, loss])
         log.info("learner %s step %d: validation loss %.4f", self.learner_id, step, loss)
 
-    def write(self, finished: bool, sync: StreamingSync | None) -> None:
-        body = {
-            "learner_id": self.learner_id, "region": self.region, "finished": finished,
-            "evaluations": self.evaluations, "incarnations": self.incarnations,
-            "this_incarnation": {"steps": self.steps, "tokens": self.tokens,
-                                 "compute_seconds": self.compute_seconds,
-                                 "wall_seconds": time.time() - self.started},
-        }
+    def update(self, sync: StreamingSync | None) -> None:
+        """Copies the sync counters of this incarnation into its record."""
         if sync:
             stats = sync.stats
-            body["sync"] = {
-                "syncs_started": stats.syncs_started, "syncs_applied": stats.syncs_applied,
-                "syncs_skipped": stats.syncs_skipped, "refused_stale": stats.refused_stale,
-                "blocked_seconds": stats.blocked_seconds, "bytes_up": stats.bytes_up,
-                "bytes_down": stats.bytes_down, "push_results": stats.push_results,
-            }
+            self.current.update(
+                blocked_seconds=stats.blocked_seconds, bytes_up=stats.bytes_up, bytes_down=stats.bytes_down,
+                transfer_seconds=stats.transfer_seconds, syncs_started=stats.syncs_started,
+                syncs_applied=stats.syncs_applied, syncs_skipped=stats.syncs_skipped,
+                refused_stale=stats.refused_stale)
+
+    def write(self, phase: str, trainer: Trainer, sync: StreamingSync | None, world_size: int) -> None:
+        """phase: "training", "catching_up" (budget spent) or "done"."""
+        self.update(sync)
+        if phase == "catching_up":
+            self.current["training_finished_at"] = time.time()
+        body = {"learner_id": self.learner_id, "region": self.region, "phase": phase,
+                "steps": trainer.step, "tokens": trainer.tokens * world_size,
+                "evaluations": self.evaluations, "incarnations": self.incarnations}
+        if sync:
             body["fragments"] = {str(fid): {"version": v, "state_hash": h}
                                  for fid, (v, h) in sync.fragment_hashes().items()}
         tmp = self.path.with_suffix(".tmp")

@@ -24,7 +24,7 @@ from typing import Callable, Mapping
 import grpc
 import torch
 
-from services.client import ShardClient, state_hash
+from services.client import ShardClient, WanLink, state_hash
 from services.codecs import ErrorFeedback, get_codec
 from services.config import Config
 from services.fragments import Fragment, FragmentPlan, gather, scatter
@@ -74,6 +74,7 @@ class SyncStats:
     blocked_seconds: float = 0.0
     bytes_up: int = 0
     bytes_down: int = 0
+    transfer_seconds: float = 0.0  # time pushes and pulls spent on the wire
     versions_behind_at_join: int = 0
     push_results: dict[str, int] = field(default_factory=dict)
 
@@ -100,7 +101,8 @@ class StreamingSync:
         self.manifest = [(name, tuple(p.shape)) for name, p in params.items()]
         self.plan = plan
         self.codec = get_codec(cfg.sync.codec)
-        self.links = [ShardLink(i, ShardClient(s.address, cfg.rpc, learner_id, self.incarnation))
+        wan = WanLink(cfg.rpc.wan_mbps) if cfg.rpc.wan_mbps else None
+        self.links = [ShardLink(i, ShardClient(s.address, cfg.rpc, learner_id, self.incarnation, wan))
                       for i, s in enumerate(cfg.shards)]
         self.fragments: dict[int, FragmentSync] = {}
         self.stats = SyncStats()
@@ -200,7 +202,9 @@ class StreamingSync:
         self.step = step
         for fragment in self.plan.due_at(step):
             state = self.fragments[fragment.id]
-            if state.in_flight is not None:  # only possible if tau >= H, which config refuses
+            # Nothing to push at the very first step, and never two syncs of one fragment in
+            # flight (only possible if tau >= H, which the config refuses).
+            if state.steps_since_sync == 0 or state.in_flight is not None:
                 continue
             self._start_sync(state, apply_at=step + self.cfg.sync.overlap_steps)
 
@@ -292,6 +296,7 @@ class StreamingSync:
         state.in_flight = None
         self.stats.bytes_up += outcome.bytes_up
         self.stats.bytes_down += outcome.bytes_down
+        self.stats.transfer_seconds += outcome.seconds
         name = pb.PushResult.Name(outcome.push_result)
         self.stats.push_results[name] = self.stats.push_results.get(name, 0) + 1
         if outcome.anchor is None:
@@ -340,28 +345,33 @@ class StreamingSync:
                                     exc.code().name, exc.details())
 
     def catch_up(self, quiet_seconds: float, should_stop: Callable[[], bool] = lambda: False) -> None:
-        """After training: keep pulling until no fragment has changed for `quiet_seconds`,
-        so this learner ends holding the run's final global values."""
+        """After training: keep pulling until no fragment changed for `quiet_seconds` or
+        until stopped, then pull once more, so this learner ends holding the run's final
+        global values."""
         quiet_since = time.monotonic()
-        while time.monotonic() - quiet_since < quiet_seconds and not should_stop():
-            changed = False
-            for state in self.fragments.values():
-                link = self.links[state.fragment.shard]
-                try:
-                    result = link.client.pull(state.fragment.id, state.version,
-                                              min_version=state.version + 1, max_wait_seconds=0.2)
-                except grpc.RpcError as exc:
-                    if exc.code() not in UNREACHABLE:
-                        raise
-                    continue
-                if result.items:
-                    state.anchor = result.apply(state.anchor)
-                    state.version = result.version
-                    self.stats.bytes_down += result.payload_bytes
-                    self._merge_into_model(state.fragment, state.anchor)
-                    changed = True
-            if changed:
+        while not should_stop() and time.monotonic() - quiet_since < quiet_seconds:
+            if self._pull_new_versions(wait_seconds=0.2):
                 quiet_since = time.monotonic()
+        self._pull_new_versions(wait_seconds=0.0)
+
+    def _pull_new_versions(self, wait_seconds: float) -> bool:
+        changed = False
+        for state in self.fragments.values():
+            link = self.links[state.fragment.shard]
+            try:
+                result = link.client.pull(state.fragment.id, state.version,
+                                          min_version=state.version + 1, max_wait_seconds=wait_seconds)
+            except grpc.RpcError as exc:
+                if exc.code() not in UNREACHABLE:
+                    raise
+                continue
+            if result.items:
+                state.anchor = result.apply(state.anchor)
+                state.version = result.version
+                self.stats.bytes_down += result.payload_bytes
+                self._merge_into_model(state.fragment, state.anchor)
+                changed = True
+        return changed
 
     def fragment_hashes(self) -> dict[int, tuple[int, str]]:
         """(version, sha256) of the global value this learner holds, per fragment."""

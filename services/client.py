@@ -9,6 +9,8 @@ decide on retries by status code.
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -32,6 +34,38 @@ def apply_update(value: torch.Tensor, update: torch.Tensor) -> None:
     """The one way a decoded update is applied, on shards and learners alike, so
     both hold the same bits after the same chain of updates."""
     value.add_(update)
+
+
+class TokenBucket:
+    """Paces bytes to a rate: `consume(n)` sleeps until n more bytes fit. One burst is
+    allowed to be a whole chunk, so a chunk is never split across sleeps."""
+
+    def __init__(self, bytes_per_second: float):
+        self.rate = bytes_per_second
+        self._available = 0.0
+        self._last = time.monotonic()
+        self._lock = threading.Lock()
+
+    def consume(self, count: int) -> None:
+        with self._lock:  # concurrent transfers share the link, one after the other
+            now = time.monotonic()
+            self._available = min(self._available + (now - self._last) * self.rate, float(count))
+            self._last = now
+            self._available -= count
+            wait = -self._available / self.rate if self._available < 0 else 0.0
+            if wait:
+                time.sleep(wait)
+                self._last = time.monotonic()
+                self._available = 0.0
+
+
+class WanLink:
+    """An emulated WAN link of one learner: a token bucket per direction, shared by its
+    clients of every shard."""
+
+    def __init__(self, mbps: float):
+        self.up = TokenBucket(mbps * 1e6 / 8)
+        self.down = TokenBucket(mbps * 1e6 / 8)
 
 
 @dataclass
@@ -66,8 +100,10 @@ class PullResult:
 
 
 class ShardClient:
-    def __init__(self, address: str, rpc: RpcConfig, learner_id: str = "", incarnation: int = 0):
+    def __init__(self, address: str, rpc: RpcConfig, learner_id: str = "", incarnation: int = 0,
+                 wan: WanLink | None = None):
         self.address = address
+        self.wan = wan
         self.rpc = rpc
         self.learner_id = learner_id
         self.incarnation = incarnation
@@ -127,6 +163,8 @@ class ShardClient:
         def requests() -> Iterator[pb.PushRequest]:
             yield pb.PushRequest(header=header)
             for chunk in iter_chunks(payload):
+                if self.wan:
+                    self.wan.up.consume(len(chunk.data))
                 yield pb.PushRequest(chunk=chunk)
 
         return self.stub.PushFragment(requests(), timeout=self._stream_deadline(len(payload)))
@@ -154,6 +192,8 @@ class ShardClient:
                 if assembler is None:
                     raise ValueError(f"fragment {fragment_id}: chunk before any item header")
                 assembler.add(response.chunk)
+                if self.wan:
+                    self.wan.down.consume(len(response.chunk.data))
             if assembler is not None and assembler.complete:
                 payload = assembler.finish()
                 wire_bytes += len(payload)
@@ -163,5 +203,5 @@ class ShardClient:
             raise ValueError(f"fragment {fragment_id}: stream ended inside v{header.version}")
         return PullResult(fragment_id, items, final_hash, wire_bytes)
 
-    def status(self) -> pb.StatusResponse:
-        return self.stub.Status(pb.StatusRequest(), timeout=self.rpc.deadline_seconds)
+    def status(self, timeout: float | None = None) -> pb.StatusResponse:
+        return self.stub.Status(pb.StatusRequest(), timeout=timeout or self.rpc.deadline_seconds)

@@ -27,10 +27,9 @@ Non-finite values: `encode` refuses any NaN or +-Inf, for every codec, with a Va
 counts them. A NaN outer gradient must never leave the learner, and one non-finite value would
 poison its block's scale. bf16 also refuses finite values beyond its range (|x| > 3.39e38),
 which would round to Inf. The quantised codecs accept every finite value, up to +-3.4e38,
-without overflowing a scale. `decode` checks only the payload's length: fp32 and bf16 bytes
-from a hostile or broken sender can decode to NaN or Inf, so a receiver that merges what it
-decodes must check the result itself (the quantised codecs can produce non-finite values only
-from a non-finite scale).
+without overflowing a scale. `decode` checks only the payload's length: bytes from a hostile or
+broken sender can decode to NaN or Inf (fp32 and bf16 directly, the quantised codecs through
+their scales), so a receiver that merges what it decodes must check the result itself.
 """
 
 from __future__ import annotations
@@ -85,7 +84,8 @@ class Codec(ABC):
     def encode(self, values: torch.Tensor, block_size: int) -> bytes:
         _check_block_size(block_size)
         if values.dtype != torch.float32 or values.dim() != 1:
-            raise ValueError(f"{self.name} encodes 1-D float32 tensors, got {values.dtype} of shape {tuple(values.shape)}")
+            shape = tuple(values.shape)
+            raise ValueError(f"{self.name} encodes 1-D float32 tensors, got {values.dtype} of shape {shape}")
         return self._encode(values.contiguous(), block_size)
 
     def decode(self, payload: bytes | memoryview, numel: int, block_size: int) -> torch.Tensor:
@@ -97,7 +97,7 @@ class Codec(ABC):
                 f"{self.name} payload of {size} bytes does not match numel={numel}, "
                 f"block_size={block_size}: expected {expected}"
             )
-        if numel == 0:  # frombuffer refuses empty buffers
+        if numel == 0:  # nothing to read (and torch cannot view an empty byte buffer as another dtype)
             return torch.empty(0)
         return self._decode(payload, numel, block_size)
 
@@ -127,7 +127,7 @@ class FloatCodec(Codec):
     dtype: torch.dtype
 
     def _encode(self, values: torch.Tensor, block_size: int) -> bytes:
-        encoded = values.to(self.dtype)  # counts bf16 overflow as non-finite too
+        encoded = values.to(self.dtype)  # bf16: values beyond its range become Inf, refused here too
         if not torch.isfinite(encoded).all():
             raise _non_finite_error(self.name, encoded)
         # numpy has no bfloat16: hand it the bits as int16.
@@ -154,7 +154,7 @@ def _block_scales(absmax: torch.Tensor, top: float) -> torch.Tensor:
     need no clamping, even when the scale is subnormal) and `top * scale` never overflows."""
     exact = absmax.double() / top
     scale = exact.float()
-    scale = torch.where(scale.double() < -exact, scale.nextafter(torch.tensor(math.inf)), scale)  # round up
+    scale = torch.where(scale.double() < exact, scale.nextafter(torch.tensor(math.inf)), scale)  # round up
     return scale.clamp_(max=_largest_scale(top))
 
 
@@ -185,12 +185,9 @@ class BlockCodec(Codec):
         return block_size * 2 * max(1, _CHUNK_VALUES // (2 * block_size))
 
     def _encode(self, values: torch.Tensor, block_size: int) -> bytes:
-        numel = values.numel()
-        blocks = -(-numel // block_size)
-        out = torch.empty(self._encoded_size(numel, block_size), dtype=torch.uint8)
-        scales, codes = out[: 4 * blocks].view(torch.float32), out[4 * blocks :]
+        scales, codes = [], []  # bytes per chunk; one join makes the payload, without a staging copy
         step = self._chunk_values(block_size)
-        for start in range(0, numel, step):
+        for start in range(0, values.numel(), step):
             x = values[start : start + step]
             count = len(x)
             if count % block_size:  # only the last block can be partial: pad it with zeros
@@ -200,11 +197,10 @@ class BlockCodec(Codec):
             if not torch.isfinite(absmax).all():
                 raise _non_finite_error(self.name, values)
             scale = _block_scales(absmax, self.top)
-            scales[start // block_size : start // block_size + len(scale)] = scale
             scaled = x / scale.masked_fill(scale == 0, 1.0)[:, None]  # an all-zero block stays zero
-            chunk_codes = self._to_codes(scaled.view(-1)[:count])
-            self._pack(chunk_codes, codes[self._code_bytes(start) : self._code_bytes(start + count)])
-        return out.numpy().tobytes()
+            scales.append(scale.numpy().tobytes())
+            codes.append(self._pack(self._to_codes(scaled.view(-1)[:count])).numpy().tobytes())
+        return b"".join(scales + codes)
 
     def _decode(self, payload: bytes | memoryview, numel: int, block_size: int) -> torch.Tensor:
         blocks = -(-numel // block_size)
@@ -213,21 +209,20 @@ class BlockCodec(Codec):
         step = self._chunk_values(block_size)
         for start in range(0, numel, step):
             count = min(step, numel - start)
-            offset = 4 * blocks + self._code_bytes(start)
-            chunk_codes = self._unpack(_read(payload, torch.uint8, offset, self._code_bytes(count)), count)
-            values, dest = self._from_codes(chunk_codes), out[start : start + count]
+            offset, size = 4 * blocks + self._code_bytes(start), self._code_bytes(count)
+            values = self._from_codes(self._unpack(_read(payload, torch.uint8, offset, size), count))
             scale = scales[start // block_size : start // block_size + -(-count // block_size)]
-            full = count // block_size * block_size  # whole blocks, then the partial one (if any)
-            torch.mul(values[:full].view(-1, block_size), scale[: full // block_size, None], out=dest[:full].view(-1, block_size))
-            torch.mul(values[full:], scale[full // block_size :], out=dest[full:])
+            whole = count // block_size * block_size  # whole blocks, then the partial one (if any)
+            dest = out[start : start + whole].view(-1, block_size)
+            torch.mul(values[:whole].view(-1, block_size), scale[: whole // block_size, None], out=dest)
+            torch.mul(values[whole:], scale[whole // block_size :], out=out[start + whole : start + count])
         return out
 
-    def _pack(self, chunk_codes: torch.Tensor, dest: torch.Tensor) -> None:
+    def _pack(self, chunk_codes: torch.Tensor) -> torch.Tensor:
         if self.bits == 8:
-            dest.copy_(chunk_codes)
-            return
+            return chunk_codes
         pairs = F.pad(chunk_codes, (0, len(chunk_codes) % 2)).view(-1, 2)
-        torch.bitwise_or(pairs[:, 0], pairs[:, 1] << 4, out=dest)
+        return pairs[:, 0] | (pairs[:, 1] << 4)
 
     def _unpack(self, packed: torch.Tensor, count: int) -> torch.Tensor:
         if self.bits == 8:
@@ -332,13 +327,16 @@ class ErrorFeedback:
     @residual.setter
     def residual(self, value: torch.Tensor) -> None:
         if value.dtype != torch.float32 or value.shape != (self.numel,):
-            raise ValueError(f"residual must be float32 of shape ({self.numel},), got {value.dtype} of shape {tuple(value.shape)}")
+            expected, got = f"float32 of shape ({self.numel},)", f"{value.dtype} of shape {tuple(value.shape)}"
+            raise ValueError(f"residual must be {expected}, got {got}")
         self._residual = value
 
     def compress(self, values: torch.Tensor) -> tuple[bytes, torch.Tensor]:
         """(payload, decoded): the payload to send and exactly what the receiver will decode.
 
-        If encoding fails (a non-finite value) the residual is left as it was.
+        The residual is replaced by a new tensor, never modified in place, so a caller may keep
+        the old one to roll back a push that was lost. If encoding fails (a non-finite value)
+        the residual is left as it was.
         """
         total = values + self._residual
         payload = self.codec.encode(total, self.block_size)

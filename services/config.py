@@ -80,6 +80,9 @@ class OuterOptimizerConfig(_Section):
 
 class SyncerConfig(_Section):
     quorum: PositiveInt = 1  # K: contributions that may close a round once grace has passed
+    # False: a round also closes once every live learner contributed. True: it waits for
+    # K contributions even while learners are down, as synchronous data parallel does.
+    wait_for_all: bool = False
     grace: GraceConfig = GraceConfig()
     merge: Literal["rda", "mean"] = "rda"  # radial-directional averaging or weighted mean
     max_staleness: NonNegativeInt = 4  # versions; older contributions are refused
@@ -135,6 +138,9 @@ class RpcConfig(_Section):
     deadline_seconds: PositiveFloat = 60.0  # every unary call; streams get this per MiB too
     max_message_bytes: Annotated[int, Field(ge=4 << 20)] = 16 << 20
     keepalive_seconds: PositiveFloat = 30.0
+    # Emulated WAN: caps each learner's sync traffic to this many Mbit/s in each direction
+    # (a token bucket in its client; services.client.WanLink). None: no cap.
+    wan_mbps: PositiveFloat | None = None
 
 
 class Config(_Section):

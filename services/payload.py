@@ -74,27 +74,38 @@ class Reassembler:
                 f"numel={header.numel}, block_size={header.block_size} takes {expected}"
             )
         if max_payload_bytes is not None and header.payload_bytes > max_payload_bytes:
-            raise PayloadError(f"payload of {header.payload_bytes} bytes exceeds the limit of {max_payload_bytes}")
+            raise PayloadError(
+                f"payload of {header.payload_bytes} bytes exceeds the limit of {max_payload_bytes}"
+            )
         # Senders may cut the payload as they like, but bytes need at least one chunk and no bytes none.
         if (header.chunk_count == 0) != (header.payload_bytes == 0):
-            raise PayloadError(f"chunk_count={header.chunk_count} cannot carry payload_bytes={header.payload_bytes}")
+            raise PayloadError(
+                f"chunk_count={header.chunk_count} cannot carry payload_bytes={header.payload_bytes}"
+            )
         self.header = header
         self._buffer = bytearray(header.payload_bytes)
         self._received_bytes = 0
         self._next_index = 0
         self._crc32 = 0
 
+    @property
+    def complete(self) -> bool:
+        """Whether all chunk_count chunks are in (at once for an empty payload); finish() then
+        still checks the byte count and the checksum."""
+        return self._next_index == self.header.chunk_count
+
     def add(self, chunk: pb.Chunk) -> None:
-        index, count = chunk.index, self.header.chunk_count
-        if index >= count:
-            raise PayloadError(f"chunk {index} beyond chunk_count={count}")
-        if index < self._next_index:
+        index, expected, header = chunk.index, self._next_index, self.header
+        if index >= header.chunk_count:
+            raise PayloadError(f"chunk {index} beyond chunk_count={header.chunk_count}")
+        if index < expected:
             raise PayloadError(f"duplicate chunk {index}")
-        if index > self._next_index:
-            raise PayloadError(f"chunk {index} arrived, expected {self._next_index} (missing chunk {self._next_index})")
+        if index > expected:
+            raise PayloadError(f"chunk {index} arrived, expected {expected} (missing chunk {expected})")
         end = self._received_bytes + len(chunk.data)
-        if end > self.header.payload_bytes:
-            raise PayloadError(f"chunk {index} brings the payload to {end} bytes, beyond payload_bytes={self.header.payload_bytes}")
+        if end > header.payload_bytes:
+            limit = header.payload_bytes
+            raise PayloadError(f"chunk {index} brings the payload to {end} bytes, beyond payload_bytes={limit}")
         self._buffer[self._received_bytes : end] = chunk.data
         self._crc32 = zlib.crc32(chunk.data, self._crc32)
         self._received_bytes = end
@@ -108,7 +119,9 @@ class Reassembler:
         if self._received_bytes != header.payload_bytes:
             raise PayloadError(f"received {self._received_bytes} of {header.payload_bytes} bytes")
         if self._crc32 != header.crc32:
-            raise PayloadError(f"crc32 mismatch: header says {header.crc32:#010x}, payload has {self._crc32:#010x}")
+            raise PayloadError(
+                f"crc32 mismatch: header says {header.crc32:#010x}, payload has {self._crc32:#010x}"
+            )
         return bytes(self._buffer)
 
 

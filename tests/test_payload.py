@@ -41,7 +41,11 @@ def test_round_trip_over_several_chunks():
     header, payload, chunks = int4_payload()
     assert (header.payload_bytes, header.chunk_count, len(chunks)) == (len(payload), 3, 3)
     assert [len(chunk.data) for chunk in chunks] == [1000, 1000, len(payload) - 2000]
-    assert reassemble(header, chunks) == payload
+    assembler = Reassembler(header)
+    for chunk in chunks:
+        assert not assembler.complete
+        assembler.add(chunk)
+    assert assembler.complete and assembler.finish() == payload
     assert torch.equal(decode_payload(header, payload), INT4.decode(payload, 5000, BLOCK_SIZE))
 
 
@@ -52,12 +56,14 @@ def test_encode_payload_describes_default_one_mebibyte_chunks():
     assert header.payload_bytes == len(payload) and header.crc32 == zlib.crc32(payload)
     chunks = list(iter_chunks(payload))
     assert header.chunk_count == len(chunks) == 3 and len(chunks[0].data) == CHUNK_BYTES
-    assert torch.equal(decode_payload(header, reassemble(header, chunks)), get_codec("int8").decode(payload, 2_500_000, BLOCK_SIZE))
+    expected = get_codec("int8").decode(payload, 2_500_000, BLOCK_SIZE)
+    assert torch.equal(decode_payload(header, reassemble(header, chunks)), expected)
 
 
 def test_empty_payload_has_no_chunks():
     header, payload = encode_payload(INT4, torch.zeros(0), BLOCK_SIZE)
     assert payload == b"" and list(iter_chunks(payload)) == [] and header.chunk_count == 0
+    assert Reassembler(header).complete
     assert decode_payload(header, reassemble(header, [])).numel() == 0
 
 
@@ -86,7 +92,8 @@ def test_checksum_detects_one_flipped_byte():
     corrupted = bytearray(payload)
     corrupted[1123] ^= 0x10
     chunks = list(iter_chunks(bytes(corrupted), 1000))
-    message = rf"^crc32 mismatch: header says {header.crc32:#010x}, payload has {zlib.crc32(corrupted):#010x}$"
+    actual = zlib.crc32(corrupted)
+    message = rf"^crc32 mismatch: header says {header.crc32:#010x}, payload has {actual:#010x}$"
     with pytest.raises(PayloadError, match=message):
         reassemble(header, chunks)
 
@@ -126,7 +133,9 @@ def test_missing_last_chunk_is_refused():
 def test_chunks_with_too_many_bytes_are_refused():
     header, payload, chunks = int4_payload()
     chunks[2] = pb.Chunk(index=2, data=chunks[2].data + b"\0")
-    with pytest.raises(PayloadError, match=rf"^chunk 2 brings the payload to {len(payload) + 1} bytes, beyond payload_bytes={len(payload)}$"):
+    size = len(payload)
+    message = rf"^chunk 2 brings the payload to {size + 1} bytes, beyond payload_bytes={size}$"
+    with pytest.raises(PayloadError, match=message):
         reassemble(header, chunks)
 
 
@@ -140,7 +149,8 @@ def test_chunks_with_too_few_bytes_are_refused():
 def test_header_whose_size_does_not_match_its_codec_is_refused():
     header, payload, _ = int4_payload()
     header.numel += 2  # one more byte of codes
-    message = rf"^header says payload_bytes={len(payload)}, but int4 of numel=5002, block_size=128 takes {len(payload) + 1}$"
+    message = rf"^header says payload_bytes={len(payload)}, but int4 of numel=5002, block_size=128 takes "
+    message += rf"{len(payload) + 1}$"
     with pytest.raises(PayloadError, match=message):
         Reassembler(header)
     header.numel, header.block_size = 5000, 64  # more blocks, more scales
@@ -151,7 +161,8 @@ def test_header_whose_size_does_not_match_its_codec_is_refused():
 def test_header_over_the_size_limit_is_refused():
     header, payload, chunks = int4_payload()
     assert reassemble(header, chunks, max_payload_bytes=len(payload)) == payload
-    with pytest.raises(PayloadError, match=rf"^payload of {len(payload)} bytes exceeds the limit of {len(payload) - 1}$"):
+    message = rf"^payload of {len(payload)} bytes exceeds the limit of {len(payload) - 1}$"
+    with pytest.raises(PayloadError, match=message):
         Reassembler(header, max_payload_bytes=len(payload) - 1)
 
 
@@ -159,7 +170,7 @@ def test_header_over_the_size_limit_is_refused():
 def test_header_with_unknown_codec_is_refused(codec):
     header, _, _ = int4_payload()
     header.codec = codec
-    with pytest.raises(PayloadError, match=rf"^bad payload header: unknown codec {codec}; valid codecs: fp32"):
+    with pytest.raises(PayloadError, match=rf"^bad payload header: unknown codec {codec}; valid codecs: "):
         Reassembler(header)
     with pytest.raises(PayloadError, match=f"unknown codec {codec}"):
         decode_payload(header, b"")
@@ -178,11 +189,13 @@ def test_header_whose_chunk_count_cannot_carry_its_bytes_is_refused(chunk_count,
     header.numel = numel
     header.payload_bytes = INT4.encoded_size(numel, BLOCK_SIZE)
     header.chunk_count = chunk_count
-    with pytest.raises(PayloadError, match=f"^chunk_count={chunk_count} cannot carry payload_bytes={header.payload_bytes}$"):
+    message = f"^chunk_count={chunk_count} cannot carry payload_bytes={header.payload_bytes}$"
+    with pytest.raises(PayloadError, match=message):
         Reassembler(header)
 
 
 def test_decode_payload_refuses_a_payload_of_the_wrong_size():
     header, payload, _ = int4_payload()
-    with pytest.raises(PayloadError, match=f"int4 payload of {len(payload) - 1} bytes does not match numel=5000"):
+    message = f"^int4 payload of {len(payload) - 1} bytes does not match numel=5000"
+    with pytest.raises(PayloadError, match=message):
         decode_payload(header, payload[:-1])

@@ -165,7 +165,7 @@ all refuse such values before anything reaches the cluster.
 {{- if and $v.cluster.syncerAddresses (ne (len $v.cluster.syncerAddresses) (int $v.cluster.shards)) -}}
 {{- fail (printf "cluster.syncerAddresses has %d entries but cluster.shards is %d: give one address per shard, in shard order" (len $v.cluster.syncerAddresses) (int $v.cluster.shards)) -}}
 {{- end -}}
-{{- if and $v.syncer.expose.externalDnsFromAddresses (not $v.cluster.syncerAddresses) -}}
+{{- if and $v.syncer.enabled $v.syncer.expose.enabled $v.syncer.expose.externalDnsFromAddresses (not $v.cluster.syncerAddresses) -}}
 {{- fail "syncer.expose.externalDnsFromAddresses needs cluster.syncerAddresses (the hostnames to publish)" -}}
 {{- end -}}
 {{- $names := dict -}}
@@ -182,6 +182,9 @@ all refuse such values before anything reaches the cluster.
 {{- end -}}
 {{- if $v.learners.enabled -}}
 {{- $_ := include "diloco.thisRegion" . -}}
+{{- if and (eq $v.learners.workload "Job") $v.learners.persistence.enabled -}}
+{{- fail "learners.persistence.enabled needs learners.workload=StatefulSet (a Job has no per-pod volume claims); a Job keeps checkpoints in an emptyDir that survives container restarts" -}}
+{{- end -}}
 {{- $gpus := int $v.learners.gpus -}}
 {{- $nproc := int $v.learners.torchrun.nprocPerNode -}}
 {{- if and (gt $gpus 0) (gt $nproc $gpus) -}}

@@ -1,0 +1,91 @@
+"""Codec throughput and size against torch.clone of the same tensor, with pass/fail targets.
+
+    python bench/codecs.py                      # 64M values, as the targets are stated
+    python bench/codecs.py --numel 4194304      # a quick run
+
+Throughput is GB of fp32 input per second (median of the repeats). "vs clone" is the combined
+encode+decode throughput, numel*4 / (t_encode + t_decode), over clone's throughput measured in
+the same run, so the machine's memory speed cancels out. Targets: int8 and int4 reach at least
+1/8 of clone; every codec stays within 10% of its ideal bytes per parameter. The speed target
+is meant for the default size: a small tensor fits in cache, where clone is many times faster.
+Exits 1 if a target is missed.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from services.codecs import CODEC_NAMES, DEFAULT_BLOCK_SIZE, get_codec  # noqa: E402
+
+IDEAL_BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5, "fp4_e3m0": 0.5}
+MIN_VS_CLONE = {"int8": 1 / 8, "int4": 1 / 8}
+MAX_SIZE_OVER_IDEAL = 1.1
+
+
+def median_seconds(jobs: dict, repeats: int) -> dict:
+    """Median wall time of each job. Jobs take turns within every repeat, so a burst of noise
+    from other tenants of the machine hits clone and the codecs alike instead of one of them."""
+    for job in jobs.values():
+        job()  # warm up: first calls pay for lazy initialisation
+    times = {key: [] for key in jobs}
+    for _ in range(repeats):
+        for key, job in jobs.items():
+            start = time.perf_counter()
+            job()
+            times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(seconds) for key, seconds in times.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--numel", type=int, default=1 << 26)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    args = parser.parse_args()
+
+    values = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))
+    payloads = {name: get_codec(name).encode(values, args.block_size) for name in CODEC_NAMES}
+    jobs = {"clone": values.clone}
+    for name, payload in payloads.items():
+        codec = get_codec(name)
+        jobs[name, "encode"] = lambda codec=codec: codec.encode(values, args.block_size)
+        jobs[name, "decode"] = lambda codec=codec, data=payload: codec.decode(data, args.numel, args.block_size)
+    seconds = median_seconds(jobs, args.repeats)
+
+    gigabytes = args.numel * 4 / 1e9
+    clone_gbps = gigabytes / seconds["clone"]
+    print(f"numel={args.numel:,} block_size={args.block_size} repeats={args.repeats} "
+          f"threads={torch.get_num_threads()}")
+    print(f"{'codec':<11} {'encode GB/s':>11} {'decode GB/s':>11} {'vs clone':>9} {'bytes/param':>11}  "
+          f"{'target':<31} result")
+    print(f"{'torch.clone':<11} {clone_gbps:>11.2f} {'':>11} {1:>9.3f} {4:>11.3f}")
+    failed = False
+    for name, payload in payloads.items():
+        encode_s, decode_s = seconds[name, "encode"], seconds[name, "decode"]
+        vs_clone = gigabytes / (encode_s + decode_s) / clone_gbps
+        bytes_per_param = len(payload) / args.numel
+
+        max_bytes = MAX_SIZE_OVER_IDEAL * IDEAL_BYTES_PER_PARAM[name]
+        passed = bytes_per_param <= max_bytes
+        target = f"<= {max_bytes:.2f} B/param"
+        if name in MIN_VS_CLONE:
+            passed = passed and vs_clone >= MIN_VS_CLONE[name]
+            target += f", >= {MIN_VS_CLONE[name]:.3f} clone"
+        failed = failed or not passed
+        print(
+            f"{name:<11} {gigabytes / encode_s:>11.2f} {gigabytes / decode_s:>11.2f} {vs_clone:>9.3f} "
+            f"{bytes_per_param:>11.3f}  {target:<31} {'PASS' if passed else 'FAIL'}"
+        )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Real local processes of a cluster: start, health-check, kill, restart, stop.
+
+`diloco sim`, the integration tests and the benchmarks share this, so each starts
+shards and learners exactly as a user would: `python -m services.cli syncer ...`
+and `python -m services.cli learner ...` in their own processes.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.config import Config, dump_config
+
+SYNCER_SERVICE = "diloco.v1.Syncer"
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports the kernel reports free on 127.0.0.1 (all held open together, so distinct)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def wait_serving(address: str, timeout: float) -> None:
+    """Blocks until the gRPC health service at `address` says the syncer is SERVING."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=SYNCER_SERVICE), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} not SERVING after {timeout:.0f}s")
+            time.sleep(0.1)
+
+
+@dataclass
+class Proc:
+    """One service process and the history of its lives."""
+    name: str
+    argv: list[str]
+    log_path: pathlib.Path
+    env: dict[str, str] = field(default_factory=dict)
+    popen: subprocess.Popen | None = None
+    starts: int = 0
+    kills: int = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        log = open(self.log_path, "ab")
+        log.write(f"\n=== start {self.starts} at {time.time():.3f}: {' '.join(self.argv)}\n".encode())
+        log.flush()
+        self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                      env={**os.environ, **self.env}, start_new_session=True)
+        log.close()
+
+    @property
+    def running(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.popen is None else self.popen.poll()
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye, no flush — what a machine failure looks like."""
+        if self.running:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+            self.kills += 1
+
+    def terminate(self, timeout: float) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within `timeout`."""
+        if not self.running:
+            return
+        os.killpg(self.popen.pid, signal.SIGTERM)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+
+
+class LocalCluster:
+    """Shards and learners of one config as local processes."""
+
+    def __init__(self, cfg: Config, run_dir: pathlib.Path, learner_env: dict[str, str] | None = None):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "logs").mkdir(exist_ok=True)
+        self.config_path = run_dir / "cluster.yaml"
+        self.config_path.write_text(dump_config(cfg))
+        cli = [sys.executable, "-m", "services.cli"]
+        self.shards = [
+            Proc(f"shard-{i}", cli + ["syncer", "--config", str(self.config_path), "--shard-index", str(i)],
+                 run_dir / "logs" / f"shard-{i}.log")
+            for i in range(len(cfg.shards))]
+        self.learners = [
+            Proc(l.id, cli + ["learner", "--config", str(self.config_path), "--learner-id", l.id,
+                              "--region", l.region],
+                 run_dir / "logs" / f"{l.id}.log", env=dict(learner_env or {}))
+            for l in cfg.learners]
+
+    def start_shards(self, timeout: float = 60) -> None:
+        for proc in self.shards:
+            proc.start()
+        for shard in self.cfg.shards:
+            wait_serving(shard.address, timeout)
+
+    def restart_shard(self, index: int, timeout: float = 60) -> None:
+        self.shards[index].start()
+        wait_serving(self.cfg.shards[index].address, timeout)
+
+    def start_learners(self) -> None:
+        for proc in self.learners:
+            proc.start()
+
+    def learner_report_path(self, learner_id: str) -> pathlib.Path:
+        return pathlib.Path(self.cfg.run.state_dir) / f"learner-{learner_id}" / "report.json"
+
+    def stop_learners(self, timeout: float = 60) -> None:
+        """SIGTERM to every learner at once; they checkpoint, pull, report and leave."""
+        for proc in self.learners:
+            if proc.running:
+                os.killpg(proc.popen.pid, signal.SIGTERM)
+        for proc in self.learners:
+            proc.terminate(timeout)
+
+    def stop(self, timeout: float = 30) -> None:
+        """Learners first (they leave cleanly), then shards (they flush state)."""
+        self.stop_learners(timeout)
+        for proc in self.shards:
+            proc.terminate(timeout)

@@ -1,0 +1,441 @@
+"""`diloco sim`: a whole multi-region cluster as real local processes.
+
+S syncer shards and M learners spread over named regions run on loopback, each
+its own process started exactly as a user would start it. The run ends when
+every learner has spent its budget (`--steps`) or after `--duration`; then every
+process is stopped and a JSON report, a summary table and a plot are written.
+
+`--mode dp` runs the data-parallel baseline in the same harness: the same
+learners, model and data, but every step is synced (H=1, one fragment, fp32)
+and waits for every learner (K=M): each learner's steps are then averaged,
+so when one learner is down the others wait for it.
+
+Chaos (`--chaos-mtbf`, `--chaos-shards`) SIGKILLs processes at exponentially
+distributed intervals and restarts each after `--restart-delay`. WAN emulation
+(`--wan-mbps`) is a token bucket in each learner's sync client, in both
+directions (see services.client.TokenBucket): no root, no namespaces needed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.client import ShardClient
+from services.cluster import LocalCluster, free_ports
+from services.config import Config, ConfigError, load_config, parse_config
+
+log = logging.getLogger(__name__)
+
+DEFAULT_REGIONS = "us-east,us-west,us-central,us-south"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default="examples/local-4-regions.yaml",
+                        help="base cluster YAML (model, data, sync, syncer, trainer settings)")
+    parser.add_argument("--learners", type=int, help="M learners (default: as in the config)")
+    parser.add_argument("--shards", type=int, help="S syncer shards (default: as in the config)")
+    parser.add_argument("--regions", default=None,
+                        help=f"comma-separated region names the learners are spread over "
+                             f"(default: the config's, else {DEFAULT_REGIONS})")
+    parser.add_argument("--mode", choices=["diloco", "dp"], default="diloco")
+    parser.add_argument("--steps", type=int, help="inner steps per learner (default: trainer.max_steps)")
+    parser.add_argument("--duration", type=float, help="stop after this many seconds even if not done")
+    parser.add_argument("--chaos-mtbf", type=float, help="mean seconds between SIGKILLs of each learner")
+    parser.add_argument("--chaos-shards", type=float, help="mean seconds between SIGKILLs of each shard")
+    parser.add_argument("--restart-delay", type=float, default=5.0, help="seconds a killed process stays down")
+    parser.add_argument("--wan-mbps", type=float, help="cap each learner's link to the syncer (Mbit/s, each way)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the run and of the chaos schedule")
+    parser.add_argument("--run-dir", default=".diloco/sim", help="state, logs and generated config")
+    parser.add_argument("--report", help="write the JSON report here (default: <run-dir>/report.json)")
+    parser.add_argument("--plot", help="write a PNG of loss and goodput over time here")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def build_config(base: Config, args: argparse.Namespace, run_dir: pathlib.Path) -> Config:
+    """The run's config: the base config with the command line's topology and mode."""
+    data = base.model_dump(mode="json")
+    regions = (args.regions.split(",") if args.regions
+               else sorted({l.region for l in base.learners}) or DEFAULT_REGIONS.split(","))
+    num_learners = args.learners or len(base.learners)
+    num_shards = args.shards or len(base.shards)
+    ports = free_ports(2 * num_shards + num_learners)
+    data["shards"] = [{"address": f"127.0.0.1:{ports[i]}", "metrics_port": ports[num_shards + i]}
+                      for i in range(num_shards)]
+    data["learners"] = [{"id": f"{regions[i % len(regions)]}-{i // len(regions)}",
+                         "region": regions[i % len(regions)], "metrics_port": ports[2 * num_shards + i]}
+                        for i in range(num_learners)]
+    data["run"].update(seed=args.seed, state_dir=str((run_dir / "state").resolve()))
+    if args.steps:
+        data["trainer"]["max_steps"] = args.steps
+    if args.wan_mbps:
+        data["rpc"]["wan_mbps"] = args.wan_mbps
+    if args.mode == "dp":
+        # Every step synced by every learner, uncompressed, the global model the
+        # plain mean of the learners' models (outer SGD with lr 1, no momentum).
+        data["sync"].update(fragments=1, interval_steps=1, overlap_steps=0, mix_alpha=0.0, codec="fp32")
+        data["syncer"].update(quorum=num_learners, wait_for_all=True, merge="mean", max_staleness=0,
+                              outer_optimizer={"lr": 1.0, "momentum": 0.0, "nesterov": False})
+        data["syncer"]["grace"].update(mode="fixed", seconds=0.0)
+        data["shards"] = data["shards"][:1]
+    else:
+        data["syncer"]["quorum"] = min(data["syncer"]["quorum"], num_learners)
+    return parse_config(data, source="sim config")
+
+
+@dataclass
+class Downtime:
+    """A process killed by chaos and when it comes back."""
+    proc_index: int
+    killed_at: float
+    restart_at: float
+    last_step: int = 0
+
+
+@dataclass
+class Observer:
+    """Polls the shards' Status: learners' steps for progress and goodput over time,
+    counters accumulated across shard restarts (a restarted shard counts from zero)."""
+    cfg: Config
+    clients: list[ShardClient] = field(init=False)
+    steps: dict[str, int] = field(default_factory=dict)
+    counters_before_restart: dict[str, float] = field(default_factory=dict)
+    last_counters: list[dict[str, float]] = field(init=False)
+    last_status: list = field(init=False)
+
+    def __post_init__(self):
+        self.clients = [ShardClient(s.address, self.cfg.rpc) for s in self.cfg.shards]
+        self.last_counters = [{} for _ in self.clients]
+        self.last_status = [None for _ in self.clients]
+
+    def poll(self) -> None:
+        for i, client in enumerate(self.clients):
+            try:
+                status = client.status(timeout=2)
+            except grpc.RpcError:
+                continue
+            self.last_status[i] = status
+            self.last_counters[i] = dict(status.counters)
+            for learner in status.learners:
+                self.steps[learner.learner_id] = max(self.steps.get(learner.learner_id, 0), learner.last_step)
+
+    def shard_restarting(self, index: int) -> None:
+        for name, value in self.last_counters[index].items():
+            self.counters_before_restart[name] = self.counters_before_restart.get(name, 0) + value
+        self.last_counters[index] = {}
+
+    def counters(self) -> dict[str, float]:
+        total = dict(self.counters_before_restart)
+        for counters in self.last_counters:
+            for name, value in counters.items():
+                total[name] = total.get(name, 0) + value
+        return total
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+
+class Chaos:
+    """Kills processes at exponentially distributed intervals (mean `mtbf` per process)
+    and restarts each `restart_delay` seconds later. Every event is logged."""
+
+    def __init__(self, kind: str, count: int, mtbf: float | None, restart_delay: float,
+                 rng: random.Random, now: float):
+        self.kind, self.mtbf, self.restart_delay, self.rng = kind, mtbf, restart_delay, rng
+        self.next_kill = [self._draw(now) for _ in range(count)]
+        self.down: dict[int, Downtime] = {}
+        self.events: list[dict] = []
+        self.down_seconds = [0.0] * count
+
+    def _draw(self, now: float) -> float:
+        return now + self.rng.expovariate(1.0 / self.mtbf) if self.mtbf else float("inf")
+
+    def due_kills(self, now: float) -> list[int]:
+        return [i for i, at in enumerate(self.next_kill) if at <= now and i not in self.down]
+
+    def killed(self, index: int, now: float, last_step: int = 0) -> None:
+        self.down[index] = Downtime(index, now, now + self.restart_delay, last_step)
+        self.events.append({"event": "kill", "kind": self.kind, "index": index, "time": now,
+                            "step": last_step})
+
+    def due_restarts(self, now: float) -> list[Downtime]:
+        return [d for d in self.down.values() if d.restart_at <= now]
+
+    def restarted(self, downtime: Downtime, now: float) -> None:
+        del self.down[downtime.proc_index]
+        self.down_seconds[downtime.proc_index] += now - downtime.killed_at
+        self.next_kill[downtime.proc_index] = self._draw(now)
+        self.events.append({"event": "restart", "kind": self.kind, "index": downtime.proc_index,
+                            "time": now})
+
+    def retire(self, index: int) -> None:
+        """A finished process is not killed any more."""
+        self.next_kill[index] = float("inf")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        base = load_config(args.config)
+        run_dir = pathlib.Path(args.run_dir)
+        shutil.rmtree(run_dir, ignore_errors=True)  # a run starts from nothing
+        cfg = build_config(base, args, run_dir)
+    except ConfigError as error:
+        print(f"invalid: {error}", file=sys.stderr)
+        return 2
+    cluster = LocalCluster(cfg, run_dir)
+    try:
+        report = simulate(cfg, cluster, args)
+    finally:
+        cluster.stop()
+    report_path = pathlib.Path(args.report or run_dir / "report.json")
+    report_path.write_text(json.dumps(report, indent=2))
+    print_summary(report, report_path)
+    if args.plot:
+        plot(report, pathlib.Path(args.plot))
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> dict:
+    rng = random.Random(args.seed)
+    cluster.start_shards()
+    started = time.time()
+    cluster.start_learners()
+    observer = Observer(cfg)
+    learner_chaos = Chaos("learner", len(cluster.learners), args.chaos_mtbf, args.restart_delay, rng, started)
+    shard_chaos = Chaos("shard", len(cluster.shards), args.chaos_shards, args.restart_delay, rng, started)
+    finished_at: dict[str, float] = {}
+    lost_steps = 0
+    timeline: list[dict] = []  # goodput over time
+    total_steps = cfg.trainer.max_steps * len(cfg.learners)
+    progress = None if args.quiet else _progress_bar(total_steps)
+    try:
+        while len(finished_at) < len(cluster.learners):
+            now = time.time()
+            if args.duration and now - started > args.duration:
+                log.info("--duration %.0fs reached", args.duration)
+                break
+            observer.poll()
+            for i, proc in enumerate(cluster.learners):
+                if proc.name in finished_at or i in learner_chaos.down:
+                    continue
+                phase = _read_json(cluster.learner_report_path(proc.name)).get("phase")
+                if phase in ("catching_up", "done"):  # budget spent: now only following the run
+                    finished_at[proc.name] = now
+                    learner_chaos.retire(i)
+                elif proc.returncode is not None:  # crashed by itself: restart like chaos would
+                    log.warning("learner %s exited with %s; restarting", proc.name, proc.returncode)
+                    learner_chaos.killed(i, now, observer.steps.get(proc.name, 0))
+            for i in learner_chaos.due_kills(now):
+                proc = cluster.learners[i]
+                proc.kill()
+                learner_chaos.killed(i, now, observer.steps.get(proc.name, 0))
+                log.info("chaos: killed learner %s at step %d", proc.name, observer.steps.get(proc.name, 0))
+            for downtime in learner_chaos.due_restarts(now):
+                proc = cluster.learners[downtime.proc_index]
+                proc.start()
+                learner_chaos.restarted(downtime, time.time())
+            for i in shard_chaos.due_kills(now):
+                observer.poll()
+                observer.shard_restarting(i)
+                cluster.shards[i].kill()
+                shard_chaos.killed(i, now)
+                log.info("chaos: killed shard %d", i)
+            for downtime in shard_chaos.due_restarts(now):
+                cluster.restart_shard(downtime.proc_index)
+                shard_chaos.restarted(downtime, time.time())
+            done = sum(observer.steps.values())
+            timeline.append({"time": now - started, "steps": done})
+            if progress:
+                progress.n = min(done, total_steps)
+                progress.set_postfix_str(f"killed {len(learner_chaos.events) // 2} "
+                                         f"down {len(learner_chaos.down)}", refresh=False)
+                progress.refresh()
+            time.sleep(0.5)
+    finally:
+        if progress:
+            progress.close()
+    wall = time.time() - started
+    # Rounds still in their grace window close, then every learner pulls the final values
+    # (SIGTERM ends a learner's catch-up with one last pull) and writes its report.
+    time.sleep(cfg.syncer.grace.seconds + 1.0)
+    cluster.stop_learners()
+    observer.poll()
+    reports = {p.name: _read_json(cluster.learner_report_path(p.name)) for p in cluster.learners}
+    for proc in cluster.learners:  # provisioned until the end for those that did not finish
+        finished_at.setdefault(proc.name, started + wall)
+    report = summarise(cfg, args, reports, observer, learner_chaos, shard_chaos,
+                       {name: at - started for name, at in finished_at.items()}, wall, timeline)
+    observer.close()
+    return report
+
+
+def _progress_bar(total: int):
+    from tqdm import tqdm
+    return tqdm(total=total, unit="step", desc="inner steps", dynamic_ncols=True, file=sys.stderr)
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], observer: Observer,
+              learner_chaos: Chaos, shard_chaos: Chaos, provisioned: dict[str, float], wall: float,
+              timeline: list[dict]) -> dict:
+    """The run's figures. Goodput = kept training compute / provisioned learner time: a learner
+    is provisioned from the start of the run until its budget is spent, and its kept compute
+    is its final step count times its mean step time (steps redone after a crash, waits,
+    start-up and down time are the badput)."""
+    statuses = [s for s in observer.last_status if s is not None]
+    model_numel = sum(f.numel for s in statuses for f in s.fragments)
+    badput = {"startup": 0.0, "restore": 0.0, "blocked": 0.0, "lost": 0.0, "down": 0.0}
+    useful = provisioned_total = 0.0
+    links, per_learner = {}, {}
+    totals = {"tokens": 0, "inner_steps": 0, "bytes_up": 0, "bytes_down": 0}
+    for index, learner in enumerate(cfg.learners):
+        report = reports.get(learner.id, {})
+        lives = report.get("incarnations", [])
+
+        def total(key: str) -> float:
+            return sum(life.get(key, 0) for life in lives)
+
+        steps_run = total("steps")
+        step_seconds = total("compute_seconds") / steps_run if steps_run else 0.0
+        kept_steps = report.get("steps", 0)
+        useful += kept_steps * step_seconds
+        provisioned_total += provisioned[learner.id]
+        badput["startup"] += total("startup_seconds")
+        badput["restore"] += total("restore_seconds")
+        badput["blocked"] += total("blocked_seconds")
+        badput["down"] += learner_chaos.down_seconds[index]
+        # Work lost: steps a killed process ran past the checkpoint its successor restored.
+        kills = [e for e in learner_chaos.events if e["event"] == "kill" and e["index"] == index]
+        for kill, successor in zip(kills, lives[1:]):
+            badput["lost"] += max(0, kill["step"] - successor.get("restored_step", 0)) * step_seconds
+        moved = total("bytes_up") + total("bytes_down")
+        totals["tokens"] += report.get("tokens", 0)
+        totals["inner_steps"] += kept_steps
+        totals["bytes_up"] += total("bytes_up")
+        totals["bytes_down"] += total("bytes_down")
+        links[learner.id] = {"region": learner.region, "bytes": moved,
+                             "bytes_per_second": moved / total("transfer_seconds") if total("transfer_seconds") else 0.0}
+        per_learner[learner.id] = {"region": learner.region, "steps": kept_steps, "step_seconds": step_seconds,
+                                   "restarts": max(0, len(lives) - 1), "phase": report.get("phase"),
+                                   "evaluations": report.get("evaluations", [])}
+    counters = observer.counters()
+    refused = counters.get("contributions.refused_stale", 0) + sum(
+        v for k, v in counters.items() if k.startswith("refusals."))
+    first_losses = [r["evaluations"][0][3] for r in reports.values() if r.get("evaluations")]
+    last_losses = [r["evaluations"][-1][3] for r in reports.values() if r.get("evaluations")]
+    return {
+        "mode": args.mode,
+        "learners": len(cfg.learners),
+        "shards": len(cfg.shards),
+        "regions": sorted({l.region for l in cfg.learners}),
+        "wall_seconds": wall,
+        "tokens": totals["tokens"],
+        "inner_steps": totals["inner_steps"],
+        "outer_steps": sum(f.version for s in statuses for f in s.fragments),
+        "contributions": {"accepted": int(counters.get("contributions.accepted", 0)),
+                          "stale_merged": int(counters.get("contributions.stale_merged", 0)),
+                          "refused": int(refused)},
+        "goodput": useful / provisioned_total if provisioned_total else 0.0,
+        "badput_seconds": badput,
+        "useful_seconds": useful,
+        "provisioned_seconds": provisioned_total,
+        "initial_eval_loss": sum(first_losses) / len(first_losses) if first_losses else None,
+        "final_eval_loss": sum(last_losses) / len(last_losses) if last_losses else None,
+        "bytes_up": totals["bytes_up"],
+        "bytes_down": totals["bytes_down"],
+        # Data parallel moves one fp32 gradient up and one fp32 model (or gradient) down per
+        # learner per inner step (what this harness's --mode dp sends).
+        "dp_equivalent_bytes": totals["inner_steps"] * 2 * 4 * model_numel,
+        "model_parameters": model_numel,
+        "restarts": {"learners": sum(1 for e in learner_chaos.events if e["event"] == "restart"),
+                     "shards": sum(1 for e in shard_chaos.events if e["event"] == "restart")},
+        "chaos_events": learner_chaos.events + shard_chaos.events,
+        "state_hashes_agree": hashes_agree(reports, statuses),
+        "links": links,
+        "per_learner": per_learner,
+        "timeline": timeline,
+        "config": {"H": cfg.sync.interval_steps, "P": cfg.sync.fragments, "tau": cfg.sync.overlap_steps,
+                   "codec": cfg.sync.codec, "K": cfg.syncer.quorum, "wan_mbps": cfg.rpc.wan_mbps,
+                   "chaos_mtbf": args.chaos_mtbf, "restart_delay": args.restart_delay},
+    }
+
+
+def hashes_agree(reports: dict[str, dict], statuses: list) -> bool:
+    """Every learner that reported its fragments holds the shards' exact bits."""
+    shard_state = {str(f.fragment_id): (f.version, f.state_hash) for s in statuses for f in s.fragments}
+    held = [r["fragments"] for r in reports.values() if r.get("fragments")]
+    return bool(held) and bool(shard_state) and all(
+        {fid: (f["version"], f["state_hash"]) for fid, f in fragments.items()} == shard_state
+        for fragments in held)
+
+
+def print_summary(report: dict, report_path: pathlib.Path) -> None:
+    badput = report["badput_seconds"]
+    moved = report["bytes_up"] + report["bytes_down"]
+    rows = [
+        ("mode", f"{report['mode']}  ({report['learners']} learners in {len(report['regions'])} regions, "
+                 f"{report['shards']} shards)"),
+        ("wall time", f"{report['wall_seconds']:.1f} s"),
+        ("inner / outer steps", f"{report['inner_steps']} / {report['outer_steps']}"),
+        ("validation loss", f"{report['initial_eval_loss']:.3f} -> {report['final_eval_loss']:.3f}"
+         if report["final_eval_loss"] is not None else "n/a"),
+        ("goodput", f"{report['goodput']:.1%}"),
+        ("badput", ", ".join(f"{k} {v:.1f}s" for k, v in badput.items())),
+        ("contributions", ", ".join(f"{k} {v}" for k, v in report["contributions"].items())),
+        ("bytes on the wire", f"{moved / 1e6:.2f} MB (data parallel: "
+                              f"{report['dp_equivalent_bytes'] / 1e6:.1f} MB, "
+                              f"{report['dp_equivalent_bytes'] / moved if moved else float('inf'):.0f}x more)"),
+        ("restarts", f"learners {report['restarts']['learners']}, shards {report['restarts']['shards']}"),
+        ("state hashes agree", str(report["state_hashes_agree"]).lower()),
+    ]
+    width = max(len(name) for name, _ in rows)
+    print()
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
+    print(f"\nreport: {report_path}")
+
+
+def plot(report: dict, path: pathlib.Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (loss_ax, goodput_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    start = min((e[0] for l in report["per_learner"].values() for e in l["evaluations"][:1]), default=0)
+    for learner_id, learner in sorted(report["per_learner"].items()):
+        evaluations = learner["evaluations"]
+        loss_ax.plot([e[0] - start for e in evaluations], [e[3] for e in evaluations],
+                     marker=".", label=f"{learner_id} ({learner['region']})")
+    for event in report["chaos_events"]:
+        if event["event"] == "kill" and event["kind"] == "learner":
+            loss_ax.axvline(event["time"] - start, color="red", alpha=0.15)
+    loss_ax.set(xlabel="wall time (s)", ylabel="validation loss",
+                title=f"{report['mode']}: validation loss per learner (red: kills)")
+    loss_ax.legend(fontsize="small")
+    # Goodput over time: kept steps so far times the mean step time, over learner-seconds.
+    step_seconds = [l["step_seconds"] for l in report["per_learner"].values() if l["step_seconds"]]
+    mean_step = sum(step_seconds) / len(step_seconds) if step_seconds else 0.0
+    points = [(t["time"], t["steps"] * mean_step / (report["learners"] * t["time"]))
+              for t in report["timeline"] if t["time"] > 1.0]
+    goodput_ax.plot([p[0] for p in points], [p[1] for p in points])
+    goodput_ax.set(xlabel="wall time (s)", ylabel="goodput", ylim=(0, 1.05),
+                   title=f"goodput over time (final {report['goodput']:.1%})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
