@@ -12,6 +12,7 @@ fragment to the other ranks.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -43,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--catch-up-seconds", type=float, default=3.0,
                         help="after training, pull until no fragment changed for this long "
                              "(or until SIGTERM), so the learner ends with the run's final values")
+    parser.add_argument("--verify-island", action="store_true",
+                        help="after every applied fragment, check that all ranks hold the same bits")
     parser.add_argument("--no-sync", action="store_true",
                         help="train alone, never talking to the syncer (a baseline for benchmarks)")
 
@@ -53,6 +56,7 @@ class Island:
     def __init__(self):
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
+        self.verified = 0  # rank-equality checks passed (--verify-island)
         if self.world_size > 1:
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
@@ -67,10 +71,11 @@ class Island:
                 dist.broadcast(tensor.data, src=0)
 
     def broadcast_applied(self, plan: FragmentPlan, applied: list[int],
-                          params: dict[str, torch.Tensor]) -> None:
-        """Rank 0's applied fragment values reach every rank, so the island stays identical."""
+                          params: dict[str, torch.Tensor]) -> list[int]:
+        """Rank 0's applied fragment values reach every rank, so the island stays identical.
+        Returns the applied fragment ids on every rank."""
         if self.world_size == 1:
-            return
+            return applied
         flags = torch.zeros(len(plan.fragments), dtype=torch.uint8)
         flags[applied] = 1
         dist.broadcast(flags, src=0)
@@ -80,6 +85,19 @@ class Island:
                 dist.broadcast(flat, src=0)
                 if not self.leader:
                     scatter(fragment, flat, params)
+        return flags.nonzero().flatten().tolist()
+
+    def verify_identical(self, params: dict[str, torch.Tensor]) -> None:
+        """Checks that every rank holds the same bits (the --verify-island diagnostic)."""
+        if self.world_size == 1:
+            return
+        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in params.values()))
+        mine = torch.tensor(list(digest.digest()[:8]), dtype=torch.uint8)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine)
+        if any(not torch.equal(mine, other) for other in every):
+            raise RuntimeError(f"island ranks hold different parameters (rank {self.rank})")
+        self.verified += 1
 
     def stopping(self, stop: threading.Event) -> bool:
         """Every rank of an island stops at the same step: rank 0 decides."""
@@ -165,7 +183,9 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
         tokens = stats.tokens * island.world_size
         report.step(stats.seconds)
         applied = sync.after_step(step, tokens, stats.seconds) if sync else []
-        island.broadcast_applied(plan, applied, params)
+        applied = island.broadcast_applied(plan, applied, params)
+        if args.verify_island and applied:
+            island.verify_identical(params)
         if island.leader and trainer.step % budget.eval_every == 0:
             evaluate()
         if island.leader and trainer.step % budget.checkpoint_every == 0:
@@ -176,12 +196,12 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
     if sync:
         sync.flush()
         if finished:
-            report.write("catching_up", trainer, sync, island.world_size)
+            report.write("catching_up", trainer, sync, island)
         # Hold the run's final global values: until it is quiet (or we are stopped).
         sync.catch_up(args.catch_up_seconds, should_stop=stop.is_set)
     evaluate()
     save(trainer, sync, report, checkpoint_path)
-    report.write("done" if finished else "training", trainer, sync, island.world_size)
+    report.write("done" if finished else "training", trainer, sync, island)
     log.info("learner %s %s at step %d", report.learner_id, "finished" if finished else "stopped",
              trainer.step)
 
@@ -237,13 +257,14 @@ class Report:
                 syncs_applied=stats.syncs_applied, syncs_skipped=stats.syncs_skipped,
                 refused_stale=stats.refused_stale)
 
-    def write(self, phase: str, trainer: Trainer, sync: StreamingSync | None, world_size: int) -> None:
+    def write(self, phase: str, trainer: Trainer, sync: StreamingSync | None, island: Island) -> None:
         """phase: "training", "catching_up" (budget spent) or "done"."""
         self.update(sync)
         if phase == "catching_up":
             self.current["training_finished_at"] = time.time()
         body = {"learner_id": self.learner_id, "region": self.region, "phase": phase,
-                "steps": trainer.step, "tokens": trainer.tokens * world_size,
+                "steps": trainer.step, "tokens": trainer.tokens * island.world_size, "world_size": island.world_size,
+                "island_checks": island.verified,
                 "evaluations": self.evaluations, "incarnations": self.incarnations}
         if sync:
             body["fragments"] = {str(fid): {"version": v, "state_hash": h}

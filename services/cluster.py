@@ -87,16 +87,24 @@ class Proc:
             self.popen.wait()
             self.kills += 1
 
-    def terminate(self, timeout: float) -> None:
-        """SIGTERM, then SIGKILL if it has not exited within `timeout`."""
-        if not self.running:
+    def request_stop(self) -> None:
+        """SIGTERM once: the process drains and exits by itself."""
+        if self.running:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+
+    def wait_or_kill(self, timeout: float) -> None:
+        """Waits for the exit a request_stop asked for; SIGKILL after `timeout`."""
+        if self.popen is None:
             return
-        os.killpg(self.popen.pid, signal.SIGTERM)
         try:
             self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
             os.killpg(self.popen.pid, signal.SIGKILL)
             self.popen.wait()
+
+    def terminate(self, timeout: float) -> None:
+        self.request_stop()
+        self.wait_or_kill(timeout)
 
 
 class LocalCluster:
@@ -140,10 +148,9 @@ class LocalCluster:
     def stop_learners(self, timeout: float = 60) -> None:
         """SIGTERM to every learner at once; they checkpoint, pull, report and leave."""
         for proc in self.learners:
-            if proc.running:
-                os.killpg(proc.popen.pid, signal.SIGTERM)
+            proc.request_stop()
         for proc in self.learners:
-            proc.terminate(timeout)
+            proc.wait_or_kill(timeout)
 
     def stop(self, timeout: float = 30) -> None:
         """Learners first (they leave cleanly), then shards (they flush state)."""
