@@ -177,13 +177,15 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
         evaluate()  # the starting point of the loss curve
     while budget_left() and not island.stopping(stop):
         step = trainer.step
+        step_started = time.perf_counter()
         if sync:
             sync.before_step(step)
         stats = trainer.train_step()
         tokens = stats.tokens * island.world_size
-        report.step(stats.seconds)
         applied = sync.after_step(step, tokens, stats.seconds) if sync else []
         applied = island.broadcast_applied(plan, applied, params)
+        # compute: the step alone; loop: with starting and applying syncs (and any wait).
+        report.step(stats.seconds, time.perf_counter() - step_started)
         if args.verify_island and applied:
             island.verify_identical(params)
         if island.leader and trainer.step % budget.eval_every == 0:
@@ -236,12 +238,14 @@ class Report:
                           behind: int) -> None:
         self.current = {"incarnation": incarnation, "started": time.time(), "restored_step": restored_step,
                         "startup_seconds": startup, "restore_seconds": restore,
-                        "versions_behind_at_join": behind, "steps": 0, "compute_seconds": 0.0}
+                        "versions_behind_at_join": behind, "steps": 0, "compute_seconds": 0.0,
+                        "loop_seconds": 0.0}
         self.incarnations.append(self.current)
 
-    def step(self, seconds: float) -> None:
+    def step(self, compute_seconds: float, loop_seconds: float) -> None:
         self.current["steps"] += 1
-        self.current["compute_seconds"] += seconds
+        self.current["compute_seconds"] += compute_seconds
+        self.current["loop_seconds"] += loop_seconds
 
     def evaluation(self, step: int, tokens: int, loss: float) -> None:
         self.evaluations.append([time.time(), step, tokens, loss])

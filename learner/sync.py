@@ -233,34 +233,35 @@ class StreamingSync:
                 self._finish_sync(state)
 
     def _start_sync(self, state: FragmentSync, apply_at: int) -> None:
+        """Snapshots the fragment now; everything else runs on the background thread."""
         fragment = state.fragment
-        link = self.links[fragment.shard]
-        outer_gradient = state.anchor - gather(fragment, self.params)
-        residual_before = state.feedback.residual.clone()
-        try:
-            payload, _ = state.feedback.compress(outer_gradient)
-        except ValueError as exc:  # non-finite values: never send them
-            log.error("fragment %d: not pushing: %s", fragment.id, exc)
-            return
-        request = dict(fragment_id=fragment.id, values=payload, numel=fragment.numel,
-                       codec=self.codec, block_size=self.cfg.sync.codec_block_size,
-                       base_version=state.version, c_steps=state.steps_since_sync,
-                       c_tokens=state.tokens_since_sync, step_seconds=self.step_seconds)
-        state.in_flight = self._pool.submit(self._push_and_pull, link, state.anchor.clone(),
-                                            state.version, request)
-        state.in_flight.residual_before = residual_before  # restored if the push is lost
+        local = gather(fragment, self.params)  # the only work on the training thread
+        meta = dict(fragment_id=fragment.id, numel=fragment.numel, codec=self.codec,
+                    block_size=self.cfg.sync.codec_block_size, base_version=state.version,
+                    c_steps=state.steps_since_sync, c_tokens=state.tokens_since_sync,
+                    step_seconds=self.step_seconds)
+        state.in_flight = self._pool.submit(self._push_and_pull, self.links[fragment.shard], state,
+                                            state.anchor, local, meta)
         state.apply_at = apply_at
         self.stats.syncs_started += 1
 
-    def _push_and_pull(self, link: ShardLink, anchor: torch.Tensor, version: int,
-                       request: dict) -> SyncOutcome:
+    def _push_and_pull(self, link: ShardLink, state: FragmentSync, anchor: torch.Tensor,
+                       local: torch.Tensor, meta: dict) -> SyncOutcome:
+        """Runs on the sync thread: compress the outer gradient, push it, pull the result.
+        While it runs the training thread leaves `state.feedback` and `anchor` alone."""
         started = time.perf_counter()
-        fragment_id = request["fragment_id"]
+        fragment_id, version = meta["fragment_id"], meta["base_version"]
         if not link.joined:
             return SyncOutcome(None, version)
+        residual_before = state.feedback.residual
         try:
-            reply = link.client.push(**request)
-            outcome = SyncOutcome(None, version, reply.result, bytes_up=len(request["values"]))
+            payload, _ = state.feedback.compress(anchor - local)
+        except ValueError as exc:  # non-finite values: never send them
+            log.error("fragment %d: not pushing: %s", fragment_id, exc)
+            return SyncOutcome(None, version)
+        try:
+            reply = link.client.push(values=payload, **meta)
+            outcome = SyncOutcome(None, version, reply.result, bytes_up=len(payload))
             if reply.result == pb.PUSH_RESULT_REFUSED_STALE:
                 # Too stale to merge: re-anchor to the current global value.
                 result = link.client.pull(fragment_id, version)
@@ -269,10 +270,13 @@ class StreamingSync:
                 # overlap window plus the syncer's grace.
                 result = link.client.pull(fragment_id, version, min_version=reply.current_version + 1,
                                           max_wait_seconds=self._pull_wait_seconds())
-            outcome.anchor = result.apply(anchor)
+            outcome.anchor = result.apply(anchor.clone())
             outcome.version = result.version if result.version is not None else version
             outcome.bytes_down = result.payload_bytes
         except grpc.RpcError as exc:
+            # Lost push: undo the residual update so nothing is counted twice; the next
+            # outer gradient still holds this progress.
+            state.feedback.residual = residual_before
             if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
                 with self._lock:
                     link.joined = False  # the shard forgot us (restart): heartbeat rejoins
@@ -300,9 +304,6 @@ class StreamingSync:
         name = pb.PushResult.Name(outcome.push_result)
         self.stats.push_results[name] = self.stats.push_results.get(name, 0) + 1
         if outcome.anchor is None:
-            # Lost push: undo the residual update so nothing is counted twice; the
-            # next outer gradient still holds this progress.
-            state.feedback.residual = future.residual_before
             self.stats.syncs_skipped += 1
             return False
         if outcome.push_result == pb.PUSH_RESULT_REFUSED_STALE:
