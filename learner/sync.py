@@ -134,8 +134,10 @@ class StreamingSync:
             saved = restored_fragments.get(fragment.id)
             base_version = saved["version"] if saved else None
             base_value = saved["anchor"] if saved else None
+            pull_started = time.perf_counter()
             result = self._retry(link, should_stop,
                                  lambda: link.client.pull(fragment.id, base_version))
+            self.stats.transfer_seconds += time.perf_counter() - pull_started
             anchor = result.apply(base_value.clone() if base_value is not None else None)
             version = result.version if result.version is not None else base_version
             if anchor is None:

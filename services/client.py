@@ -36,36 +36,29 @@ def apply_update(value: torch.Tensor, update: torch.Tensor) -> None:
     value.add_(update)
 
 
-class TokenBucket:
-    """Paces bytes to a rate: `consume(n)` sleeps until n more bytes fit. One burst is
-    allowed to be a whole chunk, so a chunk is never split across sleeps."""
+class PacedDirection:
+    """One direction of an emulated link: n bytes occupy it for n / rate seconds, one
+    transfer after another, as serialisation on a real link does (no burst credit)."""
 
     def __init__(self, bytes_per_second: float):
         self.rate = bytes_per_second
-        self._available = 0.0
-        self._last = time.monotonic()
+        self._busy_until = 0.0
         self._lock = threading.Lock()
 
     def consume(self, count: int) -> None:
-        with self._lock:  # concurrent transfers share the link, one after the other
-            now = time.monotonic()
-            self._available = min(self._available + (now - self._last) * self.rate, float(count))
-            self._last = now
-            self._available -= count
-            wait = -self._available / self.rate if self._available < 0 else 0.0
-            if wait:
-                time.sleep(wait)
-                self._last = time.monotonic()
-                self._available = 0.0
+        with self._lock:
+            start = max(time.monotonic(), self._busy_until)
+            self._busy_until = start + count / self.rate
+            done_at = self._busy_until
+        time.sleep(max(0.0, done_at - time.monotonic()))
 
 
 class WanLink:
-    """An emulated WAN link of one learner: a token bucket per direction, shared by its
-    clients of every shard."""
+    """An emulated WAN link of one learner, shared by its clients of every shard."""
 
     def __init__(self, mbps: float):
-        self.up = TokenBucket(mbps * 1e6 / 8)
-        self.down = TokenBucket(mbps * 1e6 / 8)
+        self.up = PacedDirection(mbps * 1e6 / 8)
+        self.down = PacedDirection(mbps * 1e6 / 8)
 
 
 @dataclass

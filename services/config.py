@@ -139,7 +139,7 @@ class RpcConfig(_Section):
     max_message_bytes: Annotated[int, Field(ge=4 << 20)] = 16 << 20
     keepalive_seconds: PositiveFloat = 30.0
     # Emulated WAN: caps each learner's sync traffic to this many Mbit/s in each direction
-    # (a token bucket in its client; services.client.WanLink). None: no cap.
+    # (its client paces n bytes to n / rate seconds; services.client.WanLink). None: no cap.
     wan_mbps: PositiveFloat | None = None
 
 

@@ -12,8 +12,8 @@ so when one learner is down the others wait for it.
 
 Chaos (`--chaos-mtbf`, `--chaos-shards`) SIGKILLs processes at exponentially
 distributed intervals and restarts each after `--restart-delay`. WAN emulation
-(`--wan-mbps`) is a token bucket in each learner's sync client, in both
-directions (see services.client.TokenBucket): no root, no namespaces needed.
+(`--wan-mbps`) paces each learner's sync client in both directions: n bytes take
+n / rate seconds (services.client.WanLink); no root, no namespaces needed.
 """
 from __future__ import annotations
 

@@ -1,0 +1,67 @@
+"""`diloco sim` end to end: real processes, the JSON report, chaos on learners and shards,
+and the data-parallel baseline in the same harness."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from services.config import dump_config
+from tests.cluster_config import tiny_cluster
+
+pytestmark = pytest.mark.slow
+
+REPORT_KEYS = {
+    "mode", "learners", "shards", "wall_seconds", "tokens", "inner_steps", "outer_steps",
+    "contributions", "goodput", "badput_seconds", "initial_eval_loss", "final_eval_loss",
+    "bytes_up", "bytes_down", "dp_equivalent_bytes", "restarts", "state_hashes_agree", "links",
+}
+
+
+def run_sim(tmp_path, *flags: str) -> dict:
+    base = tmp_path / "base.yaml"
+    base.write_text(dump_config(tiny_cluster(tmp_path / "unused", shards=2, learners=3)))
+    report = tmp_path / "report.json"
+    command = [sys.executable, "-m", "services.cli", "sim", "--config", str(base), "--quiet",
+               "--run-dir", str(tmp_path / "run"), "--report", str(report), *flags]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "state hashes agree" in result.stdout  # the summary table
+    return json.loads(report.read_text())
+
+
+def test_sim_with_learner_and_shard_chaos_keeps_training_and_agrees(tmp_path):
+    report = run_sim(tmp_path, "--learners", "3", "--shards", "2", "--steps", "300",
+                     "--chaos-mtbf", "6", "--chaos-shards", "8", "--restart-delay", "1",
+                     "--seed", "3", "--plot", str(tmp_path / "run.png"))
+    assert REPORT_KEYS <= report.keys()
+    assert report["mode"] == "diloco" and report["learners"] == 3 and report["shards"] == 2
+    assert report["restarts"]["learners"] >= 1 and report["restarts"]["shards"] >= 1
+    assert report["inner_steps"] == 3 * 300
+    assert report["state_hashes_agree"] is True
+    assert report["final_eval_loss"] < 0.8 * report["initial_eval_loss"]
+    assert 0 < report["goodput"] < 1
+    assert report["badput_seconds"]["down"] > 0
+    assert report["contributions"]["accepted"] + report["contributions"]["stale_merged"] > 0
+    assert report["dp_equivalent_bytes"] > 10 * (report["bytes_up"] + report["bytes_down"])
+    assert all(link["bytes_per_second"] > 0 for link in report["links"].values())
+    assert (tmp_path / "run.png").stat().st_size > 10_000
+
+
+def test_sim_dp_mode_syncs_every_step_uncompressed(tmp_path):
+    report = run_sim(tmp_path, "--mode", "dp", "--learners", "2", "--steps", "40")
+    assert report["mode"] == "dp"
+    # One fragment, one outer step per inner step (every learner in every round).
+    assert report["outer_steps"] == 40
+    assert report["contributions"]["accepted"] == 2 * 40
+    assert report["state_hashes_agree"] is True
+    # fp32 up and down for every step: what the dp-equivalent figure assumes.
+    assert report["bytes_up"] + report["bytes_down"] >= 0.9 * report["dp_equivalent_bytes"]
+
+
+def test_sim_wan_cap_limits_each_learners_link(tmp_path):
+    report = run_sim(tmp_path, "--learners", "2", "--shards", "1", "--steps", "60", "--wan-mbps", "2")
+    for link in report["links"].values():
+        assert 0 < link["bytes_per_second"] <= 2e6 / 8 * 1.2, link
