@@ -23,6 +23,7 @@ target is missed.
 
 import argparse
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -41,10 +42,9 @@ sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from services.client import ShardClient  # noqa: E402
+from services.client import ShardClient, state_hash  # noqa: E402
 from services.codecs import get_codec  # noqa: E402
-from services.config import load_config  # noqa: E402
-from services.payload import describe  # noqa: E402
+from services.config import RpcConfig, load_config  # noqa: E402
 from services.rpc import Server  # noqa: E402
 from services.wire import pb, pb_grpc  # noqa: E402
 
@@ -62,8 +62,7 @@ class Sink(pb_grpc.SyncerServicer):
 
 
 def serve_sink(port: int) -> None:
-    cfg = load_config(os.environ["BENCH_CONFIG"])
-    server = Server(cfg.rpc, ["diloco.v1.Syncer"])
+    server = Server(RpcConfig(), ["diloco.v1.Syncer"])  # the shard's message limits and keepalive
     pb_grpc.add_SyncerServicer_to_server(Sink(), server.grpc_server)
     server.start(f"127.0.0.1:{port}")
     server.serve_until_signal(drain_seconds=0)
@@ -124,7 +123,7 @@ def main() -> int:
         serve_sink(args.sink)
         return 0
 
-    work = Path(tempfile.mkdtemp(prefix="bench-syncer-"))
+    work = Path(tempfile.mkdtemp(prefix="bench-syncer-"))  # the config, and the state unless --state-dir
     state_dir = Path(args.state_dir) if args.state_dir else work / "state"
     learners = [f"pusher-{i}" for i in range(args.pushers)] + ["observer"]
     config_path = work / "cluster.yaml"
@@ -140,8 +139,7 @@ def main() -> int:
         "rpc": {"deadline_seconds": 600.0},
     }))
     cfg = load_config(config_path)
-    env = dict(os.environ, BENCH_CONFIG=str(config_path),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     shard_address, sink_address = cfg.shards[0].address, f"127.0.0.1:{free_port()}"
     processes = [
         subprocess.Popen([sys.executable, "-m", "services.cli", "--log-level", "WARNING", "syncer",
@@ -195,8 +193,10 @@ def main() -> int:
             # The observer's goodbye lets every round close; the pushers' pulls wait for that.
             close.append(in_parallel([observer.leave] + [lambda i=i: pull_all(i, version) for i in range(args.pushers)]))
             observer.join("bench", manifest)  # back for the next round
-            status = observer.status()
-            assert all(f.version == version + 1 and f.pending_contributions == 0 for f in status.fragments), status
+        status = {f.fragment_id: f for f in observer.status().fragments}
+        for fragment, _ in fragments:  # every pusher holds the shard's bits, a round further each time
+            assert status[fragment].version == args.rounds, status[fragment]
+            assert all(state_hash(v[fragment]) == status[fragment].state_hash for v in values)
 
         raw_s, push_s, close_s = (statistics.median(t) for t in (raw, push, close))
         ratio = raw_s / push_s
@@ -204,7 +204,7 @@ def main() -> int:
         print(f"raw gRPC stream          {payload_bytes / raw_s / 1e6:8.0f} MB/s   ({raw_s:.2f} s per round)")
         print(f"push path (durable)      {payload_bytes / push_s / 1e6:8.0f} MB/s   ({push_s:.2f} s) = "
               f"{ratio:.2f} x raw  (target >= {TARGET_VS_RAW})")
-        print(f"push->merge->outer->pull {contributions / round_s:8.1f} contributions/s, "
+        print(f"whole rounds             {contributions / round_s:8.1f} contributions/s, "
               f"{contributions * args.params / len(fragments) / round_s / 1e6:.0f}M fp32 parameters/s "
               f"({push_s:.2f} s push + {close_s:.2f} s close and pull per round)")
         return 0 if ratio >= TARGET_VS_RAW else 1
@@ -214,6 +214,7 @@ def main() -> int:
         for process in processes:
             process.terminate()
             process.wait(timeout=30)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,448 @@
+"""The shard's decisions, with no I/O: who may push, what a push must look like, whether it is
+merged, when a round closes, what a pull gets.
+
+The same object serves the gRPC service, the tests and a discrete-event simulator: time comes
+from an injected clock (`clock` for every decision, `wall_clock` only to stamp reports),
+durability from an injected Journal (the service passes syncer.store.ShardStore; NullJournal
+keeps nothing), and every outcome is counted in `counters`. Refusals raise Refusal.
+
+Thread safety: each fragment has a lock held around every change to it; membership and
+counters have their own. Lock order: fragment, then membership / counters / plan.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Protocol, Sequence
+
+import torch
+
+from services.config import Config
+from services.fragments import FragmentPlan, plan_fragments
+from services.payload import PayloadError, Reassembler, decode_payload
+from services.wire import pb
+from syncer.counters import Counters
+from syncer.fragment_state import ClosedRound, ContributionKey, FragmentSnapshot, FragmentState, PullPlan
+from syncer.membership import Membership
+from syncer.merge import contribution_weight
+from syncer.refusal import Refusal
+
+log = logging.getLogger(__name__)
+
+Manifest = tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape) in model order
+
+
+@dataclass(frozen=True)
+class LoggedContribution:
+    """An admitted contribution as the journal records it: enough to admit it again."""
+    round: int
+    header: pb.PushHeader
+    payload: bytes  # encoded, as received
+
+
+class Journal(Protocol):
+    """Where the core makes its state durable. Each call returns only once what it was given
+    survives a crash; if it raises, the core changes nothing."""
+
+    def fix_manifest(self, manifest: Manifest, plan_digest: str) -> None: ...
+
+    def append(self, fragment_id: int, contribution: LoggedContribution) -> None: ...
+
+    def commit(self, snapshot: FragmentSnapshot) -> None: ...
+
+
+class NullJournal:
+    """Keeps nothing: for tests and simulations that need no durability."""
+
+    def fix_manifest(self, manifest: Manifest, plan_digest: str) -> None:
+        pass
+
+    def append(self, fragment_id: int, contribution: LoggedContribution) -> None:
+        pass
+
+    def commit(self, snapshot: FragmentSnapshot) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a journal read back after a restart."""
+    manifest: Manifest | None
+    plan_digest: str  # of the plan the state was written under
+    snapshots: dict[int, FragmentSnapshot]
+    contributions: dict[int, list[LoggedContribution]]  # per fragment, in admission order
+
+
+@dataclass(frozen=True)
+class PushOutcome:
+    result: int  # pb.PushResult
+    current_version: int  # the version the contribution was judged against
+    staleness: int
+    round: int  # the round it counts in (0 if refused)
+    committed: bool  # a seed or a round close made a new version
+
+
+@dataclass(frozen=True)
+class FragmentView:
+    id: int
+    numel: int
+    offset_step: int
+    tensor_names: tuple[str, ...]
+    initialized: bool
+    version: int
+    state_hash: str
+    pending_contributions: int
+    last_round: ClosedRound | None
+
+
+@dataclass(frozen=True)
+class LearnerView:
+    id: str
+    region: str
+    incarnation: int
+    alive: bool
+    step: int
+    staleness: int  # versions behind, summed over this shard's fragments it reported
+    seconds_since_heartbeat: float
+    tokens_per_second: float
+
+
+@dataclass(frozen=True)
+class ShardStatus:
+    shard_index: int
+    plan_digest: str
+    fragments: tuple[FragmentView, ...]
+    learners: tuple[LearnerView, ...]
+    counters: dict[str, float]
+
+
+class ShardCore:
+    def __init__(self, cfg: Config, shard_index: int, *, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time, journal: Journal | None = None):
+        cfg.shard(shard_index)  # validates the index
+        self.cfg, self.shard_index = cfg, shard_index
+        self.clock, self.wall_clock = clock, wall_clock
+        self.journal = journal or NullJournal()
+        self.counters = Counters()
+        self.membership = Membership([l.id for l in cfg.learners], cfg.syncer.lease_seconds, self.counters)
+        self._plan_lock = threading.Lock()
+        self.manifest: Manifest | None = None
+        self.plan: FragmentPlan | None = None
+        self.fragments: dict[int, FragmentState] = {}  # the fragments this shard owns
+
+    # ---- membership ----------------------------------------------------------------------
+
+    def join(self, learner_id: str, incarnation: int, region: str,
+             manifest: Sequence[tuple[str, Sequence[int]]]) -> tuple[str, list[FragmentView]]:
+        """(plan digest, this shard's fragments). The first join fixes the manifest."""
+        with self._counting():
+            self.membership.check_allowed(learner_id)
+            self._fix_manifest(tuple((name, tuple(shape)) for name, shape in manifest))
+            self.membership.join(learner_id, incarnation, region, self.clock())
+            return self.plan.digest, [self._view(state) for state in self.fragments.values()]
+
+    def heartbeat(self, learner_id: str, incarnation: int, step: int = 0, step_seconds: float = 0.0,
+                  tokens_per_second: float = 0.0, held_versions: dict[int, int] | None = None) -> dict[int, int]:
+        """The current version of every owned fragment."""
+        with self._counting():
+            self.membership.heartbeat(learner_id, incarnation, self.clock(), step, step_seconds,
+                                      tokens_per_second, held_versions or {})
+            return {fid: state.version for fid, state in self.fragments.items()}
+
+    def leave(self, learner_id: str, incarnation: int) -> None:
+        with self._counting():
+            self.membership.leave(learner_id, incarnation, self.clock())
+
+    # ---- pushes --------------------------------------------------------------------------
+
+    def push(self, requests: Iterable[pb.PushRequest]) -> PushOutcome:
+        """One PushFragment stream: a header, then its chunks. Returns only once an admitted
+        contribution is durable. Whatever the header alone can refuse is refused before a
+        byte of payload is read."""
+        with self._counting():
+            requests = iter(requests)
+            first = next(requests, None)
+            if first is None or first.WhichOneof("item") != "header":
+                raise Refusal("bad_stream", "INVALID_ARGUMENT", "a push starts with a PushHeader")
+            header = first.header
+            state = self._check_header(header)
+            if header.kind == pb.PUSH_KIND_OUTER_GRADIENT:
+                with state.lock:
+                    staleness = state.staleness(_key(header))
+                    if staleness > self.cfg.syncer.max_staleness:
+                        return self._refuse_stale(state, staleness)
+            started = self.clock()
+            payload = _receive(header.payload, requests)
+            transfer_seconds = self.clock() - started
+            values = decode_payload(header.payload, payload)
+            norm = _finite_norm(state, values)
+            if header.kind == pb.PUSH_KIND_SEED:
+                return self._seed(state, header, values)
+            return self._contribute(state, header, payload, values, norm, transfer_seconds)
+
+    def _check_header(self, header: pb.PushHeader) -> FragmentState:
+        self.membership.authenticate(header.learner_id, header.incarnation, self.clock())
+        state = self._fragment(header.fragment_id)
+        if header.kind not in (pb.PUSH_KIND_SEED, pb.PUSH_KIND_OUTER_GRADIENT):
+            raise Refusal("bad_kind", "INVALID_ARGUMENT",
+                          f"push kind {header.kind} is neither a seed nor an outer gradient")
+        state.check_payload(header)
+        if header.kind == pb.PUSH_KIND_SEED:
+            if header.base_version != 0:
+                raise Refusal("bad_seed", "INVALID_ARGUMENT", f"a seed has base_version 0, got {header.base_version}")
+            _check_unseeded(state)
+        else:
+            for field in ("c_steps", "c_tokens"):
+                if getattr(header, field) == 0:
+                    raise Refusal(f"zero_{field[2:]}", "INVALID_ARGUMENT",
+                                  f"an outer gradient with {field}=0 has no merge weight (w = c_tokens * c_tokens / c_steps)")
+        return state
+
+    def _seed(self, state: FragmentState, header: pb.PushHeader, values: torch.Tensor) -> PushOutcome:
+        with state.lock:
+            _check_unseeded(state)  # another seed may have landed while this one streamed in
+            snapshot = state.seeded(values)
+            self.journal.commit(snapshot)
+            state.install(snapshot)
+        self.counters.add("seeds")
+        return PushOutcome(pb.PUSH_RESULT_SEEDED, 0, 0, 0, committed=True)
+
+    def _contribute(self, state: FragmentState, header: pb.PushHeader, payload: bytes,
+                    values: torch.Tensor, norm: float, transfer_seconds: float) -> PushOutcome:
+        if norm > self.cfg.syncer.max_update_norm:
+            raise Refusal("norm_too_large", "INVALID_ARGUMENT",
+                          f"fragment {state.id}: outer gradient norm {norm:.4g} exceeds "
+                          f"syncer.max_update_norm={self.cfg.syncer.max_update_norm:.4g}")
+        with state.lock:
+            # The state may have moved on while the payload streamed in: judge again.
+            self.membership.authenticate(header.learner_id, header.incarnation, self.clock())
+            key = _key(header)
+            staleness = state.staleness(key)
+            if staleness > self.cfg.syncer.max_staleness:
+                return self._refuse_stale(state, staleness)
+            round_number, version = state.round.number, state.version
+            self.journal.append(state.id, LoggedContribution(round_number, header, payload))
+            self._admit(state, header, values, norm, staleness, transfer_seconds)
+            result = "accepted" if staleness == 0 else "stale_merged"
+            self.counters.add(f"contributions.{result}")
+            self.counters.add("kept_compute_seconds",
+                              header.c_steps * header.step_seconds * state.fragment.numel / self.plan.total_numel)
+            try:
+                committed = self._close_if_due(state)
+            except Exception:  # e.g. a full disk: the contribution is safe, the ticker retries the close
+                log.exception("fragment %d: closing round %d failed", state.id, round_number)
+                committed = False
+        return PushOutcome(pb.PUSH_RESULT_ACCEPTED if staleness == 0 else pb.PUSH_RESULT_STALE_MERGED,
+                           version, staleness, round_number, committed)
+
+    def _admit(self, state: FragmentState, header: pb.PushHeader, values: torch.Tensor, norm: float,
+               staleness: int, transfer_seconds: float) -> None:
+        weight = contribution_weight(header.c_tokens, header.c_steps, staleness,
+                                     self.cfg.syncer.stale_weight_decay)
+        if header.step_seconds > 0:
+            state.grace.step_seconds.observe(header.step_seconds)
+        state.admit(_key(header), values, norm, weight, self.clock(), transfer_seconds)
+
+    def _refuse_stale(self, state: FragmentState, staleness: int) -> PushOutcome:
+        self.counters.add("contributions.refused_stale")
+        return PushOutcome(pb.PUSH_RESULT_REFUSED_STALE, state.version, staleness, 0, committed=False)
+
+    # ---- rounds --------------------------------------------------------------------------
+
+    def tick(self) -> list[int]:
+        """Closes every round that is due by time alone (grace passed, leases expired).
+        Returns the ids of the fragments that got a new version."""
+        closed = []
+        for state in list(self.fragments.values()):
+            with state.lock:
+                if self._close_if_due(state):
+                    closed.append(state.id)
+        return closed
+
+    def _close_if_due(self, state: FragmentState) -> bool:
+        """Called with state.lock held."""
+        started = self.clock()
+        reason = state.close_reason(self.membership.live_ids(started), started)
+        if reason is None:
+            return False
+        round_ = state.round
+        snapshot = state.closing(reason, started, self.wall_clock())
+        self.journal.commit(snapshot)
+        state.install(snapshot)
+        state.observe_close(round_, self.clock() - started)
+        self.counters.add(f"rounds.{reason}")
+        return True
+
+    # ---- reads ---------------------------------------------------------------------------
+
+    def pull(self, fragment_id: int, base_version: int | None) -> PullPlan:
+        with self._counting():
+            return self._fragment(fragment_id).pull(base_version)
+
+    def version(self, fragment_id: int) -> int | None:
+        """The fragment's version, None while unseeded (for pulls waiting on it)."""
+        with self._counting():
+            committed = self._fragment(fragment_id).committed
+        return None if committed is None else committed.version
+
+    def status(self) -> ShardStatus:
+        now = self.clock()
+        versions = {fid: state.version for fid, state in self.fragments.items()}
+        learners = tuple(
+            LearnerView(l.id, l.region, l.incarnation, l.alive, l.step,
+                        sum(max(0, versions[f] - v) for f, v in l.held_versions.items() if f in versions),
+                        now - l.last_seen, l.tokens_per_second)
+            for l in self.membership.learners(now))
+        return ShardStatus(self.shard_index, self.plan.digest if self.plan else "",
+                           tuple(self._view(state) for state in self.fragments.values()), learners,
+                           self.counters_snapshot())
+
+    def counters_snapshot(self) -> dict[str, float]:
+        """Process counters, plus the durable total of merged contributions (it survives
+        restarts, so it proves that nothing acknowledged was lost)."""
+        counters = self.counters.snapshot()
+        counters["state.merged_contributions"] = sum(
+            s.committed.merged_contributions for s in self.fragments.values() if s.committed is not None)
+        return counters
+
+    # ---- restart -------------------------------------------------------------------------
+
+    def restore(self, restored: Restored) -> None:
+        """Adopts what the journal read back: the manifest, each fragment's last committed
+        state, then the open round's contributions, re-admitted in their original order.
+        Learners are not restored (see membership.py)."""
+        if restored.manifest is None:
+            return
+        self._fix_manifest(restored.manifest, durable=True)
+        if self.plan.digest != restored.plan_digest:
+            raise ValueError(f"the stored state was written under fragment plan {restored.plan_digest[:12]}, "
+                             f"this config makes plan {self.plan.digest[:12]}: sync settings or shards changed")
+        for fid, snapshot in restored.snapshots.items():
+            state = self._fragment(fid)
+            if snapshot.value.numel() != state.fragment.numel:
+                raise ValueError(f"fragment {fid}: stored state has {snapshot.value.numel()} elements, "
+                                 f"the plan {state.fragment.numel}")
+            state.install(snapshot)
+        for fid, contributions in restored.contributions.items():
+            state = self._fragment(fid)
+            for contribution in contributions:
+                if contribution.round < state.round.number:
+                    continue  # a leftover of a round the snapshot already holds
+                if state.committed is None or contribution.round > state.round.number:
+                    raise ValueError(f"fragment {fid}: journal holds a contribution to round "
+                                     f"{contribution.round}, but the open round is {state.round.number}")
+                header = contribution.header
+                values = decode_payload(header.payload, contribution.payload)
+                self._admit(state, header, values, _finite_norm(state, values), state.version - header.base_version, 0.0)
+                self.counters.add("contributions.restored")
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _fix_manifest(self, manifest: Manifest, durable: bool = False) -> None:
+        with self._plan_lock:
+            if self.manifest is not None:
+                if manifest != self.manifest:
+                    raise Refusal("manifest_mismatch", "FAILED_PRECONDITION",
+                                  f"manifest differs from the one this run started with: {_difference(self.manifest, manifest)}")
+                return
+            sync = self.cfg.sync
+            try:
+                plan = plan_fragments(manifest, sync.fragments, sync.interval_steps, len(self.cfg.shards),
+                                      sync.fragmentation)
+            except ValueError as error:
+                raise Refusal("bad_manifest", "INVALID_ARGUMENT", f"cannot plan fragments: {error}") from None
+            if not durable:
+                self.journal.fix_manifest(manifest, plan.digest)
+            # Readers take no lock: they must never see the plan without its fragments.
+            self.fragments = {f.id: FragmentState(f, self.cfg.sync, self.cfg.syncer)
+                              for f in plan.for_shard(self.shard_index)}
+            self.plan, self.manifest = plan, manifest
+
+    def _fragment(self, fragment_id: int) -> FragmentState:
+        if self.plan is None:
+            raise Refusal("no_plan", "FAILED_PRECONDITION",
+                          "no learner has joined yet, so this shard has no fragment plan")
+        state = self.fragments.get(fragment_id)
+        if state is None:
+            if fragment_id < len(self.plan.fragments):
+                owner = self.plan.fragments[fragment_id].shard
+                message = f"fragment {fragment_id} belongs to shard {owner}, not shard {self.shard_index}"
+            else:
+                message = f"fragment {fragment_id} does not exist (the plan has {len(self.plan.fragments)})"
+            raise Refusal("unknown_fragment", "NOT_FOUND", message)
+        return state
+
+    def _view(self, state: FragmentState) -> FragmentView:
+        committed, fragment = state.committed, state.fragment  # one record: consistent without a lock
+        return FragmentView(
+            fragment.id, fragment.numel, fragment.offset_step, tuple(s.name for s in fragment.tensors),
+            committed is not None, committed.version if committed else 0,
+            committed.state_hash if committed else "", state.round.count,
+            committed.last_round if committed else None)
+
+    @contextlib.contextmanager
+    def _counting(self) -> Iterator[None]:
+        """Counts a refusal on its way out to the caller."""
+        try:
+            yield
+        except Refusal as refusal:
+            self.counters.add(f"refusals.{refusal.reason}")
+            raise
+
+
+def _key(header: pb.PushHeader) -> ContributionKey:
+    return ContributionKey(header.learner_id, header.incarnation, header.base_version)
+
+
+def _receive(header: pb.PayloadHeader, requests: Iterator[pb.PushRequest]) -> bytes:
+    """The payload carried by the chunks that follow the push header, verified."""
+    try:
+        assembler = Reassembler(header)
+    except PayloadError as error:
+        raise Refusal("bad_payload_header", "INVALID_ARGUMENT", str(error)) from None
+    chunks = received = 0
+    try:
+        for request in requests:
+            if request.WhichOneof("item") != "chunk":
+                raise Refusal("bad_stream", "INVALID_ARGUMENT", "a push has one PushHeader, then only chunks")
+            assembler.add(request.chunk)
+            chunks, received = chunks + 1, received + len(request.chunk.data)
+    except PayloadError as error:
+        raise Refusal("bad_chunks", "INVALID_ARGUMENT", f"bad payload stream: {error}") from None
+    try:
+        return assembler.finish()
+    except PayloadError as error:
+        if chunks == header.chunk_count and received == header.payload_bytes:
+            # Every chunk and byte arrived, and they are not what was sent.
+            raise Refusal("checksum", "DATA_LOSS", f"payload corrupted: {error}") from None
+        raise Refusal("bad_chunks", "INVALID_ARGUMENT", f"bad payload stream: {error}") from None
+
+
+def _check_unseeded(state: FragmentState) -> None:
+    if state.committed is not None:
+        raise Refusal("already_seeded", "ALREADY_EXISTS",
+                      f"fragment {state.id} is already seeded (the first seed wins): pull it")
+
+
+def _finite_norm(state: FragmentState, values: torch.Tensor) -> float:
+    """The L2 norm, refusing NaN and Inf. One fast pass in the common case: any non-finite
+    value makes the norm non-finite, and only then are they counted (a norm that merely
+    overflowed is left to the norm bound)."""
+    norm = float(torch.linalg.vector_norm(values))
+    if not math.isfinite(norm):
+        bad = values.numel() - int(torch.isfinite(values).sum())
+        if bad:
+            raise Refusal("non_finite", "INVALID_ARGUMENT",
+                          f"fragment {state.id}: {bad} of {values.numel()} decoded values are NaN or Inf")
+    return norm
+
+
+def _difference(expected: Manifest, got: Manifest) -> str:
+    for index, (a, b) in enumerate(zip(expected, got)):
+        if a != b:
+            return f"tensor {index} is {b[0]!r} {list(b[1])}, expected {a[0]!r} {list(a[1])}"
+    return f"{len(got)} tensors, expected {len(expected)}"

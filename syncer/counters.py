@@ -1,0 +1,29 @@
+"""Every decision the shard makes, counted.
+
+Plain names and numbers, shared by the gRPC service (Status.counters), the tests and a
+simulator; the metrics exporter turns `family.label` into `diloco_syncer_<family>_total
+{label}`. They count since the process started, like any Prometheus counter: a restarted shard
+starts from zero (what survives a restart is the state itself, see store.py).
+
+Families: contributions.<result> (accepted, stale_merged, refused_stale, restored), seeds,
+refusals.<reason>, rounds.<close reason>, learners.<event> (joined, rejoined, left, expired),
+kept_compute_seconds.
+"""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+
+class Counters:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._values: defaultdict[str, float] = defaultdict(int)
+
+    def add(self, name: str, amount: float = 1) -> None:
+        with self._lock:
+            self._values[name] += amount
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._values)

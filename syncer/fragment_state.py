@@ -1,0 +1,251 @@
+"""One fragment on its shard: the committed state and the open round.
+
+The committed state (FragmentSnapshot) is an immutable record: global value, Nesterov buffer,
+error-feedback residual, version and the encoded updates learners catch up from. A seed or a
+round close computes the next record in full, the journal makes it durable, and only then is
+it installed, so a failure on the way leaves the fragment as it was and readers (pulls,
+Status) see either the old record or the new one, never a mix.
+
+The open round holds what arrived since: a running merge of the contributions and the
+bookkeeping that decides when it closes.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from services.client import apply_update, state_hash
+from services.codecs import ErrorFeedback, get_codec
+from services.config import SyncConfig, SyncerConfig
+from services.fragments import Fragment
+from services.payload import describe
+from services.wire import pb
+from syncer.grace import GraceWindow
+from syncer.merge import RoundAccumulator
+from syncer.outer import OuterOptimizer
+from syncer.refusal import Refusal
+
+FP32 = get_codec("fp32")
+
+
+class ContributionKey(NamedTuple):
+    """What makes a contribution unique: the same key twice is a duplicate."""
+    learner_id: str
+    incarnation: int
+    base_version: int
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """An encoded tensor at a version: an update (history) or a snapshot of the value."""
+    version: int
+    header: pb.PayloadHeader
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class ClosedRound:
+    round: int
+    close_reason: str  # "all" or "quorum_grace"
+    contributors: int  # distinct learners
+    closed_unix_seconds: float
+    duration_seconds: float  # from the round's first contribution to its close
+
+
+@dataclass(frozen=True)
+class FragmentSnapshot:
+    """Everything a fragment keeps across a restart except the open round, whose
+    contributions the journal records one by one."""
+    fragment_id: int
+    version: int
+    value: torch.Tensor  # fp32 global value; never modified once in a snapshot
+    momentum: torch.Tensor
+    residual: torch.Tensor  # what the encoded updates have not delivered yet
+    history: tuple[Encoded, ...]  # the updates to versions version-len+1 .. version
+    state_hash: str
+    merged_contributions: int  # since the seed
+    recent_keys: frozenset[ContributionKey]  # merged, and not yet too stale to be sent again
+    last_round: ClosedRound | None
+
+
+@dataclass(frozen=True)
+class PullPlan:
+    snapshot: bool  # items is one fp32 snapshot rather than updates
+    items: tuple[Encoded, ...]
+    state_hash: str  # of the value after the last item
+
+
+class OpenRound:
+    def __init__(self, number: int, numel: int, merge: str):
+        self.number = number  # closing it produces version `number`
+        self.accumulator = RoundAccumulator(numel, merge)
+        self.keys: set[ContributionKey] = set()
+        self.contributors: set[str] = set()
+        self.count = 0
+        self.first_at: float | None = None
+        self.quorum_at: float | None = None  # when the K-th distinct learner contributed
+        self.transfer_seconds = 0.0  # summed over contributions
+
+    @property
+    def quorum_seconds(self) -> float:
+        return self.quorum_at - self.first_at if self.quorum_at is not None else 0.0
+
+    @property
+    def mean_transfer_seconds(self) -> float:
+        return self.transfer_seconds / self.count if self.count else 0.0
+
+
+class FragmentState:
+    def __init__(self, fragment: Fragment, sync: SyncConfig, syncer: SyncerConfig):
+        self.fragment = fragment
+        self.lock = threading.Lock()  # held by the core around every change
+        self.codec = get_codec(sync.codec)
+        self.block_size = sync.codec_block_size
+        self.rules = syncer
+        self.optimizer = OuterOptimizer(syncer.outer_optimizer.lr, syncer.outer_optimizer.momentum,
+                                        syncer.outer_optimizer.nesterov)
+        self.grace = GraceWindow(syncer.grace.mode, syncer.grace.seconds, syncer.grace.gamma,
+                                 sync.overlap_steps)
+        self._feedback = ErrorFeedback(self.codec, fragment.numel, self.block_size)
+        self.committed: FragmentSnapshot | None = None  # None until seeded
+        self.round = OpenRound(1, fragment.numel, syncer.merge)
+
+    @property
+    def id(self) -> int:
+        return self.fragment.id
+
+    @property
+    def version(self) -> int:
+        return self.committed.version if self.committed is not None else 0
+
+    # ---- what a push must look like ----------------------------------------------------
+
+    def check_payload(self, header: pb.PushHeader) -> None:
+        """Seeds are fp32; outer gradients use the cluster codec and block size."""
+        seed = header.kind == pb.PUSH_KIND_SEED
+        expected = FP32 if seed else self.codec
+        payload = header.payload
+        if payload.codec != expected.wire:
+            raise Refusal("wrong_codec", "INVALID_ARGUMENT",
+                          f"fragment {self.id}: a {'seed' if seed else 'outer gradient'} must be "
+                          f"{expected.name}, got {_codec_name(payload.codec)}")
+        if not seed and payload.block_size != self.block_size:
+            raise Refusal("wrong_block_size", "INVALID_ARGUMENT",
+                          f"fragment {self.id}: codec block size must be {self.block_size}, "
+                          f"got {payload.block_size}")
+        if payload.numel != self.fragment.numel:
+            raise Refusal("wrong_numel", "INVALID_ARGUMENT",
+                          f"fragment {self.id} has {self.fragment.numel} elements, "
+                          f"the push has {payload.numel}")
+
+    def staleness(self, key: ContributionKey) -> int:
+        """How many versions the contribution is behind; refuses what can never be merged."""
+        committed = self.committed
+        if committed is None:
+            raise Refusal("unseeded", "FAILED_PRECONDITION",
+                          f"fragment {self.id} has not been seeded: push its initial value "
+                          "(PUSH_KIND_SEED) first")
+        if key.base_version > committed.version:
+            raise Refusal("future_base_version", "FAILED_PRECONDITION",
+                          f"base_version {key.base_version} is ahead of fragment {self.id}'s version "
+                          f"{committed.version}: pull a snapshot and re-anchor")
+        if key in self.round.keys or key in committed.recent_keys:
+            raise Refusal("duplicate", "ALREADY_EXISTS",
+                          f"learner {key.learner_id!r} incarnation {key.incarnation} already "
+                          f"contributed to fragment {self.id} from base version {key.base_version}")
+        return committed.version - key.base_version
+
+    # ---- the open round ------------------------------------------------------------------
+
+    def admit(self, key: ContributionKey, delta: torch.Tensor, norm: float, weight: float,
+              now: float, transfer_seconds: float) -> None:
+        round_ = self.round
+        round_.accumulator.add(delta, weight, norm)
+        round_.keys.add(key)
+        round_.contributors.add(key.learner_id)
+        round_.count += 1
+        round_.transfer_seconds += transfer_seconds
+        if round_.first_at is None:
+            round_.first_at = now
+        if round_.quorum_at is None and len(round_.contributors) >= self.rules.quorum:
+            round_.quorum_at = now
+
+    def close_reason(self, live_ids: frozenset[str], now: float) -> str | None:
+        """"all" once every live learner has contributed; "quorum_grace" once at least K
+        have and the grace window has passed since the K-th. With nobody live (say, just
+        after a shard restart, before learners rejoin) only quorum and grace can close."""
+        round_ = self.round
+        if round_.count == 0:
+            return None
+        if live_ids and live_ids <= round_.contributors:
+            return "all"
+        if round_.quorum_at is not None and now - round_.quorum_at >= self.grace.seconds():
+            return "quorum_grace"
+        return None
+
+    # ---- the next committed state ------------------------------------------------------
+
+    def seeded(self, values: torch.Tensor) -> FragmentSnapshot:
+        zeros = torch.zeros(self.fragment.numel)
+        return FragmentSnapshot(self.id, 0, values, zeros, zeros.clone(), (), state_hash(values), 0,
+                                frozenset(), None)
+
+    def closing(self, reason: str, now: float, unix_now: float) -> FragmentSnapshot:
+        """The state after merging the open round: outer step, encode the update with error
+        feedback, apply exactly the decoded update. Changes nothing by itself."""
+        committed, round_ = self.committed, self.round
+        momentum, update = self.optimizer.step(committed.momentum, round_.accumulator.merged())
+        self._feedback.residual = committed.residual  # compress() replaces it, never modifies it
+        payload, decoded = self._feedback.compress(update)
+        residual = self._feedback.residual
+        value = committed.value.clone()
+        apply_update(value, decoded)  # the same call learners use: same bits on both sides
+        version = committed.version + 1
+        update_record = Encoded(version, describe(self.codec, self.fragment.numel, payload, self.block_size),
+                                payload)
+        oldest_mergeable = version - self.rules.max_staleness
+        recent = frozenset(k for k in committed.recent_keys | round_.keys if k.base_version >= oldest_mergeable)
+        return FragmentSnapshot(
+            self.id, version, value, momentum, residual,
+            (committed.history + (update_record,))[-self.rules.history_versions:],
+            state_hash(value), committed.merged_contributions + round_.count, recent,
+            ClosedRound(round_.number, reason, len(round_.contributors), unix_now, now - round_.first_at))
+
+    def install(self, snapshot: FragmentSnapshot) -> None:
+        """Adopts a committed state (a seed, a closed round, or one restored from disk) and
+        opens the round that follows it."""
+        self.committed = snapshot
+        self.round = OpenRound(snapshot.version + 1, self.fragment.numel, self.rules.merge)
+
+    def observe_close(self, round_: OpenRound, close_seconds: float) -> None:
+        self.grace.quorum_seconds.observe(round_.quorum_seconds)
+        self.grace.sync_seconds.observe(round_.mean_transfer_seconds + close_seconds)
+
+    # ---- reads ---------------------------------------------------------------------------
+
+    def pull(self, base_version: int | None) -> PullPlan:
+        """The updates (base_version, version], or one fp32 snapshot if base_version is None
+        or older than the history reaches. Needs no lock: the committed record is immutable."""
+        committed = self.committed
+        if committed is None:
+            raise Refusal("unseeded", "FAILED_PRECONDITION", f"fragment {self.id} has not been seeded yet")
+        if base_version is not None and base_version > committed.version:
+            raise Refusal("future_base_version", "FAILED_PRECONDITION",
+                          f"base_version {base_version} is ahead of fragment {self.id}'s version "
+                          f"{committed.version}: pull a snapshot")
+        if base_version is not None and base_version >= committed.version - len(committed.history):
+            updates = tuple(u for u in committed.history if u.version > base_version)
+            return PullPlan(False, updates, committed.state_hash)
+        payload = FP32.encode(committed.value, self.block_size)
+        snapshot = Encoded(committed.version, describe(FP32, self.fragment.numel, payload, self.block_size), payload)
+        return PullPlan(True, (snapshot,), committed.state_hash)
+
+
+def _codec_name(wire: int) -> str:
+    try:
+        return get_codec(wire).name
+    except ValueError:
+        return f"unknown codec {wire}"

@@ -1,0 +1,130 @@
+"""Who is training: learners, their incarnations and leases, as one shard sees them.
+
+Each shard keeps its own table (DESIGN.md §2.5), so no shard depends on another for liveness.
+A learner joins with a fresh incarnation per process start, renews its lease with every
+heartbeat or push, and is dead once the lease expires: it stops counting towards "every live
+learner has contributed". It must then join again, which is also where it learns what it
+missed.
+
+The table is deliberately not persisted. After a shard restart every learner's next heartbeat
+or push gets FAILED_PRECONDITION ("not joined") and it rejoins, so the table rebuilds itself
+within one heartbeat interval, and a learner that died while the shard was down is never
+mistaken for a live one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from syncer.counters import Counters
+from syncer.refusal import Refusal
+
+
+@dataclass
+class Learner:
+    id: str
+    region: str
+    incarnation: int
+    last_seen: float  # last join, heartbeat or push, on the core's clock
+    lease_expires: float
+    left: bool = False
+    expired: bool = False  # set (and counted) the first time the lease is seen expired
+    step: int = 0
+    step_seconds: float = 0.0
+    tokens_per_second: float = 0.0
+    held_versions: dict[int, int] = field(default_factory=dict)  # fragment id -> version held
+
+    @property
+    def alive(self) -> bool:
+        return not (self.left or self.expired)
+
+
+class Membership:
+    def __init__(self, learner_ids: Iterable[str], lease_seconds: float, counters: Counters):
+        self._allowed = tuple(learner_ids)
+        self._lease_seconds = lease_seconds
+        self._counters = counters
+        self._learners: dict[str, Learner] = {}
+        self._lock = threading.Lock()
+
+    def check_allowed(self, learner_id: str) -> None:
+        if learner_id not in self._allowed:
+            raise Refusal("unknown_learner_id", "PERMISSION_DENIED",
+                          f"learner id {learner_id!r} is not in the cluster config "
+                          f"(learners: {', '.join(self._allowed)})")
+
+    def join(self, learner_id: str, incarnation: int, region: str, now: float) -> None:
+        """A new process (higher incarnation) replaces the old one; the same incarnation may
+        rejoin (after its lease expired, or a shard restart); an older one is a zombie."""
+        self.check_allowed(learner_id)
+        with self._lock:
+            current = self._learners.get(learner_id)
+            if current is not None and incarnation < current.incarnation:
+                raise Refusal("old_incarnation", "FAILED_PRECONDITION",
+                              f"learner {learner_id!r} incarnation {incarnation} is older than its "
+                              f"joined incarnation {current.incarnation}")
+            self._learners[learner_id] = Learner(learner_id, region, incarnation, now,
+                                                 now + self._lease_seconds)
+        self._counters.add("learners.rejoined" if current is not None else "learners.joined")
+
+    def authenticate(self, learner_id: str, incarnation: int, now: float) -> None:
+        """Checks that this is the joined, live incarnation and renews its lease: any call a
+        learner makes is proof of life."""
+        with self._lock:
+            learner = self._identify(learner_id, incarnation, now)
+            if not learner.alive:
+                raise Refusal("not_live", "FAILED_PRECONDITION",
+                              f"learner {learner_id!r} {'has left' if learner.left else 'let its lease expire'}"
+                              f" (last seen {now - learner.last_seen:.1f}s ago): join again")
+            learner.last_seen = now
+            learner.lease_expires = now + self._lease_seconds
+
+    def heartbeat(self, learner_id: str, incarnation: int, now: float, step: int, step_seconds: float,
+                  tokens_per_second: float, held_versions: dict[int, int]) -> None:
+        self.authenticate(learner_id, incarnation, now)
+        with self._lock:
+            learner = self._learners[learner_id]
+            learner.step, learner.step_seconds = step, step_seconds
+            learner.tokens_per_second = tokens_per_second
+            learner.held_versions = dict(held_versions)
+
+    def leave(self, learner_id: str, incarnation: int, now: float) -> None:
+        with self._lock:
+            learner = self._identify(learner_id, incarnation, now)
+            if learner.left:
+                return
+            learner.left = True
+        self._counters.add("learners.left")
+
+    def live_ids(self, now: float) -> frozenset[str]:
+        with self._lock:
+            return frozenset(learner.id for learner in self._learners.values()
+                             if self._refresh(learner, now).alive)
+
+    def learners(self, now: float) -> list[Learner]:
+        """Copies, in join order, for reporting."""
+        with self._lock:
+            return [dataclasses.replace(self._refresh(learner, now), held_versions=dict(learner.held_versions))
+                    for learner in self._learners.values()]
+
+    def _identify(self, learner_id: str, incarnation: int, now: float) -> Learner:
+        self.check_allowed(learner_id)
+        learner = self._learners.get(learner_id)
+        if learner is None or incarnation > learner.incarnation:
+            raise Refusal("not_joined", "FAILED_PRECONDITION",
+                          f"learner {learner_id!r} incarnation {incarnation} has not joined this shard "
+                          "(or the shard restarted): join again")
+        if incarnation < learner.incarnation:
+            raise Refusal("old_incarnation", "FAILED_PRECONDITION",
+                          f"learner {learner_id!r} incarnation {incarnation} was replaced by "
+                          f"incarnation {learner.incarnation}")
+        return self._refresh(learner, now)
+
+    def _refresh(self, learner: Learner, now: float) -> Learner:
+        if not learner.alive or now < learner.lease_expires:
+            return learner
+        learner.expired = True
+        self._counters.add("learners.expired")
+        return learner

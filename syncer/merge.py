@@ -1,0 +1,59 @@
+"""Merging one round's outer gradients into one.
+
+Each contribution is weighted by "quantity x quality", w = c_tokens * (c_tokens / c_steps):
+learners that processed more tokens, and processed them faster per step, count more; a stale
+contribution is down-weighted by stale_weight_decay ** staleness.
+
+Two merges (DESIGN.md §2.2):
+- "rda", radial-directional averaging (the default): the norm is the weighted mean of the
+  norms, the direction the normalised weighted mean of the unit vectors. Nearly orthogonal
+  outer gradients keep their size; a plain mean of M of them shrinks by about sqrt(M).
+- "mean": the weighted mean.
+
+Both are running sums, so an open round holds one accumulator however many learners
+contribute, and a contribution can be folded in (and forgotten) as soon as it arrives.
+"""
+from __future__ import annotations
+
+import torch
+
+METHODS = ("rda", "mean")
+
+
+def contribution_weight(c_tokens: int, c_steps: int, staleness: int, stale_weight_decay: float) -> float:
+    return c_tokens * (c_tokens / c_steps) * stale_weight_decay ** staleness
+
+
+class RoundAccumulator:
+    def __init__(self, numel: int, method: str):
+        if method not in METHODS:
+            raise ValueError(f"unknown merge {method!r}; valid: {', '.join(METHODS)}")
+        self.numel, self.method = numel, method
+        self._sum: torch.Tensor | None = None  # rda: sum of w * unit vector; mean: sum of w * delta
+        self._weight = 0.0  # sum of w
+        self._norm = 0.0  # rda: sum of w * |delta|
+
+    def add(self, delta: torch.Tensor, weight: float, norm: float) -> None:
+        """Folds in one outer gradient with its weight and L2 norm."""
+        if self._sum is None:
+            self._sum = torch.zeros(self.numel)
+        if self.method == "rda":
+            # A zero outer gradient has no direction: it adds only its (zero) norm, which
+            # pulls the merged norm down, as a learner that made no progress should.
+            if norm > 0:
+                self._sum.add_(delta, alpha=weight / norm)
+            self._norm += weight * norm
+        else:
+            self._sum.add_(delta, alpha=weight)
+        self._weight += weight
+
+    def merged(self) -> torch.Tensor:
+        """A new tensor; zeros when nothing with a weight or a direction was added."""
+        if self._sum is None or self._weight == 0:
+            return torch.zeros(self.numel)
+        if self.method == "mean":
+            return self._sum / self._weight
+        length = float(torch.linalg.vector_norm(self._sum))
+        if length == 0:  # no contribution had a direction, or they cancelled exactly
+            return torch.zeros(self.numel)
+        return self._sum * ((self._norm / self._weight) / length)

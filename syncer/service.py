@@ -1,0 +1,229 @@
+"""The Syncer gRPC service of one shard: translates between the wire and ShardCore.
+
+Rounds close on pushes and on time: a ticker thread calls `core.tick()` every TICK_SECONDS, so
+a round that reached quorum closes when its grace window ends (or when the last missing
+learner's lease expires) without waiting for another push. Pulls wait on a condition that
+every new version notifies.
+
+    handle = start_shard(cfg, shard_index=0, listen="127.0.0.1:0", state_dir=tmp)
+    ... ShardClient(f"127.0.0.1:{handle.port}", cfg.rpc, ...) ...
+    handle.stop()
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import math
+import os
+import threading
+from dataclasses import dataclass
+
+import grpc
+
+from services.codecs import get_codec
+from services.config import Config
+from services.payload import iter_chunks
+from services.rpc import Server
+from services.wire import pb, pb_grpc
+from syncer.core import FragmentView, ShardCore
+from syncer.refusal import Refusal
+from syncer.store import ShardStore, shard_state_dir
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Syncer"].full_name
+TICK_SECONDS = 0.05
+
+
+def _answer_refusals(method):
+    """A Refusal becomes the RPC's status and message."""
+    if inspect.isgeneratorfunction(method):
+        @functools.wraps(method)
+        def streaming(self, request, context):
+            try:
+                yield from method(self, request, context)
+            except Refusal as refusal:
+                context.abort(grpc.StatusCode[refusal.status], refusal.message)
+        return streaming
+
+    @functools.wraps(method)
+    def unary(self, request, context):
+        try:
+            return method(self, request, context)
+        except Refusal as refusal:
+            context.abort(grpc.StatusCode[refusal.status], refusal.message)
+    return unary
+
+
+class SyncerServicer(pb_grpc.SyncerServicer):
+    def __init__(self, core: ShardCore):
+        self.core = core
+        self.settings = _cluster_settings(core.cfg)
+        self._new_version = threading.Condition()
+
+    def versions_changed(self) -> None:
+        with self._new_version:
+            self._new_version.notify_all()
+
+    @_answer_refusals
+    def Join(self, request, context):
+        digest, fragments = self.core.join(request.learner_id, request.incarnation, request.region,
+                                           [(t.name, tuple(t.shape)) for t in request.manifest.tensors])
+        return pb.JoinResponse(shard_index=self.core.shard_index, plan_digest=digest,
+                               fragments=[_fragment_info(f) for f in fragments], settings=self.settings)
+
+    @_answer_refusals
+    def Heartbeat(self, request, context):
+        versions = self.core.heartbeat(request.learner_id, request.incarnation, request.step,
+                                       request.step_seconds, request.tokens_per_second,
+                                       dict(request.held_versions))
+        return pb.HeartbeatResponse(lease_seconds=self.core.cfg.syncer.lease_seconds, versions=versions)
+
+    @_answer_refusals
+    def Leave(self, request, context):
+        self.core.leave(request.learner_id, request.incarnation)
+        return pb.LeaveResponse()
+
+    @_answer_refusals
+    def PushFragment(self, request_iterator, context):
+        outcome = self.core.push(request_iterator)
+        if outcome.committed:
+            self.versions_changed()
+        return pb.PushResponse(result=outcome.result, current_version=outcome.current_version,
+                               staleness=outcome.staleness, round=outcome.round)
+
+    @_answer_refusals
+    def PullFragment(self, request, context):
+        fragment_id = request.fragment_id
+        self.core.version(fragment_id)  # an unknown fragment is refused before any wait
+        context.add_callback(self.versions_changed)  # a cancelled call stops waiting at once
+
+        def reached() -> bool:
+            version = self.core.version(fragment_id)
+            return (version is not None and version >= request.min_version) or not context.is_active()
+
+        wait = _wait_budget(request.max_wait_seconds, context.time_remaining())
+        if wait > 0:
+            with self._new_version:
+                self._new_version.wait_for(reached, timeout=wait)
+        plan = self.core.pull(fragment_id, request.base_version if request.HasField("base_version") else None)
+        kind = pb.PAYLOAD_KIND_SNAPSHOT if plan.snapshot else pb.PAYLOAD_KIND_UPDATE
+        for index, item in enumerate(plan.items):
+            last = index == len(plan.items) - 1
+            yield pb.PullResponse(header=pb.PullItemHeader(
+                kind=kind, version=item.version, payload=item.header, state_hash=plan.state_hash if last else ""))
+            for chunk in iter_chunks(item.payload):
+                yield pb.PullResponse(chunk=chunk)
+
+    def Status(self, request, context):
+        status = self.core.status()
+        return pb.StatusResponse(
+            shard_index=status.shard_index, plan_digest=status.plan_digest,
+            fragments=[pb.FragmentStatus(
+                fragment_id=f.id, numel=f.numel, initialized=f.initialized, version=f.version,
+                state_hash=f.state_hash, pending_contributions=f.pending_contributions,
+                last_round=pb.RoundInfo(
+                    round=f.last_round.round, close_reason=f.last_round.close_reason,
+                    contributors=f.last_round.contributors,
+                    closed_unix_seconds=f.last_round.closed_unix_seconds,
+                    duration_seconds=f.last_round.duration_seconds) if f.last_round else None)
+                for f in status.fragments],
+            learners=[pb.LearnerStatus(
+                learner_id=l.id, region=l.region, incarnation=l.incarnation, alive=l.alive,
+                last_step=l.step, staleness=l.staleness, seconds_since_heartbeat=l.seconds_since_heartbeat,
+                tokens_per_second=l.tokens_per_second) for l in status.learners],
+            counters=wire_counters(status.counters))
+
+
+def wire_counters(counters: dict[str, float]) -> dict[str, int]:
+    """Status.counters holds integers: seconds travel as milliseconds."""
+    wire = {}
+    for name, value in counters.items():
+        if name.endswith("_seconds"):
+            wire[name.removesuffix("_seconds") + "_milliseconds"] = round(value * 1000)
+        else:
+            wire[name] = int(value)
+    return wire
+
+
+def _wait_budget(max_wait_seconds: float, time_remaining: float | None) -> float:
+    """How long a pull may wait: what it asked for, leaving a tenth of the call's remaining
+    deadline (at most a second) to send the result."""
+    remaining = math.inf if time_remaining is None else time_remaining
+    return max(0.0, min(max_wait_seconds, remaining - min(1.0, remaining / 10)))
+
+
+def _fragment_info(f: FragmentView) -> pb.FragmentInfo:
+    return pb.FragmentInfo(fragment_id=f.id, numel=f.numel, offset_step=f.offset_step,
+                           tensor_names=f.tensor_names, initialized=f.initialized, version=f.version,
+                           state_hash=f.state_hash)
+
+
+def _cluster_settings(cfg: Config) -> pb.ClusterSettings:
+    sync = cfg.sync
+    return pb.ClusterSettings(
+        fragments=sync.fragments, sync_interval_steps=sync.interval_steps, overlap_steps=sync.overlap_steps,
+        mix_alpha=sync.mix_alpha, codec=get_codec(sync.codec).wire, codec_block_size=sync.codec_block_size,
+        max_staleness=cfg.syncer.max_staleness, fragmentation=sync.fragmentation, shards=len(cfg.shards),
+        heartbeat_interval_seconds=cfg.trainer.heartbeat_seconds, lease_seconds=cfg.syncer.lease_seconds)
+
+
+class Ticker:
+    """A thread that closes the rounds due by time alone."""
+
+    def __init__(self, core: ShardCore, on_new_version, interval: float = TICK_SECONDS):
+        self.core, self.on_new_version, self.interval = core, on_new_version, interval
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"shard-{core.shard_index}-ticker", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self.interval):
+            try:
+                if self.core.tick():
+                    self.on_new_version()
+            except Exception:  # e.g. a full disk: the round stays open and is retried
+                log.exception("closing a round failed")
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join()
+
+
+def worker_threads(cfg: Config) -> int:
+    """Enough RPC threads that pulls waiting for rounds never starve the pushes that close
+    them: per learner, a push and a waiting pull for each fragment a shard may own, plus a
+    heartbeat, plus a few for Status and health."""
+    fragments_per_shard = -(-cfg.sync.fragments // len(cfg.shards)) + 1
+    return len(cfg.learners) * (2 * fragments_per_shard + 1) + 8
+
+
+@dataclass
+class ShardHandle:
+    core: ShardCore
+    server: Server
+    store: ShardStore
+    ticker: Ticker
+    port: int
+
+    def stop(self, drain_seconds: float = 0.0) -> None:
+        """Health NOT_SERVING, in-flight calls drain, then the ticker and the files close.
+        Everything acknowledged is already durable: stopping needs no flush."""
+        self.server.stop(drain_seconds)
+        self.ticker.stop()
+        self.store.close()
+
+
+def start_shard(cfg: Config, shard_index: int, listen: str = "127.0.0.1:0",
+                state_dir: str | os.PathLike | None = None) -> ShardHandle:
+    """Restores the shard's state from disk and serves it on `listen` (port 0: any free one)."""
+    store = ShardStore(shard_state_dir(cfg.run.state_dir if state_dir is None else state_dir, shard_index))
+    core = ShardCore(cfg, shard_index, journal=store)
+    core.restore(store.load())
+    servicer = SyncerServicer(core)
+    server = Server(cfg.rpc, [SERVICE_NAME], max_workers=worker_threads(cfg))
+    pb_grpc.add_SyncerServicer_to_server(servicer, server.grpc_server)
+    port = server.start(listen)
+    ticker = Ticker(core, servicer.versions_changed)
+    return ShardHandle(core, server, store, ticker, port)

@@ -1,0 +1,289 @@
+"""A shard's durable state, under `<run.state_dir>/shard-<I>/`:
+
+    manifest.json            the model manifest the first join fixed, with the plan digest
+    fragment-<p>/snapshot    the last committed state: value, momentum, residual, version,
+                             bookkeeping (replaced atomically: write a temporary file, fsync,
+                             rename over, fsync the folder)
+    fragment-<p>/update-<v>  the encoded update that made version v (written before the
+                             snapshot that lists it, removed once it leaves the history)
+    fragment-<p>/round.log   the contributions admitted to the open round, one record each,
+                             written and synced before the push is acknowledged
+
+Why nothing acknowledged is lost: a push is acknowledged only once its log record is on disk,
+and a new version is visible to anyone only once the snapshot holding it is. After a crash the
+snapshot gives the last version and the log records of the round after it rebuild the open
+round. A record torn by the crash was never acknowledged and is dropped.
+
+The log is rewritten in place from its start each round rather than truncated: overwriting
+cached pages is an order of magnitude faster than writing fresh ones. Leftover records of
+earlier rounds carry their round number and are skipped, as are records of the round the
+snapshot already merged (a crash between the rename and the next round's first record).
+
+Every file is framed as  u64 length | u32 crc32 | body,  so a torn or corrupted file is
+detected, never loaded. A snapshot that fails its check stops the shard with StoreError rather
+than let it restart from an older state that learners have already moved past.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import struct
+import threading
+import zlib
+from typing import Iterator
+
+import torch
+
+from services.wire import pb
+from syncer.core import LoggedContribution, Manifest, Restored
+from syncer.fragment_state import ClosedRound, ContributionKey, Encoded, FragmentSnapshot
+
+_FRAME = struct.Struct("<QI")  # body length, crc32 of body
+_LENGTH = struct.Struct("<I")  # of an embedded message
+_ROUND = struct.Struct("<Q")
+_SNAPSHOT_FORMAT = "diloco.syncer-snapshot/1"
+
+
+class StoreError(RuntimeError):
+    """Stored state that cannot be trusted; the message names the file."""
+
+
+def shard_state_dir(state_dir: str | os.PathLike, shard_index: int) -> pathlib.Path:
+    return pathlib.Path(state_dir) / f"shard-{shard_index}"
+
+
+class ShardStore:
+    """The Journal the service gives the core. The core calls it for one fragment at a time
+    (under that fragment's lock); a fragment's own lock here only keeps close() from pulling
+    a file out from under a call still running at shutdown."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = pathlib.Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._fragments: dict[int, _FragmentFiles] = {}
+
+    # ---- Journal ---------------------------------------------------------------------------
+
+    def fix_manifest(self, manifest: Manifest, plan_digest: str) -> None:
+        text = json.dumps({"plan_digest": plan_digest, "tensors": [[n, list(s)] for n, s in manifest]})
+        _write_atomically(self.directory / "manifest.json", [text.encode()])
+
+    def append(self, fragment_id: int, contribution: LoggedContribution) -> None:
+        header = contribution.header.SerializeToString()
+        body = [_ROUND.pack(contribution.round), _LENGTH.pack(len(header)), header, contribution.payload]
+        record = b"".join(memoryview(part).cast("B") for part in _frame(body))
+        with self._files(fragment_id) as files:
+            os.pwrite(files.log(), record, files.log_end)
+            _sync_data(files.log())
+            files.log_end += len(record)
+
+    def commit(self, snapshot: FragmentSnapshot) -> None:
+        with self._files(snapshot.fragment_id) as files:
+            for update in snapshot.history:
+                if update.version not in files.updates_on_disk:
+                    header = update.header.SerializeToString()
+                    _write_file(files.folder / f"update-{update.version}",
+                                _frame([_LENGTH.pack(len(header)), header, update.payload]))
+                    files.updates_on_disk.add(update.version)
+            _write_atomically(files.folder / "snapshot", _frame(_snapshot_body(snapshot)))  # the commit point
+            files.log_end = 0  # everything logged is merged now: the next round overwrites it
+            kept = {update.version for update in snapshot.history}
+            for version in sorted(files.updates_on_disk - kept):
+                (files.folder / f"update-{version}").unlink(missing_ok=True)
+                files.updates_on_disk.discard(version)
+
+    def close(self) -> None:
+        with self._lock:
+            fragments = list(self._fragments.values())
+        for files in fragments:
+            with files.lock:
+                files.close()
+
+    @contextlib.contextmanager
+    def _files(self, fragment_id: int) -> Iterator["_FragmentFiles"]:
+        with self._lock:
+            files = self._fragments.get(fragment_id)
+            if files is None:
+                files = self._fragments[fragment_id] = _FragmentFiles(self.directory, fragment_id)
+        with files.lock:
+            if files.closed:
+                raise StoreError(f"{self.directory}: the store is closed (the shard is stopping)")
+            yield files
+
+    # ---- restart ---------------------------------------------------------------------------
+
+    def load(self) -> Restored:
+        manifest_path = self.directory / "manifest.json"
+        if not manifest_path.exists():
+            return Restored(None, "", {}, {})
+        try:
+            data = json.loads(manifest_path.read_text())
+            manifest: Manifest = tuple((name, tuple(shape)) for name, shape in data["tensors"])
+            plan_digest = data["plan_digest"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise StoreError(f"{manifest_path}: unreadable manifest: {error}") from None
+        snapshots, contributions = {}, {}
+        for folder in sorted(self.directory.glob("fragment-*")):
+            fragment_id = int(folder.name.split("-", 1)[1])
+            (folder / "snapshot.tmp").unlink(missing_ok=True)  # a snapshot that never got renamed in
+            if (folder / "snapshot").exists():
+                snapshots[fragment_id] = self._load_snapshot(fragment_id, folder)
+            contributions[fragment_id] = self._load_log(fragment_id, folder / "round.log")
+        return Restored(manifest, plan_digest, snapshots, contributions)
+
+    def _load_snapshot(self, fragment_id: int, folder: pathlib.Path) -> FragmentSnapshot:
+        path = folder / "snapshot"
+        bodies, _ = _read_frames(path)
+        if len(bodies) != 1:
+            raise StoreError(f"{path}: torn or corrupted snapshot (length or checksum mismatch)")
+        body = bodies[0]
+        (meta_length,) = _LENGTH.unpack_from(body)
+        meta = json.loads(bytes(body[_LENGTH.size:_LENGTH.size + meta_length]))
+        numel, offset = meta["numel"], _LENGTH.size + meta_length
+        if meta["format"] != _SNAPSHOT_FORMAT or meta["fragment_id"] != fragment_id or \
+                len(body) != offset + 3 * 4 * numel:
+            raise StoreError(f"{path}: not a {_SNAPSHOT_FORMAT} of fragment {fragment_id}")
+        value, momentum, residual = (
+            torch.frombuffer(body, dtype=torch.float32, offset=offset + i * 4 * numel, count=numel)
+            for i in range(3))
+        history = _load_history(folder, meta["history"])
+        with self._files(fragment_id) as files:
+            files.updates_on_disk = {update.version for update in history}
+        for path in folder.glob("update-*"):
+            # Not in the history: a crash came between writing it and the snapshot naming it.
+            # The round will close again, maybe with more contributions: never reuse it.
+            if int(path.name.split("-", 1)[1]) not in files.updates_on_disk:
+                path.unlink()
+        last_round = meta["last_round"]
+        return FragmentSnapshot(
+            fragment_id, meta["version"], value, momentum, residual, history, meta["state_hash"],
+            meta["merged_contributions"], frozenset(ContributionKey(*key) for key in meta["recent_keys"]),
+            ClosedRound(**last_round) if last_round else None)
+
+    def _load_log(self, fragment_id: int, path: pathlib.Path) -> list[LoggedContribution]:
+        bodies, valid_length = _read_frames(path) if path.exists() else ([], 0)
+        with self._files(fragment_id) as files:
+            # New records go after the intact ones, over a record the crash tore (it was never
+            # acknowledged) and over leftovers of rounds merged before.
+            files.log_end = valid_length
+        contributions = []
+        for body in bodies:
+            (round_number,) = _ROUND.unpack_from(body)
+            (length,) = _LENGTH.unpack_from(body, _ROUND.size)
+            start = _ROUND.size + _LENGTH.size
+            header = pb.PushHeader.FromString(bytes(body[start:start + length]))
+            contributions.append(LoggedContribution(round_number, header, bytes(body[start + length:])))
+        return contributions
+
+
+class _FragmentFiles:
+    def __init__(self, directory: pathlib.Path, fragment_id: int):
+        self.folder = directory / f"fragment-{fragment_id}"
+        if not self.folder.exists():
+            self.folder.mkdir()
+            _fsync_dir(directory)
+        self.lock = threading.Lock()
+        self.updates_on_disk: set[int] = set()  # versions with an update file
+        self.closed = False
+        self.log_end = 0  # where the open round's next record goes
+        self._log_fd: int | None = None
+
+    def log(self) -> int:
+        """The fd of round.log, opened on first use."""
+        if self._log_fd is None:
+            self._log_fd = os.open(self.folder / "round.log", os.O_WRONLY | os.O_CREAT, 0o644)
+            _fsync_dir(self.folder)
+        return self._log_fd
+
+    def close(self) -> None:
+        if self._log_fd is not None:
+            os.close(self._log_fd)
+        self.closed = True
+
+
+def _load_history(folder: pathlib.Path, versions: list[int]) -> tuple[Encoded, ...]:
+    """The stored updates, newest first until one is missing or damaged: a learner that
+    needs an older one pulls a snapshot instead."""
+    history: list[Encoded] = []
+    for version in reversed(versions):
+        path = folder / f"update-{version}"
+        bodies, _ = _read_frames(path) if path.exists() else ([], 0)
+        if len(bodies) != 1:
+            break
+        (length,) = _LENGTH.unpack_from(bodies[0])
+        header = pb.PayloadHeader.FromString(bytes(bodies[0][_LENGTH.size:_LENGTH.size + length]))
+        history.append(Encoded(version, header, bytes(bodies[0][_LENGTH.size + length:])))
+    return tuple(reversed(history))
+
+
+def _snapshot_body(snapshot: FragmentSnapshot) -> list:
+    last_round = snapshot.last_round
+    meta = json.dumps({
+        "format": _SNAPSHOT_FORMAT,
+        "fragment_id": snapshot.fragment_id,
+        "version": snapshot.version,
+        "numel": snapshot.value.numel(),
+        "state_hash": snapshot.state_hash,
+        "merged_contributions": snapshot.merged_contributions,
+        "recent_keys": sorted(list(key) for key in snapshot.recent_keys),
+        "last_round": last_round.__dict__ if last_round else None,
+        "history": [update.version for update in snapshot.history],
+    }).encode()
+    tensors = [t.contiguous().numpy() for t in (snapshot.value, snapshot.momentum, snapshot.residual)]
+    return [_LENGTH.pack(len(meta)), meta, *tensors]
+
+
+def _frame(parts: list) -> list:
+    """length | crc32 | body, as a list of buffers (tensors' memory is not copied)."""
+    length, crc = 0, 0
+    for part in parts:
+        view = memoryview(part).cast("B")
+        length += view.nbytes
+        crc = zlib.crc32(view, crc)
+    return [_FRAME.pack(length, crc), *parts]
+
+
+def _read_frames(path: pathlib.Path) -> tuple[list[memoryview], int]:
+    """The bodies of the intact frames from the start of the file, and where they end."""
+    data = bytearray(path.stat().st_size)
+    with open(path, "rb") as file:
+        file.readinto(data)
+    view, bodies, offset = memoryview(data), [], 0
+    while offset + _FRAME.size <= len(view):
+        length, crc = _FRAME.unpack_from(view, offset)
+        body = view[offset + _FRAME.size:offset + _FRAME.size + length]
+        if len(body) != length or zlib.crc32(body) != crc:
+            break
+        bodies.append(body)
+        offset += _FRAME.size + length
+    return bodies, offset
+
+
+def _write_file(path: pathlib.Path, parts: list) -> None:
+    with open(path, "wb") as file:
+        for part in parts:
+            file.write(memoryview(part).cast("B"))
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _write_atomically(path: pathlib.Path, parts: list) -> None:
+    """Readers see the old file or the new one, whole, whenever the machine stops."""
+    temporary = path.with_name(path.name + ".tmp")
+    _write_file(temporary, parts)
+    os.replace(temporary, path)
+    _fsync_dir(path.parent)
+
+
+_sync_data = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
+
+
+def _fsync_dir(folder: pathlib.Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,331 @@
+"""The shard's decisions, driven directly with a fake clock: round closing, merging, staleness,
+the outer step, error feedback, membership and seeding. No gRPC, no sleeping."""
+import contextlib
+import math
+
+import pytest
+import torch
+
+from services.client import apply_update, state_hash
+from services.codecs import get_codec
+from services.config import parse_config
+from services.payload import decode_payload, describe, iter_chunks
+from services.wire import pb
+from syncer.core import ShardCore
+from syncer.grace import GraceWindow
+from syncer.merge import RoundAccumulator, contribution_weight
+from syncer.refusal import Refusal
+
+MANIFEST = [("blocks.0.w", (64,)), ("blocks.1.w", (48,)), ("head.w", (40,)), ("embed.w", (32,))]
+LEARNERS = ("a", "b", "c")
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def make_config(**syncer):
+    """One shard, three learners, two fragments, fp32 unless a test asks for a codec."""
+    codec = syncer.pop("codec", "fp32")
+    syncer.setdefault("grace", {"mode": "fixed", "seconds": 1.0})
+    return parse_config({
+        "shards": [{"address": "127.0.0.1:1"}],
+        "learners": [{"id": learner, "region": "r"} for learner in LEARNERS],
+        "sync": {"fragments": 2, "interval_steps": 4, "overlap_steps": 1, "codec": codec},
+        "syncer": syncer,
+    })
+
+
+def push_requests(header: pb.PushHeader, payload: bytes, chunk_bytes: int = 1 << 20):
+    yield pb.PushRequest(header=header)
+    for chunk in iter_chunks(payload, chunk_bytes):
+        yield pb.PushRequest(chunk=chunk)
+
+
+class Shard:
+    """A core with its clock, plus the calls a learner makes."""
+
+    def __init__(self, cfg, journal=None, joined=LEARNERS, seed=True):
+        self.cfg, self.clock = cfg, FakeClock()
+        self.core = ShardCore(cfg, 0, clock=self.clock, journal=journal)
+        for learner in joined:
+            self.core.join(learner, 1, "r", MANIFEST)
+        self.seeds = {}
+        if seed:
+            for fid, state in self.core.fragments.items():
+                self.seeds[fid] = torch.randn(state.fragment.numel, generator=torch.Generator().manual_seed(fid))
+                self.push(joined[0], fid, self.seeds[fid], kind=pb.PUSH_KIND_SEED)
+
+    def numel(self, fid=0):
+        return self.core.fragments[fid].fragment.numel
+
+    def push(self, learner, fid, values, *, base=0, c_steps=10, c_tokens=1000, step_seconds=0.5,
+             kind=pb.PUSH_KIND_OUTER_GRADIENT, incarnation=1):
+        codec = get_codec("fp32" if kind == pb.PUSH_KIND_SEED else self.cfg.sync.codec)
+        block = self.cfg.sync.codec_block_size
+        payload = codec.encode(values, block)
+        header = pb.PushHeader(learner_id=learner, incarnation=incarnation, fragment_id=fid, kind=kind,
+                               base_version=base, c_steps=c_steps, c_tokens=c_tokens,
+                               step_seconds=step_seconds, payload=describe(codec, values.numel(), payload, block))
+        return self.core.push(push_requests(header, payload))
+
+    def value(self, fid=0):
+        return self.core.fragments[fid].committed.value
+
+    def version(self, fid=0):
+        return self.core.fragments[fid].version
+
+
+@contextlib.contextmanager
+def refused(status, reason):
+    """pytest.raises for a Refusal with this status and reason."""
+    with pytest.raises(Refusal) as info:
+        yield info
+    assert (info.value.status, info.value.reason) == (status, reason), info.value
+
+
+def delta(seed, numel, scale=0.01):
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+# ---- closing rounds ---------------------------------------------------------------------
+
+def test_round_closes_at_once_when_every_live_learner_contributed():
+    shard = Shard(make_config(quorum=1))
+    for i, learner in enumerate(LEARNERS):
+        assert shard.version() == 0
+        reply = shard.push(learner, 0, delta(i, shard.numel()))
+        assert (reply.result, reply.round, reply.current_version) == (pb.PUSH_RESULT_ACCEPTED, 1, 0)
+    assert shard.version() == 1 and reply.committed
+    assert shard.core.fragments[0].committed.last_round.close_reason == "all"
+    assert shard.core.counters.snapshot()["rounds.all"] == 1
+
+
+def test_quorum_closes_only_after_the_grace_window():
+    shard = Shard(make_config(quorum=2, grace={"mode": "fixed", "seconds": 1.0}))
+    shard.push("a", 0, delta(1, shard.numel()))
+    shard.clock.advance(3.0)  # one contribution is below quorum, however long it waits
+    assert shard.core.tick() == [] and shard.version() == 0
+    shard.push("b", 0, delta(2, shard.numel()))  # K reached: grace starts now
+    shard.clock.advance(0.9)
+    assert shard.core.tick() == [] and shard.version() == 0
+    shard.clock.advance(0.1)
+    assert shard.core.tick() == [0] and shard.version() == 1
+    last = shard.core.fragments[0].committed.last_round
+    assert (last.close_reason, last.contributors, last.duration_seconds) == ("quorum_grace", 2, pytest.approx(4.0))
+
+
+def test_dead_learner_is_not_waited_for():
+    shard = Shard(make_config(quorum=1, lease_seconds=2.0, grace={"mode": "fixed", "seconds": 60.0}))
+    shard.clock.advance(1.5)
+    shard.core.heartbeat("a", 1)
+    shard.core.leave("b", 1)  # a clean goodbye ends the lease at once
+    shard.clock.advance(1.0)  # c never heartbeats: its lease has expired
+    reply = shard.push("a", 0, delta(1, shard.numel()))
+    assert reply.committed and shard.core.fragments[0].committed.last_round.close_reason == "all"
+    counters = shard.core.counters.snapshot()
+    assert counters["learners.left"] == 1 and counters["learners.expired"] == 1
+    with refused("FAILED_PRECONDITION", "not_live"):
+        shard.push("c", 0, delta(2, shard.numel()), base=1)
+    shard.core.join("c", 1, "r", MANIFEST)  # rejoining makes it live again
+    assert shard.push("c", 0, delta(2, shard.numel()), base=1).result == pb.PUSH_RESULT_ACCEPTED
+
+
+def test_adaptive_grace_fits_into_the_overlap_slack():
+    grace = GraceWindow("adaptive", cap_seconds=10.0, gamma=0.5, overlap_steps=2)
+    assert grace.seconds() == 10.0  # no measurements yet: the cap
+    grace.step_seconds.observe(3.0)
+    grace.quorum_seconds.observe(1.0)
+    grace.sync_seconds.observe(2.0)
+    assert grace.seconds() == pytest.approx(0.5 * (2 * 3.0 - 1.0 - 2.0))
+    grace.quorum_seconds.observe(21.0)  # moving average: 1 + 0.2 * 20 = 5 -> no slack left
+    assert grace.seconds() == 0.0
+    assert GraceWindow("fixed", 0.25, 0.5, 2).seconds() == 0.25
+
+
+# ---- merging ----------------------------------------------------------------------------
+
+def test_rda_keeps_the_norm_of_orthogonal_inputs_and_the_mean_shrinks_it():
+    m = 4
+    inputs = [2.0 * torch.eye(16)[i] for i in range(m)]  # orthogonal, norm 2
+    merged = {}
+    for method in ("rda", "mean"):
+        accumulator = RoundAccumulator(16, method)
+        for x in inputs:
+            accumulator.add(x, weight=1.0, norm=float(x.norm()))
+        merged[method] = accumulator.merged()
+    assert merged["rda"].norm() == pytest.approx(2.0)
+    assert merged["mean"].norm() == pytest.approx(2.0 / math.sqrt(m))
+    # Same direction either way: only the length differs.
+    assert torch.allclose(merged["rda"] / merged["rda"].norm(), merged["mean"] / merged["mean"].norm())
+
+
+def test_rda_counts_a_zero_outer_gradient_in_the_norm_without_nan():
+    accumulator = RoundAccumulator(8, "rda")
+    accumulator.add(torch.zeros(8), weight=1.0, norm=0.0)
+    assert torch.equal(accumulator.merged(), torch.zeros(8))
+    x = torch.full((8,), 0.5)
+    accumulator.add(x, weight=1.0, norm=float(x.norm()))
+    merged = accumulator.merged()
+    assert torch.isfinite(merged).all()
+    assert torch.allclose(merged, x / 2)  # direction of x, half its norm
+
+
+def test_weights_are_quantity_times_quality_and_decay_with_staleness():
+    assert contribution_weight(c_tokens=1000, c_steps=10, staleness=0, stale_weight_decay=0.5) == 100_000
+    assert contribution_weight(c_tokens=1000, c_steps=10, staleness=2, stale_weight_decay=0.5) == 25_000
+    # End to end: lr 1, no momentum, fp32, mean merge -> the update is minus the weighted mean.
+    shard = Shard(make_config(merge="mean", outer_optimizer={"lr": 1.0, "momentum": 0.0, "nesterov": False}))
+    n = shard.numel()
+    x, y = delta(1, n), delta(2, n)
+    shard.push("a", 0, x, c_tokens=1000, c_steps=10)  # w = 100000
+    shard.push("b", 0, y, c_tokens=2000, c_steps=10)  # w = 400000 (twice the tokens, same speed)
+    shard.push("c", 0, torch.zeros(n), c_tokens=1000, c_steps=40)  # w = 25000 (4x slower)
+    w = torch.tensor([100_000.0, 400_000.0, 25_000.0])
+    expected = -(w[0] * x + w[1] * y) / w.sum()
+    assert torch.allclose(shard.value() - shard.seeds[0], expected, atol=1e-6)
+
+
+def test_staleness_merges_within_the_bound_and_refuses_beyond_it():
+    cfg = make_config(max_staleness=1, stale_weight_decay=0.5, merge="mean",
+                      outer_optimizer={"lr": 1.0, "momentum": 0.0, "nesterov": False})
+    shard = Shard(cfg, joined=("b",))
+    n = shard.numel()
+    for version in range(2):  # b alone is live: each push closes a round
+        shard.push("b", 0, delta(version, n), base=version)
+    assert shard.version() == 2
+    shard.core.join("a", 1, "r", MANIFEST)  # a still holds version 0 or 1
+    before = shard.value().clone()
+    reply = shard.push("a", 0, delta(5, n), base=0)
+    assert (reply.result, reply.current_version, reply.staleness) == (pb.PUSH_RESULT_REFUSED_STALE, 2, 2)
+    assert shard.core.fragments[0].round.count == 0
+    x, y = delta(6, n), delta(7, n)
+    reply = shard.push("a", 0, x, base=1)
+    assert (reply.result, reply.staleness, reply.round) == (pb.PUSH_RESULT_STALE_MERGED, 1, 3)
+    shard.push("b", 0, y, base=2)
+    expected = -(0.5 * x + y) / 1.5  # the stale one counts half
+    assert torch.allclose(shard.value() - before, expected, atol=1e-6)
+    counters = shard.core.counters.snapshot()
+    assert (counters["contributions.refused_stale"], counters["contributions.stale_merged"]) == (1, 1)
+
+
+# ---- the outer step and the downlink ----------------------------------------------------
+
+def test_nesterov_outer_step_matches_a_hand_computed_reference():
+    lr, mu = 0.7, 0.9
+    shard = Shard(make_config(merge="mean", outer_optimizer={"lr": lr, "momentum": mu, "nesterov": True}),
+                  joined=("a",))
+    n = shard.numel()
+    value, buf = shard.seeds[0].double(), torch.zeros(n, dtype=torch.float64)
+    for version in range(3):
+        d = delta(version, n, scale=0.1)
+        shard.push("a", 0, d, base=version)
+        buf = mu * buf + d.double()
+        value = value - lr * (d.double() + mu * buf)
+        assert torch.allclose(shard.value().double(), value, atol=1e-6), version
+    assert torch.allclose(shard.core.fragments[0].committed.momentum.double(), buf, atol=1e-6)
+
+
+def test_a_replica_applying_the_decoded_updates_holds_the_shards_bits():
+    """int4 with error feedback: a learner that applies each pulled update with apply_update
+    ends with exactly the shard's value, and what int4 dropped waits in the residual."""
+    cfg = make_config(codec="int4", merge="mean", outer_optimizer={"lr": 1.0, "momentum": 0.0, "nesterov": False})
+    shard = Shard(cfg, joined=("a",))
+    n = shard.numel()
+    plan = shard.core.pull(0, None)
+    assert plan.snapshot
+    value = decode_payload(plan.items[0].header, plan.items[0].payload)
+    delivered, asked = torch.zeros(n), torch.zeros(n)
+    for version in range(6):
+        d = delta(version, n, scale=0.1)
+        shard.push("a", 0, d, base=version)
+        asked -= get_codec("int4").decode(get_codec("int4").encode(d, 128), n, 128)  # u = -merged
+        plan = shard.core.pull(0, version)
+        assert not plan.snapshot and [u.version for u in plan.items] == [version + 1]
+        update = decode_payload(plan.items[0].header, plan.items[0].payload)
+        apply_update(value, update)
+        delivered += update
+        assert torch.equal(value, shard.value()) and state_hash(value) == plan.state_hash
+    residual = shard.core.fragments[0].committed.residual
+    assert residual.abs().max() > 0  # int4 dropped something on the way down...
+    assert torch.allclose(delivered + residual, asked, atol=1e-5)  # ...and nothing is lost for good
+
+
+def test_pull_sends_a_snapshot_when_the_history_no_longer_reaches_back():
+    shard = Shard(make_config(history_versions=2), joined=("a",))
+    for version in range(3):
+        shard.push("a", 0, delta(version, shard.numel()), base=version)
+    assert [u.version for u in shard.core.pull(0, 1).items] == [2, 3]
+    plan = shard.core.pull(0, 0)  # update 1 is no longer kept
+    assert plan.snapshot and plan.items[0].version == 3
+    assert torch.equal(decode_payload(plan.items[0].header, plan.items[0].payload), shard.value())
+    assert shard.core.pull(0, 3).items == ()
+    with refused("FAILED_PRECONDITION", "future_base_version"):
+        shard.core.pull(0, 4)
+
+
+def test_kept_compute_counts_the_fragments_share_of_accepted_steps():
+    shard = Shard(make_config(), joined=("a", "b"))
+    model_numel = sum(math.prod(shape) for _, shape in MANIFEST)
+    shard.push("a", 0, delta(1, shard.numel()), c_steps=10, step_seconds=0.5)
+    expected = 10 * 0.5 * shard.numel() / model_numel
+    assert shard.core.counters.snapshot()["kept_compute_seconds"] == pytest.approx(expected)
+
+
+# ---- membership, duplicates, seeds ------------------------------------------------------
+
+def test_membership_refuses_strangers_zombies_and_the_unjoined():
+    shard = Shard(make_config(), joined=("a",))
+    with refused("PERMISSION_DENIED", "unknown_learner_id"):
+        shard.core.join("mallory", 1, "r", MANIFEST)
+    with refused("FAILED_PRECONDITION", "not_joined"):
+        shard.core.heartbeat("b", 1)
+    shard.core.join("a", 2, "r", MANIFEST)  # a restarted: incarnation 1 is now a zombie
+    with refused("FAILED_PRECONDITION", "old_incarnation"):
+        shard.push("a", 0, delta(1, shard.numel()), incarnation=1)
+    with refused("FAILED_PRECONDITION", "old_incarnation"):
+        shard.core.join("a", 1, "r", MANIFEST)
+    with refused("FAILED_PRECONDITION", "manifest_mismatch") as info:
+        shard.core.join("b", 1, "r", MANIFEST[:-1] + [("embed.w", (33,))])
+    assert "embed.w" in info.value.message
+    counters = shard.core.counters.snapshot()
+    assert counters["refusals.old_incarnation"] == 2 and counters["refusals.unknown_learner_id"] == 1
+
+
+def test_duplicates_are_refused_in_the_open_round_and_after_the_merge():
+    shard = Shard(make_config(), joined=("a", "b"))
+    n = shard.numel()
+    shard.push("a", 0, delta(1, n))
+    with refused("ALREADY_EXISTS", "duplicate"):
+        shard.push("a", 0, delta(2, n))
+    shard.push("b", 0, delta(3, n))  # closes round 1
+    with refused("ALREADY_EXISTS", "duplicate"):
+        shard.push("b", 0, delta(3, n))
+    shard.core.join("b", 2, "r", MANIFEST)  # a new process may contribute from the same base
+    assert shard.push("b", 0, delta(4, n), incarnation=2).result == pb.PUSH_RESULT_STALE_MERGED
+
+
+def test_the_first_seed_wins_and_unseeded_fragments_take_no_gradients():
+    shard = Shard(make_config(), seed=False)
+    n = shard.numel()
+    with refused("FAILED_PRECONDITION", "unseeded"):
+        shard.push("a", 0, delta(1, n))
+    bf16 = get_codec("bf16")
+    payload = bf16.encode(delta(1, n), 128)
+    header = pb.PushHeader(learner_id="a", incarnation=1, fragment_id=0, kind=pb.PUSH_KIND_SEED,
+                           payload=describe(bf16, n, payload, 128))
+    with refused("INVALID_ARGUMENT", "wrong_codec"):  # seeds are fp32: every learner starts from the same bits
+        shard.core.push(push_requests(header, payload))
+    first, second = delta(1, n, scale=1.0), delta(2, n, scale=1.0)
+    assert shard.push("b", 0, first, kind=pb.PUSH_KIND_SEED).result == pb.PUSH_RESULT_SEEDED
+    with refused("ALREADY_EXISTS", "already_seeded"):
+        shard.push("c", 0, second, kind=pb.PUSH_KIND_SEED)
+    assert torch.equal(shard.value(), first) and shard.version() == 0
+    assert shard.core.status().fragments[0].state_hash == state_hash(first)

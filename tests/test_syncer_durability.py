@@ -1,0 +1,140 @@
+"""The shard's store: a restart restores the committed state and the open round bit for bit,
+and torn or damaged files are detected instead of loaded. (The kill -9 of a real shard
+process is in test_syncer_service.py.)"""
+import pytest
+import torch
+
+from services.client import apply_update, state_hash
+from services.payload import decode_payload
+
+from syncer.core import ShardCore
+from syncer.refusal import Refusal
+from syncer.store import ShardStore, StoreError
+from tests.test_syncer_core import LEARNERS, MANIFEST, Shard, delta, make_config
+
+
+def restarted(shard: Shard, directory, rejoin=()) -> ShardCore:
+    """A new core restored from `directory`, as a restarted process would be; `shard` now
+    pushes to it, once the learners in `rejoin` have joined again."""
+    store = ShardStore(directory)
+    core = ShardCore(shard.cfg, 0, clock=shard.clock, journal=store)
+    core.restore(store.load())
+    for learner in rejoin:
+        core.join(learner, 1, "r", MANIFEST)
+    shard.core = core
+    return core
+
+
+def views(core: ShardCore):
+    return [(f.id, f.version, f.state_hash, f.pending_contributions, f.last_round) for f in core.status().fragments]
+
+
+def test_restart_restores_committed_state_and_open_round_bit_for_bit(tmp_path):
+    cfg = make_config(codec="int4", quorum=3)
+    shard = Shard(cfg, journal=ShardStore(tmp_path))
+    twin = Shard(cfg)  # the same inputs, never restarted
+    n = shard.numel()
+    for version in range(3):
+        for i, learner in enumerate(LEARNERS):
+            for s in (shard, twin):
+                s.push(learner, 0, delta(10 * version + i, n), base=version)
+    for s in (shard, twin):  # two of three, one of them stale: the round stays open
+        s.push("a", 0, delta(100, n), base=3)
+        s.core.join("b", 2, "r", MANIFEST)  # b restarted and still holds version 2
+        s.push("b", 0, delta(101, n), base=2, incarnation=2)
+    before = views(shard.core)
+    assert before[0][1:4] == (3, twin.core.status().fragments[0].state_hash, 2)
+
+    original = shard.core.fragments[0].committed
+    core = restarted(shard, tmp_path, rejoin=LEARNERS)  # the old process is simply gone: no close, no flush
+    assert views(core) == before
+    restored = core.fragments[0].committed
+    for name in ("value", "momentum", "residual"):
+        assert torch.equal(getattr(restored, name), getattr(original, name)), name
+    assert [(u.version, u.payload) for u in restored.history] == [(u.version, u.payload) for u in original.history]
+    counters = core.counters_snapshot()
+    assert (counters["contributions.restored"], counters["state.merged_contributions"]) == (2, 9)
+
+    # The restored round still refuses duplicates and closes exactly like the twin's.
+    with pytest.raises(Refusal, match="already contributed"):
+        shard.push("a", 0, delta(100, n), base=3)
+    for s in (shard, twin):
+        s.push("c", 0, delta(102, n), base=3)
+    assert core.status().fragments[0].version == 4
+    assert core.status().fragments[0].state_hash == twin.core.status().fragments[0].state_hash
+
+
+def test_a_torn_log_record_is_dropped_and_the_log_stays_appendable(tmp_path):
+    cfg = make_config(quorum=3)
+    shard = Shard(cfg, journal=ShardStore(tmp_path))
+    n = shard.numel()
+    shard.push("a", 0, delta(1, n))
+    log = tmp_path / "fragment-0" / "round.log"
+    intact = log.read_bytes()
+    log.write_bytes(intact + intact[: len(intact) // 2])  # the crash cut the second record short
+
+    core = restarted(shard, tmp_path, rejoin=LEARNERS)
+    assert core.status().fragments[0].pending_contributions == 1
+    shard.push("b", 0, delta(2, n))  # lands over the torn record, right after the whole one
+    assert log.read_bytes().startswith(intact)
+    assert restarted(shard, tmp_path).status().fragments[0].pending_contributions == 2
+
+
+def test_records_of_a_round_already_merged_are_skipped(tmp_path):
+    """After a round closes its records stay in the log until the next round overwrites
+    them; they must not count twice."""
+    shard = Shard(make_config(), journal=ShardStore(tmp_path), joined=("a", "b"))
+    n = shard.numel()
+    shard.push("a", 0, delta(1, n))
+    shard.push("b", 0, delta(2, n))  # closes round 1; its two records are still in the log
+    original = shard.core.status().fragments[0]
+    fragment = restarted(shard, tmp_path, rejoin=("a", "b")).status().fragments[0]
+    assert (fragment.version, fragment.pending_contributions) == (1, 0)
+    assert fragment.state_hash == original.state_hash
+    shard.push("a", 0, delta(3, n), base=1)  # round 2's record overwrites round 1's first one
+    fragment = restarted(shard, tmp_path).status().fragments[0]
+    assert (fragment.version, fragment.pending_contributions) == (1, 1)
+
+
+def test_a_damaged_snapshot_never_loads_and_an_unfinished_one_is_ignored(tmp_path):
+    shard = Shard(make_config(), journal=ShardStore(tmp_path), joined=("a",))
+    shard.push("a", 0, delta(1, shard.numel()))
+    folder = tmp_path / "fragment-0"
+    (folder / "snapshot.tmp").write_bytes(b"half a snapshot")  # the crash hit before the rename
+    original = views(shard.core)
+    assert views(restarted(shard, tmp_path)) == original
+    assert not (folder / "snapshot.tmp").exists()
+
+    data = bytearray((folder / "snapshot").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (folder / "snapshot").write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="corrupted"):
+        ShardStore(tmp_path).load()
+
+
+def test_a_lost_update_file_shortens_the_history_to_a_snapshot(tmp_path):
+    shard = Shard(make_config(), journal=ShardStore(tmp_path), joined=("a",))
+    for version in range(3):
+        shard.push("a", 0, delta(version, shard.numel()), base=version)
+    (tmp_path / "fragment-0" / "update-2").write_bytes(b"garbage")
+    core = restarted(shard, tmp_path)
+    assert [u.version for u in core.pull(0, 2).items] == [3]
+    assert core.pull(0, 1).snapshot  # update 2 is gone: a learner at 1 gets the whole value
+
+
+def test_an_update_written_before_a_crash_is_never_reused(tmp_path):
+    """A crash between writing update-2 and renaming in the snapshot that names it: round 2 is
+    open again after the restart and may close differently, so that file must never be served."""
+    shard = Shard(make_config(), journal=ShardStore(tmp_path), joined=("a",))
+    n = shard.numel()
+    shard.push("a", 0, delta(1, n))  # version 1
+    at_version_1 = shard.value().clone()
+    folder = tmp_path / "fragment-0"
+    (folder / "update-2").write_bytes((folder / "update-1").read_bytes())  # the crash's leftover
+    restarted(shard, tmp_path, rejoin=("a",))
+    shard.push("a", 0, delta(2, n), base=1)  # the real version 2
+    plan = restarted(shard, tmp_path).pull(0, 1)
+    value = at_version_1.clone()
+    for update in plan.items:
+        apply_update(value, decode_payload(update.header, update.payload))
+    assert torch.equal(value, shard.value()) and state_hash(value) == plan.state_hash
