@@ -6,7 +6,7 @@ and writes a report. Under torchrun the island is several processes: DDP inside
 the island, rank 0 alone talks to the syncer and broadcasts every applied
 fragment to the other ranks.
 
-    trainer.step loop:  sync.before_step -> train_step -> sync.after_step
+    trainer.step loop:  train_step -> sync.after_step (start due syncs, apply late ones)
                         (+ broadcast inside the island, eval, checkpoint)
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ import signal
 import threading
 import time
 
+import grpc
 import torch
 import torch.distributed as dist
 
@@ -29,8 +30,10 @@ from torch.nn.parallel import DistributedDataParallel
 from learner.checkpoint import load_checkpoint
 from learner.sync import StreamingSync
 from learner.train import Trainer, manifest, named_parameters
+from services.client import ShardClient
 from services.config import Config, load_config
 from services.fragments import FragmentPlan, gather, plan_for_config, scatter
+from services.metrics import LearnerMetrics, serve
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +125,10 @@ def run(args: argparse.Namespace) -> int:
     state_dir = pathlib.Path(args.state_dir or pathlib.Path(cfg.run.state_dir) / f"learner-{learner.id}")
     state_dir.mkdir(parents=True, exist_ok=True)
     island = Island()
+    # Served before the slow part of start-up, so that time shows as startup badput, not down.
+    metrics = LearnerMetrics() if island.leader and learner.metrics_port else None
+    if metrics:
+        serve(metrics.registry, learner.metrics_port)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -138,14 +145,24 @@ def run(args: argparse.Namespace) -> int:
     startup_seconds = time.monotonic() - started
 
     restore_started = time.monotonic()
+    if metrics:
+        metrics.model_loaded(plan.total_numel)
     sync = None
     if island.leader and not args.no_sync:
-        sync = StreamingSync(cfg, learner.id, learner.region, params, plan)
+        if metrics:
+            # Before joining: the shards still hold the previous incarnation's last step.
+            metrics.steps_lost(max(0, last_step_seen_by_shards(cfg, learner.id) - trainer.step),
+                               mean_step_seconds(extra.get("report", {}).get("incarnations", [])))
+        sync = StreamingSync(cfg, learner.id, learner.region, params, plan, observer=metrics)
         sync.start(extra.get("sync"), should_stop=stop.is_set)
     island.share_weights(params)
     if island.world_size > 1:
         trainer.forward_module = DistributedDataParallel(trainer.model)
     restore_seconds = time.monotonic() - restore_started
+    if metrics:
+        metrics.started(startup_seconds, restore_seconds)
+        if sync:
+            metrics.watch_sync(sync.held_versions, lambda: sync.stats.blocked_seconds)
 
     report = Report(state_dir / "report.json", learner.id, learner.region, extra.get("report"))
     report.begin_incarnation(sync.incarnation if sync else 0, trainer.step, startup_seconds,
@@ -153,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     if island.leader:
         save(trainer, sync, report, checkpoint_path)  # so this incarnation's record survives a kill
     try:
-        train(cfg, args, trainer, sync, island, plan, params, report, stop, checkpoint_path)
+        train(cfg, args, trainer, sync, island, plan, params, report, stop, checkpoint_path, metrics)
     finally:
         if sync is not None:
             sync.close(leave=True)
@@ -163,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
 
 def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: StreamingSync | None,
           island: Island, plan: FragmentPlan, params: dict[str, torch.Tensor], report: Report,
-          stop: threading.Event, checkpoint_path: pathlib.Path) -> None:
+          stop: threading.Event, checkpoint_path: pathlib.Path, metrics: LearnerMetrics | None) -> None:
     budget = cfg.trainer
 
     def budget_left() -> bool:
@@ -178,14 +195,14 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
     while budget_left() and not island.stopping(stop):
         step = trainer.step
         step_started = time.perf_counter()
-        if sync:
-            sync.before_step(step)
         stats = trainer.train_step()
         tokens = stats.tokens * island.world_size
         applied = sync.after_step(step, tokens, stats.seconds) if sync else []
         applied = island.broadcast_applied(plan, applied, params)
         # compute: the step alone; loop: with starting and applying syncs (and any wait).
         report.step(stats.seconds, time.perf_counter() - step_started)
+        if metrics:
+            metrics.stepped(stats.seconds, tokens, trainer.step)
         if args.verify_island and applied:
             island.verify_identical(params)
         if island.leader and trainer.step % budget.eval_every == 0:
@@ -195,6 +212,8 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
     if not island.leader:
         return
     finished = not budget_left()
+    if finished and metrics:
+        metrics.training_finished()
     if sync:
         sync.flush()
         if finished:
@@ -206,6 +225,27 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
     report.write("done" if finished else "training", trainer, sync, island)
     log.info("learner %s %s at step %d", report.learner_id, "finished" if finished else "stopped",
              trainer.step)
+
+
+def last_step_seen_by_shards(cfg: Config, learner_id: str) -> int:
+    """The step this learner's previous incarnation last reported in a heartbeat, as far as any
+    shard remembers it (0 when none does: first start, or the shards restarted too). It lags the
+    step the process died at by up to one heartbeat interval, so work lost is a lower bound."""
+    seen = 0
+    for shard in cfg.shards:
+        try:
+            with ShardClient(shard.address, cfg.rpc) as client:
+                status = client.status(timeout=2.0)
+        except grpc.RpcError:
+            continue
+        seen = max([seen] + [l.last_step for l in status.learners if l.learner_id == learner_id])
+    return seen
+
+
+def mean_step_seconds(incarnations: list[dict]) -> float | None:
+    """Mean compute seconds per step of the lives a checkpoint recorded (None: no step recorded)."""
+    steps = sum(life.get("steps", 0) for life in incarnations)
+    return sum(life.get("compute_seconds", 0.0) for life in incarnations) / steps if steps else None
 
 
 def save(trainer: Trainer, sync: StreamingSync | None, report: Report, path: pathlib.Path) -> None:

@@ -1,10 +1,10 @@
 """Streaming fragment sync: the learner's side of the outer loop.
 
-Every inner step the training loop calls `before_step(step)` and
-`after_step(step, tokens)`. Fragment p starts syncing at `step % H == t_p`: its
-outer gradient `anchor_p - theta_p` is compressed (with error feedback) and
-pushed, and the new global value is pulled, all on a background thread while
-training goes on. tau steps later the result is applied:
+After every inner step the training loop calls `after_step(step, tokens, seconds)`.
+Fragment p starts syncing after step t when `t % H == t_p`: its outer gradient
+`anchor_p - theta_p` is compressed (with error feedback) and pushed, and the new
+global value is pulled, all on a background thread while training goes on. tau
+steps later the result is applied:
 `theta_p <- alpha*theta_p + (1-alpha)*g_p`, `anchor_p <- g_p`. The loop blocks
 only when the result is late, and that wait is measured as badput.
 
@@ -24,7 +24,7 @@ from typing import Callable, Mapping
 import grpc
 import torch
 
-from services.client import ShardClient, WanLink, state_hash
+from services.client import ShardClient, TransferObserver, WanLink, state_hash
 from services.codecs import ErrorFeedback, get_codec
 from services.config import Config
 from services.fragments import Fragment, FragmentPlan, gather, scatter
@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 # A shard that does not answer is retried after this long, doubling up to the cap.
 RETRY_INITIAL_SECONDS = 0.2
 RETRY_MAX_SECONDS = 5.0
+# How long the last pull after training keeps retrying a shard that is down.
+FINAL_PULL_SECONDS = 60.0
 # Errors that mean "the shard is down or restarting", not "we sent something wrong".
 UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                grpc.StatusCode.CANCELLED}
@@ -92,7 +94,7 @@ class ShardLink:
 class StreamingSync:
     def __init__(self, cfg: Config, learner_id: str, region: str,
                  params: Mapping[str, torch.Tensor], plan: FragmentPlan,
-                 incarnation: int | None = None):
+                 incarnation: int | None = None, observer: TransferObserver | None = None):
         self.cfg = cfg
         self.learner_id = learner_id
         self.region = region
@@ -102,7 +104,7 @@ class StreamingSync:
         self.plan = plan
         self.codec = get_codec(cfg.sync.codec)
         wan = WanLink(cfg.rpc.wan_mbps) if cfg.rpc.wan_mbps else None
-        self.links = [ShardLink(i, ShardClient(s.address, cfg.rpc, learner_id, self.incarnation, wan))
+        self.links = [ShardLink(i, ShardClient(s.address, cfg.rpc, learner_id, self.incarnation, wan, observer))
                       for i, s in enumerate(cfg.shards)]
         self.fragments: dict[int, FragmentSync] = {}
         self.stats = SyncStats()
@@ -199,34 +201,28 @@ class StreamingSync:
 
     # ---- the per-step hooks ---------------------------------------------------------
 
-    def before_step(self, step: int) -> None:
-        """Starts the syncs due at this step (before the step's own update)."""
-        self.step = step
-        for fragment in self.plan.due_at(step):
-            state = self.fragments[fragment.id]
-            # Nothing to push at the very first step, and never two syncs of one fragment in
-            # flight (only possible if tau >= H, which the config refuses).
-            if state.steps_since_sync == 0 or state.in_flight is not None:
-                continue
-            self._start_sync(state, apply_at=step + self.cfg.sync.overlap_steps)
-
     def after_step(self, step: int, tokens: int, step_seconds: float) -> list[int]:
-        """Counts the step and applies results due now; returns the fragment ids applied."""
+        """Call after inner step `step` (0-based) has updated the model. Starts the syncs due
+        at this step (their outer gradient includes it) and applies those started tau steps
+        ago (tau = 0: at once, waiting for the result). Returns the fragment ids applied."""
+        self.step = step + 1
         self.step_seconds = step_seconds
         self.tokens_per_second = tokens / step_seconds if step_seconds > 0 else 0.0
-        applied = []
         for state in self.fragments.values():
             state.steps_since_sync += 1
             state.tokens_since_sync += tokens
+        for fragment in self.plan.due_at(step):
+            state = self.fragments[fragment.id]
+            # Never two syncs of one fragment in flight (only possible if tau >= H, which
+            # the config refuses).
+            if state.in_flight is None:
+                self._start_sync(state, apply_at=step + self.cfg.sync.overlap_steps)
+        applied = []
+        for state in self.fragments.values():
             if state.in_flight is not None and state.apply_at <= step:
                 if self._finish_sync(state):
                     applied.append(state.fragment.id)
         return applied
-
-    def due_for_apply(self, step: int) -> list[int]:
-        """Fragment ids whose in-flight sync is applied after `step` (known before it ends)."""
-        return [s.fragment.id for s in self.fragments.values()
-                if s.in_flight is not None and s.apply_at <= step]
 
     def flush(self) -> None:
         """Applies every in-flight sync (end of training)."""
@@ -268,10 +264,9 @@ class StreamingSync:
                 # Too stale to merge: re-anchor to the current global value.
                 result = link.client.pull(fragment_id, version)
             else:
-                # Wait for the round holding this contribution to close, within the
-                # overlap window plus the syncer's grace.
-                result = link.client.pull(fragment_id, version, min_version=reply.current_version + 1,
-                                          max_wait_seconds=self._pull_wait_seconds())
+                result = self._pull_round_result(link, fragment_id, version, reply.current_version + 1)
+                if result is None:
+                    return outcome
             outcome.anchor = result.apply(anchor.clone())
             outcome.version = result.version if result.version is not None else version
             outcome.bytes_down = result.payload_bytes
@@ -288,9 +283,19 @@ class StreamingSync:
         outcome.seconds = time.perf_counter() - started
         return outcome
 
-    def _pull_wait_seconds(self) -> float:
-        syncer = self.cfg.syncer
-        return syncer.grace.seconds + syncer.lease_seconds
+    def _pull_round_result(self, link: ShardLink, fragment_id: int, version: int,
+                           round_version: int) -> PullResult | None:
+        """Pulls until the round holding our accepted contribution has closed. The
+        contribution is already merged (or durable in the open round), so taking an older
+        value now would push the same progress twice next time: wait for it instead (the
+        training thread only blocks if this outlasts the overlap window)."""
+        while True:
+            result = link.client.pull(fragment_id, version, min_version=round_version,
+                                      max_wait_seconds=self.cfg.syncer.lease_seconds)
+            if result.version is not None and result.version >= round_version:
+                return result
+            if self._stop.is_set():
+                return None  # shutting down
 
     def _finish_sync(self, state: FragmentSync) -> bool:
         future = state.in_flight
@@ -353,12 +358,19 @@ class StreamingSync:
         global values."""
         quiet_since = time.monotonic()
         while not should_stop() and time.monotonic() - quiet_since < quiet_seconds:
-            if self._pull_new_versions(wait_seconds=0.2):
+            changed, reached_all = self._pull_new_versions(wait_seconds=0.2)
+            if changed or not reached_all:  # a shard that is down is not quiet
                 quiet_since = time.monotonic()
-        self._pull_new_versions(wait_seconds=0.0)
+        # The last pull must reach every shard: one that is restarting is retried.
+        deadline = time.monotonic() + FINAL_PULL_SECONDS
+        delay = RETRY_INITIAL_SECONDS
+        while not self._pull_new_versions(wait_seconds=0.0)[1] and time.monotonic() < deadline:
+            time.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX_SECONDS)
 
-    def _pull_new_versions(self, wait_seconds: float) -> bool:
-        changed = False
+    def _pull_new_versions(self, wait_seconds: float) -> tuple[bool, bool]:
+        """(whether any fragment changed, whether every shard answered)."""
+        changed, reached_all = False, True
         for state in self.fragments.values():
             link = self.links[state.fragment.shard]
             try:
@@ -367,6 +379,7 @@ class StreamingSync:
             except grpc.RpcError as exc:
                 if exc.code() not in UNREACHABLE:
                     raise
+                reached_all = False
                 continue
             if result.items:
                 state.anchor = result.apply(state.anchor)
@@ -374,7 +387,7 @@ class StreamingSync:
                 self.stats.bytes_down += result.payload_bytes
                 self._merge_into_model(state.fragment, state.anchor)
                 changed = True
-        return changed
+        return changed, reached_all
 
     def fragment_hashes(self) -> dict[int, tuple[int, str]]:
         """(version, sha256) of the global value this learner holds, per fragment."""

@@ -10,7 +10,9 @@
 set -euo pipefail
 
 # docker-compose: tests/test_compose.py validates docker-compose.yml with `docker-compose config`.
-DEFAULT_PACKAGES=(docker-compose)
+# prometheus: tests/test_metrics.py and tests/test_prometheus.py run a real Prometheus server
+# (and promtool checks the rules and scrape configs).
+DEFAULT_PACKAGES=(docker-compose prometheus)
 
 packages=("$@")
 [ ${#packages[@]} -gt 0 ] || packages=("${DEFAULT_PACKAGES[@]}")

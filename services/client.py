@@ -12,7 +12,7 @@ import hashlib
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Protocol, Sequence
 
 import grpc
 import torch
@@ -92,11 +92,22 @@ class PullResult:
         return value
 
 
+class TransferObserver(Protocol):
+    """Told about every completed transfer and heartbeat (services.metrics.LearnerMetrics)."""
+
+    def pushed(self, header: pb.PushHeader, payload_bytes: int, seconds: float, result: int) -> None: ...
+
+    def pulled(self, bytes_by_codec: Mapping[str, int], seconds: float) -> None: ...
+
+    def heartbeat_answered(self, versions: Mapping[int, int]) -> None: ...
+
+
 class ShardClient:
     def __init__(self, address: str, rpc: RpcConfig, learner_id: str = "", incarnation: int = 0,
-                 wan: WanLink | None = None):
+                 wan: WanLink | None = None, observer: TransferObserver | None = None):
         self.address = address
         self.wan = wan
+        self.observer = observer
         self.rpc = rpc
         self.learner_id = learner_id
         self.incarnation = incarnation
@@ -129,7 +140,10 @@ class ShardClient:
             learner_id=self.learner_id, incarnation=self.incarnation, step=step,
             step_seconds=step_seconds, tokens_per_second=tokens_per_second,
             held_versions=held_versions or {})
-        return self.stub.Heartbeat(request, timeout=self.rpc.deadline_seconds)
+        reply = self.stub.Heartbeat(request, timeout=self.rpc.deadline_seconds)
+        if self.observer:
+            self.observer.heartbeat_answered(reply.versions)
+        return reply
 
     def leave(self) -> None:
         self.stub.Leave(pb.LeaveRequest(learner_id=self.learner_id, incarnation=self.incarnation),
@@ -160,7 +174,11 @@ class ShardClient:
                     self.wan.up.consume(len(chunk.data))
                 yield pb.PushRequest(chunk=chunk)
 
-        return self.stub.PushFragment(requests(), timeout=self._stream_deadline(len(payload)))
+        started = time.perf_counter()
+        reply = self.stub.PushFragment(requests(), timeout=self._stream_deadline(len(payload)))
+        if self.observer:
+            self.observer.pushed(header, len(payload), time.perf_counter() - started, reply.result)
+        return reply
 
     def pull(self, fragment_id: int, base_version: int | None = None, *, min_version: int = 0,
              max_wait_seconds: float = 0.0) -> PullResult:
@@ -170,9 +188,11 @@ class ShardClient:
                                  min_version=min_version, max_wait_seconds=max_wait_seconds)
         if base_version is not None:
             request.base_version = base_version
+        started = time.perf_counter()
         responses = self.stub.PullFragment(request, timeout=max_wait_seconds + self._stream_deadline(0))
         items: list[PulledItem] = []
         final_hash, wire_bytes = "", 0
+        bytes_by_codec: dict[str, int] = {}
         header, assembler = None, None
         for response in responses:
             if response.HasField("header"):
@@ -190,10 +210,14 @@ class ShardClient:
             if assembler is not None and assembler.complete:
                 payload = assembler.finish()
                 wire_bytes += len(payload)
+                codec = get_codec(header.payload.codec).name
+                bytes_by_codec[codec] = bytes_by_codec.get(codec, 0) + len(payload)
                 items.append(PulledItem(header.kind, header.version, decode_payload(header.payload, payload)))
                 header, assembler = None, None
         if assembler is not None:
             raise ValueError(f"fragment {fragment_id}: stream ended inside v{header.version}")
+        if self.observer:
+            self.observer.pulled(bytes_by_codec, time.perf_counter() - started)
         return PullResult(fragment_id, items, final_hash, wire_bytes)
 
     def status(self, timeout: float | None = None) -> pb.StatusResponse:

@@ -122,9 +122,11 @@ class LocalCluster:
             Proc(f"shard-{i}", cli + ["syncer", "--config", str(self.config_path), "--shard-index", str(i)],
                  run_dir / "logs" / f"shard-{i}.log")
             for i in range(len(cfg.shards))]
+        # The harness ends the run (stop_learners) once every learner has spent its budget;
+        # until then a finished learner keeps following the global values.
         self.learners = [
             Proc(l.id, cli + ["learner", "--config", str(self.config_path), "--learner-id", l.id,
-                              "--region", l.region],
+                              "--region", l.region, "--catch-up-seconds", "86400"],
                  run_dir / "logs" / f"{l.id}.log", env=dict(learner_env or {}))
             for l in cfg.learners]
 

@@ -32,6 +32,7 @@ import grpc
 from services.client import ShardClient
 from services.cluster import LocalCluster, free_ports
 from services.config import Config, ConfigError, load_config, parse_config
+from services.metrics import write_file_sd
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", help="write the JSON report here (default: <run-dir>/report.json)")
     parser.add_argument("--plot", help="write a PNG of loss and goodput over time here")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--prometheus-targets",
+                        help="write every /metrics endpoint as Prometheus file_sd JSON here (default: "
+                             "<run-dir>/prometheus-targets.json, which deploy/prometheus/local/"
+                             "prometheus.yml reads)")
 
 
 def build_config(base: Config, args: argparse.Namespace, run_dir: pathlib.Path) -> Config:
@@ -116,11 +121,14 @@ class Observer:
         self.last_counters = [{} for _ in self.clients]
         self.last_status = [None for _ in self.clients]
 
-    def poll(self) -> None:
+    def poll(self, require_all: bool = False) -> None:
+        """One Status call per shard; a shard that is down keeps its last answer, unless
+        `require_all`, when it is retried (for up to a minute) until it answers."""
         for i, client in enumerate(self.clients):
-            try:
-                status = client.status(timeout=2)
-            except grpc.RpcError:
+            status = _status_of(client, retry_seconds=60 if require_all else 0)
+            if status is None:
+                if require_all:
+                    raise RuntimeError(f"shard {i} did not answer Status for a minute")
                 continue
             self.last_status[i] = status
             self.last_counters[i] = dict(status.counters)
@@ -192,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"invalid: {error}", file=sys.stderr)
         return 2
     cluster = LocalCluster(cfg, run_dir)
+    write_file_sd(cfg, args.prometheus_targets or run_dir / "prometheus-targets.json")
     try:
         report = simulate(cfg, cluster, args)
     finally:
@@ -265,11 +274,14 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
         if progress:
             progress.close()
     wall = time.time() - started
+    for downtime in list(shard_chaos.down.values()):  # every shard serves the final pulls
+        cluster.restart_shard(downtime.proc_index)
+        shard_chaos.restarted(downtime, time.time())
     # Rounds still in their grace window close, then every learner pulls the final values
     # (SIGTERM ends a learner's catch-up with one last pull) and writes its report.
     time.sleep(cfg.syncer.grace.seconds + 1.0)
     cluster.stop_learners()
-    observer.poll()
+    observer.poll(require_all=True)
     reports = {p.name: _read_json(cluster.learner_report_path(p.name)) for p in cluster.learners}
     for proc in cluster.learners:  # provisioned until the end for those that did not finish
         finished_at.setdefault(proc.name, started + wall)
@@ -277,6 +289,17 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
                        {name: at - started for name, at in finished_at.items()}, wall, timeline)
     observer.close()
     return report
+
+
+def _status_of(client: ShardClient, retry_seconds: float):
+    deadline = time.monotonic() + retry_seconds
+    while True:
+        try:
+            return client.status(timeout=2)
+        except grpc.RpcError:
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.5)
 
 
 def _progress_bar(total: int):

@@ -133,6 +133,9 @@ class ShardCore:
         self.manifest: Manifest | None = None
         self.plan: FragmentPlan | None = None
         self.fragments: dict[int, FragmentState] = {}  # the fragments this shard owns
+        # Called with (fragment id, ClosedRound) for every round closed, under the fragment's
+        # lock: the metrics exporter's round-duration histogram and outer-step counter.
+        self.round_listeners: list[Callable[[int, ClosedRound], None]] = []
 
     # ---- membership ----------------------------------------------------------------------
 
@@ -266,15 +269,18 @@ class ShardCore:
     def _close_if_due(self, state: FragmentState) -> bool:
         """Called with state.lock held."""
         started = self.clock()
-        reason = state.close_reason(self.membership.live_ids(started), started)
+        live_ids = self.membership.live_ids(started)
+        reason = state.close_reason(live_ids, started)
         if reason is None:
             return False
         round_ = state.round
-        snapshot = state.closing(reason, started, self.wall_clock())
+        snapshot = state.closing(reason, live_ids, started, self.wall_clock())
         self.journal.commit(snapshot)
         state.install(snapshot)
         state.observe_close(round_, self.clock() - started)
         self.counters.add(f"rounds.{reason}")
+        for listener in self.round_listeners:
+            listener(state.id, snapshot.last_round)
         return True
 
     # ---- reads ---------------------------------------------------------------------------

@@ -69,6 +69,10 @@ class FragmentSnapshot:
     merged_contributions: int  # since the seed
     recent_keys: frozenset[ContributionKey]  # merged, and not yet too stale to be sent again
     last_round: ClosedRound | None
+    # Delayed Nesterov: the share-scaled outer gradients of the sync period in progress, and
+    # how much of a period (in live learners' shares) they make up.
+    period_sum: torch.Tensor
+    period_share: float
 
 
 @dataclass(frozen=True)
@@ -176,11 +180,13 @@ class FragmentState:
     def close_reason(self, live_ids: frozenset[str], now: float) -> str | None:
         """"all" once every live learner has contributed; "quorum_grace" once at least K
         have and the grace window has passed since the K-th. With nobody live (say, just
-        after a shard restart, before learners rejoin) only quorum and grace can close."""
+        after a shard restart, before learners rejoin) only quorum and grace can close.
+        With wait_for_all (synchronous data parallel) only K contributions close a round,
+        however many learners are down."""
         round_ = self.round
         if round_.count == 0:
             return None
-        if live_ids and live_ids <= round_.contributors:
+        if live_ids and live_ids <= round_.contributors and not self.rules.wait_for_all:
             return "all"
         if round_.quorum_at is not None and now - round_.quorum_at >= self.grace.seconds():
             return "quorum_grace"
@@ -191,13 +197,37 @@ class FragmentState:
     def seeded(self, values: torch.Tensor) -> FragmentSnapshot:
         zeros = torch.zeros(self.fragment.numel)
         return FragmentSnapshot(self.id, 0, values, zeros, zeros.clone(), (), state_hash(values), 0,
-                                frozenset(), None)
+                                frozenset(), None, zeros.clone(), 0.0)
 
-    def closing(self, reason: str, now: float, unix_now: float) -> FragmentSnapshot:
+    def closing(self, reason: str, live_ids: frozenset[str], now: float, unix_now: float) -> FragmentSnapshot:
         """The state after merging the open round: outer step, encode the update with error
-        feedback, apply exactly the decoded update. Changes nothing by itself."""
+        feedback, apply exactly the decoded update. Changes nothing by itself.
+
+        A round that holds only some of the live learners counts for their share: learners
+        that are not in lockstep reach the shard at different times, so with a small quorum
+        one sync period's contributions land in several rounds, and applying each at full
+        strength would multiply the outer step by up to M. Scaled by the share of live
+        learners present, the rounds of one period add up to one step on the merged outer
+        gradient.
+
+        Momentum is delayed the same way (Liu et al. 2024, "Asynchronous Local-SGD", delayed
+        Nesterov): a partial round is a plain step -lr*g; when the shares add up to a whole
+        period, the momentum buffer takes the period's sum and the round applies the rest
+        of the Nesterov step. Momentum on every partial round compounds stale outer
+        gradients and, measured on the demo, made the loss climb. A round with every live
+        learner is exactly the plain DiLoCo outer step."""
         committed, round_ = self.committed, self.round
-        momentum, update = self.optimizer.step(committed.momentum, round_.accumulator.merged())
+        share = len(round_.contributors) / len(live_ids | round_.contributors)
+        merged = round_.accumulator.merged() * share
+        period_sum = committed.period_sum + merged
+        period_share = committed.period_share + share
+        if period_share >= 1.0 - 1e-9:
+            momentum, period_update = self.optimizer.step(committed.momentum, period_sum)
+            # The period's earlier rounds already applied -lr * (period_sum - merged).
+            update = period_update + (period_sum - merged) * self.optimizer.lr
+            period_sum, period_share = torch.zeros_like(period_sum), 0.0
+        else:
+            momentum, update = committed.momentum, merged * -self.optimizer.lr
         self._feedback.residual = committed.residual  # compress() replaces it, never modifies it
         payload, decoded = self._feedback.compress(update)
         residual = self._feedback.residual
@@ -212,7 +242,8 @@ class FragmentState:
             self.id, version, value, momentum, residual,
             (committed.history + (update_record,))[-self.rules.history_versions:],
             state_hash(value), committed.merged_contributions + round_.count, recent,
-            ClosedRound(round_.number, reason, len(round_.contributors), unix_now, now - round_.first_at))
+            ClosedRound(round_.number, reason, len(round_.contributors), unix_now, now - round_.first_at),
+            period_sum, period_share)
 
     def install(self, snapshot: FragmentSnapshot) -> None:
         """Adopts a committed state (a seed, a closed round, or one restored from disk) and

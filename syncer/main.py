@@ -12,6 +12,7 @@ import logging
 import sys
 
 from services.config import ConfigError, load_config
+from services.metrics import SyncerMetrics, serve
 from syncer.service import start_shard
 from syncer.store import StoreError
 
@@ -56,6 +57,11 @@ def run(args: argparse.Namespace) -> int:
     except (StoreError, ValueError, OSError) as error:  # damaged state, another plan, port taken
         log.error("shard %d cannot start: %s", args.shard_index, error)
         return 1
+    metrics_port = cfg.shard(args.shard_index).metrics_port
+    if metrics_port:
+        metrics = SyncerMetrics(handle.core.status)
+        handle.core.round_listeners.append(metrics.round_closed)
+        serve(metrics.registry, metrics_port)
     log.info("shard %d serving on %d", args.shard_index, handle.port)
     handle.server.serve_until_signal(args.drain_seconds)
     handle.stop()

@@ -1,7 +1,7 @@
 """A shard's durable state, under `<run.state_dir>/shard-<I>/`:
 
     manifest.json            the model manifest the first join fixed, with the plan digest
-    fragment-<p>/snapshot    the last committed state: value, momentum, residual, version,
+    fragment-<p>/snapshot    the last committed state: value, momentum, residual, the delayed-momentum period sum, version,
                              bookkeeping (replaced atomically: write a temporary file, fsync,
                              rename over, fsync the folder)
     fragment-<p>/update-<v>  the encoded update that made version v (written before the
@@ -43,7 +43,7 @@ from syncer.fragment_state import ClosedRound, ContributionKey, Encoded, Fragmen
 _FRAME = struct.Struct("<QI")  # body length, crc32 of body
 _LENGTH = struct.Struct("<I")  # of an embedded message
 _ROUND = struct.Struct("<Q")
-_SNAPSHOT_FORMAT = "diloco.syncer-snapshot/1"
+_SNAPSHOT_FORMAT = "diloco.syncer-snapshot/2"
 
 
 class StoreError(RuntimeError):
@@ -144,11 +144,11 @@ class ShardStore:
         meta = json.loads(bytes(body[_LENGTH.size:_LENGTH.size + meta_length]))
         numel, offset = meta["numel"], _LENGTH.size + meta_length
         if meta["format"] != _SNAPSHOT_FORMAT or meta["fragment_id"] != fragment_id or \
-                len(body) != offset + 3 * 4 * numel:
+                len(body) != offset + 4 * 4 * numel:
             raise StoreError(f"{path}: not a {_SNAPSHOT_FORMAT} of fragment {fragment_id}")
-        value, momentum, residual = (
+        value, momentum, residual, period_sum = (
             torch.frombuffer(body, dtype=torch.float32, offset=offset + i * 4 * numel, count=numel)
-            for i in range(3))
+            for i in range(4))
         history = _load_history(folder, meta["history"])
         with self._files(fragment_id) as files:
             files.updates_on_disk = {update.version for update in history}
@@ -161,7 +161,7 @@ class ShardStore:
         return FragmentSnapshot(
             fragment_id, meta["version"], value, momentum, residual, history, meta["state_hash"],
             meta["merged_contributions"], frozenset(ContributionKey(*key) for key in meta["recent_keys"]),
-            ClosedRound(**last_round) if last_round else None)
+            ClosedRound(**last_round) if last_round else None, period_sum, meta["period_share"])
 
     def _load_log(self, fragment_id: int, path: pathlib.Path) -> list[LoggedContribution]:
         bodies, valid_length = _read_frames(path) if path.exists() else ([], 0)
@@ -231,8 +231,10 @@ def _snapshot_body(snapshot: FragmentSnapshot) -> list:
         "recent_keys": sorted(list(key) for key in snapshot.recent_keys),
         "last_round": last_round.__dict__ if last_round else None,
         "history": [update.version for update in snapshot.history],
+        "period_share": snapshot.period_share,
     }).encode()
-    tensors = [t.contiguous().numpy() for t in (snapshot.value, snapshot.momentum, snapshot.residual)]
+    tensors = [t.contiguous().numpy()
+               for t in (snapshot.value, snapshot.momentum, snapshot.residual, snapshot.period_sum)]
     return [_LENGTH.pack(len(meta)), meta, *tensors]
 
 

@@ -223,9 +223,12 @@ def test_crd_objects_have_the_shape_the_operator_expects(renders):
     rules = [r for group in rule["spec"]["groups"] for r in group["rules"]]
     records = {r["record"]: r["expr"] for r in rules}
     assert all(re.fullmatch(r"[a-z_]+:[a-z_]+:[a-z0-9_]+", name) for name in records)
-    goodput = records["run:diloco_learner_goodput:ratio_rate5m"]
-    assert "diloco_learner_goodput_seconds_total" in goodput
-    assert "diloco_learner_provisioned_seconds_total" in goodput
+    # The project's recording rules, as the local cluster and docker-compose load them.
+    project_rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "diloco-rules.yml").read_text())
+    assert rule["spec"] == project_rules and "run:diloco_learner_goodput:ratio_rate5m" in records
+    # The rules select learners by job, as in docker-compose and the local cluster.
+    assert {"sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_component"],
+            "targetLabel": "job", "replacement": "diloco-$1"} in endpoint["relabelings"]
     dashboards = one(docs, "ConfigMap", "-dashboards")
     assert dashboards["metadata"]["labels"]["grafana_dashboard"] == "1"
     files = sorted(p.name for p in (CHART / "dashboards").glob("*.json"))

@@ -138,6 +138,35 @@ def test_dead_learner_is_not_waited_for():
     assert shard.push("c", 0, delta(2, shard.numel()), base=1).result == pb.PUSH_RESULT_ACCEPTED
 
 
+def test_a_round_with_some_of_the_live_learners_counts_for_their_share():
+    # Learners out of lockstep: each of one period's three contributions closes its own round.
+    sgd = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+    shard = Shard(make_config(quorum=1, merge="mean", outer_optimizer=sgd,
+                              grace={"mode": "fixed", "seconds": 0.5}))
+    n, start = shard.numel(), shard.seeds[0].clone()
+    deltas = [delta(i, n, scale=0.1) for i in range(3)]
+    for version, (learner, d) in enumerate(zip(LEARNERS, deltas)):
+        shard.push(learner, 0, d, base=version)
+        shard.clock.advance(0.5)
+        assert shard.core.tick() == [0] and shard.version() == version + 1
+    # Three rounds of one third each: one step on the mean, not three full steps.
+    expected = start - sum(deltas) / 3
+    assert torch.allclose(shard.value(), expected, atol=1e-6)
+
+
+def test_wait_for_all_keeps_a_round_open_while_a_learner_is_down():
+    shard = Shard(make_config(quorum=3, wait_for_all=True, lease_seconds=2.0,
+                              grace={"mode": "fixed", "seconds": 0.0}))
+    shard.core.leave("c", 1)  # down: with wait_for_all it is still waited for
+    shard.push("a", 0, delta(1, shard.numel()))
+    shard.push("b", 0, delta(2, shard.numel()))
+    shard.clock.advance(30.0)
+    assert shard.core.tick() == [] and shard.version() == 0
+    shard.core.join("c", 2, "r", MANIFEST)  # back with a new incarnation
+    assert shard.push("c", 0, delta(3, shard.numel()), incarnation=2).committed
+    assert shard.version() == 1
+
+
 def test_adaptive_grace_fits_into_the_overlap_slack():
     grace = GraceWindow("adaptive", cap_seconds=10.0, gamma=0.5, overlap_steps=2)
     assert grace.seconds() == 10.0  # no measurements yet: the cap
