@@ -26,11 +26,15 @@ test: install
 	scripts/install-debian-packages.sh
 	$(PY) -m pytest
 
+# 2 shards and 4 learners in four regions as local processes; prints a summary and
+# writes .diloco/sim/report.json and .diloco/sim/demo.png.
 demo: install
-	$(DILOCO) config check examples/local-4-regions.yaml
+	$(DILOCO) sim --config examples/local-4-regions.yaml --plot .diloco/sim/demo.png
 
 bench: install
 	$(PY) bench/codecs.py
+	$(PY) bench/overlap.py
+	$(PY) bench/syncer_push.py
 
 clean:
 	rm -rf $(VENV) .diloco .pytest_cache
