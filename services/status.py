@@ -100,7 +100,7 @@ def _last_round(fragment: pb.FragmentStatus, now: float) -> str:
     if not fragment.HasField("last_round"):
         return "-"
     r = fragment.last_round
-    return (f"#{r.round} {r.close_reason}, {r.contributors} learners, {r.duration_seconds:.2f}s, "
+    return (f"#{r.round} {r.close_reason}, contributors {r.contributors}, {r.duration_seconds:.2f}s, "
             f"{max(0.0, now - r.closed_unix_seconds):.0f}s ago")
 
 
@@ -126,12 +126,13 @@ def render(view: ClusterView, asked: int, now: float) -> str:
     counters = view.counters()
     refused = counters.get("contributions.refused_stale", 0)
     refusals = sum(v for name, v in counters.items() if name.startswith("refusals."))
-    lines += ["", f"totals    {sum(f.version for _, f in fragments)} outer steps over {len(fragments)} fragments; "
-                  f"contributions {counters.get('contributions.accepted', 0)} accepted, "
-                  f"{counters.get('contributions.stale_merged', 0)} stale-merged, {refused} refused as stale; "
-                  f"{refusals} requests refused; "
-                  f"{counters.get('kept_compute_milliseconds', 0) / 1000:.1f} learner compute-seconds kept "
-                  f"(counters since each shard's start)"]
+    lines += ["",
+              f"totals    {sum(f.version for _, f in fragments)} outer steps over {len(fragments)} fragments",
+              f"          contributions {counters.get('contributions.accepted', 0)} accepted, "
+              f"{counters.get('contributions.stale_merged', 0)} stale-merged, {refused} refused as stale; "
+              f"{refusals} requests refused",
+              f"          {counters.get('kept_compute_milliseconds', 0) / 1000:.1f} learner compute-seconds kept "
+              f"(counted since each shard started)"]
     return "\n".join(lines)
 
 

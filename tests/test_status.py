@@ -65,7 +65,7 @@ def test_status_shows_learners_fragments_and_totals(cluster, capsys):
         assert (shard, numel, version, pending) == ("0", str(view.numel), str(view.version), "0")
         assert hash_prefix == view.state_hash[:12]
     first = rows[str(owned[0])]
-    assert first[3] == "1" and " ".join(first[6:]).startswith("#1 all, 1 learners")
+    assert first[3] == "1" and " ".join(first[6:]).startswith("#1 all, contributors 1,")
     assert "totals    1 outer steps" in out and "contributions 1 accepted" in out
 
 
