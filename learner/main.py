@@ -217,6 +217,7 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
     if sync:
         sync.flush()
         if finished:
+            sync.leave()
             report.write("catching_up", trainer, sync, island)
         # Hold the run's final global values: until it is quiet (or we are stopped).
         sync.catch_up(args.catch_up_seconds, should_stop=stop.is_set)

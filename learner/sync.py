@@ -24,7 +24,7 @@ from typing import Callable, Mapping
 import grpc
 import torch
 
-from services.client import ShardClient, TransferObserver, WanLink, state_hash
+from services.client import PullResult, ShardClient, TransferObserver, WanLink, state_hash
 from services.codecs import ErrorFeedback, get_codec
 from services.config import Config
 from services.fragments import Fragment, FragmentPlan, gather, scatter
@@ -113,6 +113,7 @@ class StreamingSync:
         self.tokens_per_second = 0.0
         self._lock = threading.Lock()  # guards link.joined and heartbeat-visible fields
         self._stop = threading.Event()
+        self._left = threading.Event()  # the learner said goodbye: no heartbeats, no rejoining
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.links)), thread_name_prefix="sync")
         self._heartbeats: threading.Thread | None = None
 
@@ -333,9 +334,23 @@ class StreamingSync:
     def held_versions(self) -> dict[int, int]:
         return {fid: s.version for fid, s in self.fragments.items()}
 
+    def leave(self) -> None:
+        """Budget spent: stop counting towards any round (a synchronous round would wait for
+        this learner forever) but keep pulling the global values."""
+        self._left.set()
+        if self._heartbeats is not None:  # it must not rejoin behind our back
+            self._heartbeats.join()
+        for link in self.links:
+            if link.joined:
+                try:
+                    link.client.leave()
+                except grpc.RpcError as exc:
+                    log.warning("leave shard %d: %s", link.index, exc.code().name)
+            link.joined = False
+
     def _heartbeat_loop(self) -> None:
         interval = self.cfg.trainer.heartbeat_seconds
-        while not self._stop.wait(interval):
+        while not self._stop.wait(interval) and not self._left.is_set():
             for link in self.links:
                 try:
                     if not link.joined:
@@ -404,10 +419,7 @@ class StreamingSync:
         if self._heartbeats is not None:
             self._heartbeats.join(timeout=5)
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if leave:
+            self.leave()
         for link in self.links:
-            if leave and link.joined:
-                try:
-                    link.client.leave()
-                except grpc.RpcError as exc:
-                    log.warning("leave shard %d: %s", link.index, exc.code().name)
             link.client.close()

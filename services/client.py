@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Protocol, Sequence
 
-import grpc
 import torch
 
 from services.codecs import Codec, get_codec

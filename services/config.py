@@ -80,8 +80,8 @@ class OuterOptimizerConfig(_Section):
 
 class SyncerConfig(_Section):
     quorum: PositiveInt = 1  # K: contributions that may close a round once grace has passed
-    # False: a round also closes once every live learner contributed. True: it waits for
-    # K contributions even while learners are down, as synchronous data parallel does.
+    # True: a round closes only once every learner still in the run (joined, not left)
+    # contributed, also while one is down, as synchronous data parallel does; K is not used.
     wait_for_all: bool = False
     grace: GraceConfig = GraceConfig()
     merge: Literal["rda", "mean"] = "rda"  # radial-directional averaging or weighted mean

@@ -102,7 +102,6 @@ class Downtime:
     proc_index: int
     killed_at: float
     restart_at: float
-    last_step: int = 0
 
 
 @dataclass
@@ -171,7 +170,7 @@ class Chaos:
         return [i for i, at in enumerate(self.next_kill) if at <= now and i not in self.down]
 
     def killed(self, index: int, now: float, last_step: int = 0) -> None:
-        self.down[index] = Downtime(index, now, now + self.restart_delay, last_step)
+        self.down[index] = Downtime(index, now, now + self.restart_delay)
         self.events.append({"event": "kill", "kind": self.kind, "index": index, "time": now,
                             "step": last_step})
 
@@ -223,7 +222,6 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
     learner_chaos = Chaos("learner", len(cluster.learners), args.chaos_mtbf, args.restart_delay, rng, started)
     shard_chaos = Chaos("shard", len(cluster.shards), args.chaos_shards, args.restart_delay, rng, started)
     finished_at: dict[str, float] = {}
-    lost_steps = 0
     timeline: list[dict] = []  # goodput over time
     total_steps = cfg.trainer.max_steps * len(cfg.learners)
     progress = None if args.quiet else _progress_bar(total_steps)

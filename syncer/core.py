@@ -269,7 +269,10 @@ class ShardCore:
     def _close_if_due(self, state: FragmentState) -> bool:
         """Called with state.lock held."""
         started = self.clock()
-        live_ids = self.membership.live_ids(started)
+        # Whom a round waits for: the live learners, or with wait_for_all (synchronous data
+        # parallel) every learner still in the run, also while it is down.
+        live_ids = (self.membership.member_ids() if self.cfg.syncer.wait_for_all
+                    else self.membership.live_ids(started))
         reason = state.close_reason(live_ids, started)
         if reason is None:
             return False

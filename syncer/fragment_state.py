@@ -181,13 +181,15 @@ class FragmentState:
         """"all" once every live learner has contributed; "quorum_grace" once at least K
         have and the grace window has passed since the K-th. With nobody live (say, just
         after a shard restart, before learners rejoin) only quorum and grace can close.
-        With wait_for_all (synchronous data parallel) only K contributions close a round,
-        however many learners are down."""
+        With wait_for_all (synchronous data parallel) `live_ids` holds every learner still
+        in the run, down or not, and only "all" closes."""
         round_ = self.round
         if round_.count == 0:
             return None
-        if live_ids and live_ids <= round_.contributors and not self.rules.wait_for_all:
+        if live_ids and live_ids <= round_.contributors:
             return "all"
+        if self.rules.wait_for_all:
+            return None
         if round_.quorum_at is not None and now - round_.quorum_at >= self.grace.seconds():
             return "quorum_grace"
         return None

@@ -103,6 +103,12 @@ class Membership:
             return frozenset(learner.id for learner in self._learners.values()
                              if self._refresh(learner, now).alive)
 
+    def member_ids(self) -> frozenset[str]:
+        """Learners that joined and have not left, live or not: whom a synchronous round
+        (wait_for_all) waits for."""
+        with self._lock:
+            return frozenset(learner.id for learner in self._learners.values() if not learner.left)
+
     def learners(self, now: float) -> list[Learner]:
         """Copies, in join order, for reporting."""
         with self._lock:

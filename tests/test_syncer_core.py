@@ -154,17 +154,22 @@ def test_a_round_with_some_of_the_live_learners_counts_for_their_share():
     assert torch.allclose(shard.value(), expected, atol=1e-6)
 
 
-def test_wait_for_all_keeps_a_round_open_while_a_learner_is_down():
+def test_wait_for_all_waits_for_a_learner_that_is_down_but_not_for_one_that_left():
     shard = Shard(make_config(quorum=3, wait_for_all=True, lease_seconds=2.0,
                               grace={"mode": "fixed", "seconds": 0.0}))
-    shard.core.leave("c", 1)  # down: with wait_for_all it is still waited for
     shard.push("a", 0, delta(1, shard.numel()))
     shard.push("b", 0, delta(2, shard.numel()))
-    shard.clock.advance(30.0)
+    shard.clock.advance(30.0)  # c's lease expired long ago: it is down, still in the run
     assert shard.core.tick() == [] and shard.version() == 0
     shard.core.join("c", 2, "r", MANIFEST)  # back with a new incarnation
     assert shard.push("c", 0, delta(3, shard.numel()), incarnation=2).committed
     assert shard.version() == 1
+    # A learner whose budget is spent says goodbye: the next rounds no longer wait for it.
+    shard.core.leave("c", 2)
+    shard.core.join("a", 2, "r", MANIFEST)
+    shard.core.join("b", 2, "r", MANIFEST)
+    shard.push("a", 0, delta(4, shard.numel()), base=1, incarnation=2)
+    assert shard.push("b", 0, delta(5, shard.numel()), base=1, incarnation=2).committed
 
 
 def test_adaptive_grace_fits_into_the_overlap_slack():
