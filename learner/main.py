@@ -67,11 +67,15 @@ class Island:
     def leader(self) -> bool:
         return self.rank == 0
 
-    def share_weights(self, params: dict[str, torch.Tensor]) -> None:
-        """Every rank starts from rank 0's (global) weights; DDP keeps them equal after."""
+    def share_start(self, trainer: Trainer, params: dict[str, torch.Tensor]) -> None:
+        """Every rank starts from rank 0's (global) weights and its step count (only rank 0
+        restores a checkpoint); DDP keeps the weights equal after."""
         if self.world_size > 1:
             for tensor in params.values():
                 dist.broadcast(tensor.data, src=0)
+            position = torch.tensor([trainer.step, trainer.tokens], dtype=torch.int64)
+            dist.broadcast(position, src=0)
+            trainer.step, trainer.tokens = (int(v) for v in position)
 
     def broadcast_applied(self, plan: FragmentPlan, applied: list[int],
                           params: dict[str, torch.Tensor]) -> list[int]:
@@ -155,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
                                mean_step_seconds(extra.get("report", {}).get("incarnations", [])))
         sync = StreamingSync(cfg, learner.id, learner.region, params, plan, observer=metrics)
         sync.start(extra.get("sync"), should_stop=stop.is_set)
-    island.share_weights(params)
+    island.share_start(trainer, params)
     if island.world_size > 1:
         trainer.forward_module = DistributedDataParallel(trainer.model)
     restore_seconds = time.monotonic() - restore_started
@@ -212,10 +216,11 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
     if not island.leader:
         return
     finished = not budget_left()
+    if sync:
+        sync.flush()  # may wait for late results: still provisioned training time
     if finished and metrics:
         metrics.training_finished()
     if sync:
-        sync.flush()
         if finished:
             sync.leave()
             report.write("catching_up", trainer, sync, island)

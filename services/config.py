@@ -81,7 +81,8 @@ class OuterOptimizerConfig(_Section):
 class SyncerConfig(_Section):
     quorum: PositiveInt = 1  # K: contributions that may close a round once grace has passed
     # True: a round closes only once every learner still in the run (joined, not left)
-    # contributed, also while one is down, as synchronous data parallel does; K is not used.
+    # contributed, also while one is down, and K have (those that left count), as
+    # synchronous data parallel does.
     wait_for_all: bool = False
     grace: GraceConfig = GraceConfig()
     merge: Literal["rda", "mean"] = "rda"  # radial-directional averaging or weighted mean

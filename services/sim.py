@@ -358,7 +358,9 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
     counters = observer.counters()
     refused = counters.get("contributions.refused_stale", 0) + sum(
         v for k, v in counters.items() if k.startswith("refusals."))
-    first_losses = [r["evaluations"][0][3] for r in reports.values() if r.get("evaluations")]
+    # The run's first evaluation is of the seeded, untrained model; a learner that joins
+    # later starts from an already trained global model.
+    first_evaluations = [r["evaluations"][0] for r in reports.values() if r.get("evaluations")]
     last_losses = [r["evaluations"][-1][3] for r in reports.values() if r.get("evaluations")]
     return {
         "mode": args.mode,
@@ -376,7 +378,7 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         "badput_seconds": badput,
         "useful_seconds": useful,
         "provisioned_seconds": provisioned_total,
-        "initial_eval_loss": sum(first_losses) / len(first_losses) if first_losses else None,
+        "initial_eval_loss": min(first_evaluations)[3] if first_evaluations else None,
         "final_eval_loss": sum(last_losses) / len(last_losses) if last_losses else None,
         "bytes_up": totals["bytes_up"],
         "bytes_down": totals["bytes_down"],

@@ -271,9 +271,12 @@ class ShardCore:
         started = self.clock()
         # Whom a round waits for: the live learners, or with wait_for_all (synchronous data
         # parallel) every learner still in the run, also while it is down.
-        live_ids = (self.membership.member_ids() if self.cfg.syncer.wait_for_all
-                    else self.membership.live_ids(started))
-        reason = state.close_reason(live_ids, started)
+        if self.cfg.syncer.wait_for_all:
+            live_ids = self.membership.member_ids()
+            reason = state.synchronous_close_reason(live_ids, self.membership.departed_ids())
+        else:
+            live_ids = self.membership.live_ids(started)
+            reason = state.close_reason(live_ids, started)
         if reason is None:
             return False
         round_ = state.round

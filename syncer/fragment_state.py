@@ -180,18 +180,24 @@ class FragmentState:
     def close_reason(self, live_ids: frozenset[str], now: float) -> str | None:
         """"all" once every live learner has contributed; "quorum_grace" once at least K
         have and the grace window has passed since the K-th. With nobody live (say, just
-        after a shard restart, before learners rejoin) only quorum and grace can close.
-        With wait_for_all (synchronous data parallel) `live_ids` holds every learner still
-        in the run, down or not, and only "all" closes."""
+        after a shard restart, before learners rejoin) only quorum and grace can close."""
         round_ = self.round
         if round_.count == 0:
             return None
         if live_ids and live_ids <= round_.contributors:
             return "all"
-        if self.rules.wait_for_all:
-            return None
         if round_.quorum_at is not None and now - round_.quorum_at >= self.grace.seconds():
             return "quorum_grace"
+        return None
+
+    def synchronous_close_reason(self, member_ids: frozenset[str], departed_ids: frozenset[str]) -> str | None:
+        """wait_for_all (synchronous data parallel): "all" once every learner still in the run,
+        down or not, has contributed and, counting those that already left, at least K have
+        (so the first round waits for learners that have not joined yet)."""
+        contributors = self.round.contributors
+        if member_ids <= contributors and len(contributors | departed_ids) >= self.rules.quorum \
+                and self.round.count > 0:
+            return "all"
         return None
 
     # ---- the next committed state ------------------------------------------------------

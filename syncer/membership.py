@@ -109,6 +109,11 @@ class Membership:
         with self._lock:
             return frozenset(learner.id for learner in self._learners.values() if not learner.left)
 
+    def departed_ids(self) -> frozenset[str]:
+        """Learners that said goodbye (their budget spent, or a clean shutdown)."""
+        with self._lock:
+            return frozenset(learner.id for learner in self._learners.values() if learner.left)
+
     def learners(self, now: float) -> list[Learner]:
         """Copies, in join order, for reporting."""
         with self._lock:

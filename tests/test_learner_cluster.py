@@ -4,6 +4,7 @@ two processes stays identical across ranks."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -88,8 +89,10 @@ def test_cluster_trains_and_every_learner_holds_the_shards_bits(tmp_path, cluste
     assert all(version > 0 for version, _ in shards.values())
     for learner_id, report in reports.items():
         assert report["phase"] == "done" and report["steps"] == 200
-        first, last = report["evaluations"][0][3], report["evaluations"][-1][3]
-        assert last < 0.75 * first, f"{learner_id}: validation loss {first:.3f} -> {last:.3f}"
+        # Against the untrained model's loss (ln 256 for bytes): a learner that joins late
+        # starts from the already trained global model, so its own first evaluation is lower.
+        last = report["evaluations"][-1][3]
+        assert last < 0.6 * math.log(256), f"{learner_id}: final validation loss {last:.3f}"
         assert held_fragments(report) == shards, f"{learner_id} does not hold the shards' bits"
         life = report["incarnations"][-1]
         assert life["syncs_applied"] > 0 and life["bytes_up"] > 0

@@ -172,6 +172,16 @@ def test_wait_for_all_waits_for_a_learner_that_is_down_but_not_for_one_that_left
     assert shard.push("b", 0, delta(5, shard.numel()), base=1, incarnation=2).committed
 
 
+def test_wait_for_all_does_not_start_before_k_learners_joined():
+    shard = Shard(make_config(quorum=3, wait_for_all=True, grace={"mode": "fixed", "seconds": 0.0}),
+                  joined=("a", "b"))
+    shard.push("a", 0, delta(1, shard.numel()))
+    shard.push("b", 0, delta(2, shard.numel()))  # every member contributed, but only 2 of K=3
+    assert shard.core.tick() == [] and shard.version() == 0
+    shard.core.join("c", 1, "r", MANIFEST)
+    assert shard.push("c", 0, delta(3, shard.numel())).committed
+
+
 def test_adaptive_grace_fits_into_the_overlap_slack():
     grace = GraceWindow("adaptive", cap_seconds=10.0, gamma=0.5, overlap_steps=2)
     assert grace.seconds() == 10.0  # no measurements yet: the cap
