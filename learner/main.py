@@ -18,6 +18,7 @@ import logging
 import os
 import pathlib
 import signal
+import sys
 import threading
 import time
 
@@ -31,7 +32,7 @@ from learner.checkpoint import load_checkpoint
 from learner.sync import StreamingSync
 from learner.train import Trainer, manifest, named_parameters
 from services.client import ShardClient
-from services.config import Config, load_config
+from services.config import Config, ConfigError, load_config
 from services.fragments import FragmentPlan, gather, plan_for_config, scatter
 from services.metrics import LearnerMetrics, serve
 
@@ -121,11 +122,16 @@ class Island:
 
 def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
-    cfg = load_config(args.config)
-    learner = cfg.learner(args.learner_id)
+    try:
+        cfg = load_config(args.config)
+        learner = cfg.learner(args.learner_id)
+    except ConfigError as error:
+        print(f"invalid: {error}", file=sys.stderr)
+        return 2
     if learner.region != args.region:
-        raise SystemExit(f"--region {args.region}: learner {learner.id} is in region "
-                         f"{learner.region} in {args.config}")
+        print(f"invalid: --region {args.region}: learner {learner.id} is in region "
+              f"{learner.region} in {args.config}", file=sys.stderr)
+        return 2
     state_dir = pathlib.Path(args.state_dir or pathlib.Path(cfg.run.state_dir) / f"learner-{learner.id}")
     state_dir.mkdir(parents=True, exist_ok=True)
     island = Island()

@@ -1,6 +1,7 @@
 """The learner's local half: model, data, inner loop, checkpoint. No syncer involved."""
 
 import logging
+import pathlib
 import math
 
 import numpy as np
@@ -271,3 +272,16 @@ def test_builtin_data_refuses_a_shard_too_small(state_dir):
     cfg = make_config(state_dir, data={"max_bytes": 1000, "validation_fraction": 0.05})
     with pytest.raises(ValueError, match="raise data.max_bytes"):
         build_data(cfg, 0, seq_len=64)
+
+
+def test_learner_command_refuses_an_unknown_id_or_a_wrong_region():
+    import subprocess
+    import sys
+    config = str(pathlib.Path(__file__).resolve().parent.parent / "examples" / "local-4-regions.yaml")
+    for learner_id, region, message in (
+            ("eu-0", "eu", "learners: no learner with id 'eu-0'"),
+            ("us-east-0", "eu", "--region eu: learner us-east-0 is in region us-east")):
+        result = subprocess.run([sys.executable, "-m", "services.cli", "learner", "--config", config,
+                                 "--learner-id", learner_id, "--region", region],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
