@@ -88,7 +88,6 @@ class ShardLink:
         self.index = index
         self.client = client
         self.joined = False
-        self.last_response: pb.JoinResponse | None = None
 
 
 class StreamingSync:
@@ -173,7 +172,6 @@ class StreamingSync:
                 self._seed(link, self.plan.fragments[info.fragment_id])
         with self._lock:
             link.joined = True
-            link.last_response = reply
 
     def _seed(self, link: ShardLink, fragment: Fragment) -> None:
         try:

@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Iterator, Protocol, Sequence
 import torch
 
 from services.config import Config
-from services.fragments import FragmentPlan, plan_fragments
+from services.fragments import FragmentPlan, plan_for_config
 from services.payload import PayloadError, Reassembler, decode_payload
 from services.wire import pb
 from syncer.counters import Counters
@@ -361,10 +361,8 @@ class ShardCore:
                     raise Refusal("manifest_mismatch", "FAILED_PRECONDITION",
                                   f"manifest differs from the one this run started with: {_difference(self.manifest, manifest)}")
                 return
-            sync = self.cfg.sync
             try:
-                plan = plan_fragments(manifest, sync.fragments, sync.interval_steps, len(self.cfg.shards),
-                                      sync.fragmentation)
+                plan = plan_for_config(self.cfg, manifest)
             except ValueError as error:
                 raise Refusal("bad_manifest", "INVALID_ARGUMENT", f"cannot plan fragments: {error}") from None
             if not durable:
