@@ -168,7 +168,13 @@ def test_real_prometheus_on_a_sim_records_goodput_and_answers_every_dashboard_qu
             for title, expr in queries:
                 prometheus.wait_for(lambda: prometheus.query(expr), max(1.0, deadline - time.monotonic()),
                                     f"panel {title!r}: no data for {expr}")
-            # The badput breakdown and goodput add up to the provisioned time.
+            # The badput breakdown and goodput add up to the provisioned time. rate() extrapolates
+            # each series to the window's edges; on a series a few scrapes old that error is
+            # several percent, so wait until every learner has 15 scrapes (of 1 s) behind it.
+            prometheus.wait_for(
+                lambda: (prometheus.value('min(count_over_time(diloco_learner_provisioned_seconds_total[5m]))')
+                         or 0) >= 15,
+                40, "the learners were not scraped 15 times")
             shares = prometheus.query('run_category:diloco_learner_badput:ratio_rate5m{run="test"}')
             assert {s["metric"]["category"] for s in shares} == \
                 {"startup", "restore", "blocked", "lost", "down", "overhead"}
