@@ -25,7 +25,8 @@ import random
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 
 import grpc
 
@@ -104,21 +105,16 @@ class Downtime:
     restart_at: float
 
 
-@dataclass
 class Observer:
     """Polls the shards' Status: learners' steps for progress and goodput over time,
     counters accumulated across shard restarts (a restarted shard counts from zero)."""
-    cfg: Config
-    clients: list[ShardClient] = field(init=False)
-    steps: dict[str, int] = field(default_factory=dict)
-    counters_before_restart: dict[str, float] = field(default_factory=dict)
-    last_counters: list[dict[str, float]] = field(init=False)
-    last_status: list = field(init=False)
 
-    def __post_init__(self):
-        self.clients = [ShardClient(s.address, self.cfg.rpc) for s in self.cfg.shards]
-        self.last_counters = [{} for _ in self.clients]
-        self.last_status = [None for _ in self.clients]
+    def __init__(self, cfg: Config):
+        self.clients = [ShardClient(s.address, cfg.rpc) for s in cfg.shards]
+        self.steps: dict[str, int] = {}
+        self.counters_before_restart: Counter[str] = Counter()
+        self.last_counters: list[Counter[str]] = [Counter() for _ in self.clients]
+        self.last_status: list = [None for _ in self.clients]
 
     def poll(self, require_all: bool = False) -> None:
         """One Status call per shard; a shard that is down keeps its last answer, unless
@@ -130,21 +126,16 @@ class Observer:
                     raise RuntimeError(f"shard {i} did not answer Status for a minute")
                 continue
             self.last_status[i] = status
-            self.last_counters[i] = dict(status.counters)
+            self.last_counters[i] = Counter(status.counters)
             for learner in status.learners:
                 self.steps[learner.learner_id] = max(self.steps.get(learner.learner_id, 0), learner.last_step)
 
     def shard_restarting(self, index: int) -> None:
-        for name, value in self.last_counters[index].items():
-            self.counters_before_restart[name] = self.counters_before_restart.get(name, 0) + value
-        self.last_counters[index] = {}
+        self.counters_before_restart.update(self.last_counters[index])
+        self.last_counters[index] = Counter()
 
-    def counters(self) -> dict[str, float]:
-        total = dict(self.counters_before_restart)
-        for counters in self.last_counters:
-            for name, value in counters.items():
-                total[name] = total.get(name, 0) + value
-        return total
+    def counters(self) -> Counter[str]:
+        return sum(self.last_counters, Counter(self.counters_before_restart))
 
     def close(self) -> None:
         for client in self.clients:
