@@ -101,6 +101,13 @@ class Codec(ABC):
             return torch.empty(0)
         return self._decode(payload, numel, block_size)
 
+    def norm_bound(self, payload: bytes | memoryview, numel: int, block_size: int) -> float:
+        """An upper bound of the L2 norm of `decode(payload, ...)`, for a payload of the right
+        length, found without decoding where the layout allows. NaN or Inf when a decoded value
+        could be non-finite (so any `bound <= limit` test fails): a receiver decodes and checks
+        the values only then, and otherwise leaves decoding until it needs them."""
+        return math.inf
+
     def encoded_size(self, numel: int, block_size: int) -> int:
         """The exact length of what `encode` produces for `numel` values."""
         _check_block_size(block_size)
@@ -201,6 +208,22 @@ class BlockCodec(Codec):
             scales.append(scale.numpy().tobytes())
             codes.append(self._pack(self._to_codes(scaled.view(-1)[:count])).numpy().tobytes())
         return b"".join(scales + codes)
+
+    def norm_bound(self, payload: bytes | memoryview, numel: int, block_size: int) -> float:
+        # Every value of a block is at most the largest code's magnitude times the block's
+        # scale, so reading the scales (4 bytes per block) bounds the norm. Sums in float64,
+        # where squares of fp32 scales cannot overflow; a non-finite scale makes it NaN or Inf,
+        # and so does a bound beyond fp32's range, where a code times its scale may overflow.
+        blocks = -(-numel // block_size)
+        scales = _read(payload, torch.float32, count=blocks).double()
+        bound = float(torch.linalg.vector_norm(scales)) * math.sqrt(block_size) * self._largest_code
+        return bound if bound <= torch.finfo(torch.float32).max else math.inf
+
+    @property
+    def _largest_code(self) -> float:
+        """The largest magnitude any code decodes to before scaling (a two's-complement int4
+        nibble reaches -8, one more than encode writes)."""
+        return float(self._from_codes(torch.arange(2**self.bits, dtype=torch.uint8)).abs().max())
 
     def _decode(self, payload: bytes | memoryview, numel: int, block_size: int) -> torch.Tensor:
         blocks = -(-numel // block_size)

@@ -60,7 +60,8 @@ def iter_chunks(payload: bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.C
 
 
 class Reassembler:
-    """Collects the chunks of one payload, in order, into a buffer sized from the header."""
+    """Collects the chunks of one payload, in order, checking each against the header as it
+    arrives. Chunks are kept as received and joined once, by finish()."""
 
     def __init__(self, header: pb.PayloadHeader, max_payload_bytes: int | None = None):
         try:
@@ -83,7 +84,7 @@ class Reassembler:
                 f"chunk_count={header.chunk_count} cannot carry payload_bytes={header.payload_bytes}"
             )
         self.header = header
-        self._buffer = bytearray(header.payload_bytes)
+        self._chunks: list[bytes] = []
         self._received_bytes = 0
         self._next_index = 0
         self._crc32 = 0
@@ -106,7 +107,7 @@ class Reassembler:
         if end > header.payload_bytes:
             limit = header.payload_bytes
             raise PayloadError(f"chunk {index} brings the payload to {end} bytes, beyond payload_bytes={limit}")
-        self._buffer[self._received_bytes : end] = chunk.data
+        self._chunks.append(chunk.data)
         self._crc32 = zlib.crc32(chunk.data, self._crc32)
         self._received_bytes = end
         self._next_index += 1
@@ -122,7 +123,7 @@ class Reassembler:
             raise PayloadError(
                 f"crc32 mismatch: header says {header.crc32:#010x}, payload has {self._crc32:#010x}"
             )
-        return bytes(self._buffer)
+        return b"".join(self._chunks)
 
 
 def decode_payload(header: pb.PayloadHeader, payload: bytes) -> torch.Tensor:

@@ -181,11 +181,12 @@ class ShardCore:
             started = self.clock()
             payload = _receive(header.payload, requests)
             transfer_seconds = self.clock() - started
-            values = decode_payload(header.payload, payload)
-            norm = _finite_norm(state, values)
             if header.kind == pb.PUSH_KIND_SEED:
+                values = decode_payload(header.payload, payload)
+                _finite_norm(state, values)
                 return self._seed(state, header, values)
-            return self._contribute(state, header, payload, values, norm, transfer_seconds)
+            self._check_norm(state, header.payload, payload)
+            return self._contribute(state, header, payload, transfer_seconds)
 
     def _check_header(self, header: pb.PushHeader) -> FragmentState:
         self.membership.authenticate(header.learner_id, header.incarnation, self.clock())
@@ -214,12 +215,22 @@ class ShardCore:
         self.counters.add("seeds")
         return PushOutcome(pb.PUSH_RESULT_SEEDED, 0, 0, 0, committed=True)
 
-    def _contribute(self, state: FragmentState, header: pb.PushHeader, payload: bytes,
-                    values: torch.Tensor, norm: float, transfer_seconds: float) -> PushOutcome:
-        if norm > self.cfg.syncer.max_update_norm:
+    def _check_norm(self, state: FragmentState, header: pb.PayloadHeader, payload: bytes) -> None:
+        """Refuses NaN or Inf values and a norm above syncer.max_update_norm. The codec's bound
+        from the block scales clears a well-formed push without decoding it (the push path
+        then costs little more than receiving the bytes); only a push it cannot clear is
+        decoded here."""
+        limit = self.cfg.syncer.max_update_norm
+        if state.codec.norm_bound(payload, header.numel, header.block_size) <= limit:
+            return
+        norm = _finite_norm(state, decode_payload(header, payload))
+        if norm > limit:
             raise Refusal("norm_too_large", "INVALID_ARGUMENT",
                           f"fragment {state.id}: outer gradient norm {norm:.4g} exceeds "
-                          f"syncer.max_update_norm={self.cfg.syncer.max_update_norm:.4g}")
+                          f"syncer.max_update_norm={limit:.4g}")
+
+    def _contribute(self, state: FragmentState, header: pb.PushHeader, payload: bytes,
+                    transfer_seconds: float) -> PushOutcome:
         with state.lock:
             # The state may have moved on while the payload streamed in: judge again.
             self.membership.authenticate(header.learner_id, header.incarnation, self.clock())
@@ -229,7 +240,7 @@ class ShardCore:
                 return self._refuse_stale(state, staleness)
             round_number, version = state.round.number, state.version
             self.journal.append(state.id, LoggedContribution(round_number, header, payload))
-            self._admit(state, header, values, norm, staleness, transfer_seconds)
+            self._admit(state, header, payload, staleness, transfer_seconds)
             result = "accepted" if staleness == 0 else "stale_merged"
             self.counters.add(f"contributions.{result}")
             self.counters.add("kept_compute_seconds",
@@ -242,13 +253,13 @@ class ShardCore:
         return PushOutcome(pb.PUSH_RESULT_ACCEPTED if staleness == 0 else pb.PUSH_RESULT_STALE_MERGED,
                            version, staleness, round_number, committed)
 
-    def _admit(self, state: FragmentState, header: pb.PushHeader, values: torch.Tensor, norm: float,
-               staleness: int, transfer_seconds: float) -> None:
+    def _admit(self, state: FragmentState, header: pb.PushHeader, payload: bytes, staleness: int,
+               transfer_seconds: float) -> None:
         weight = contribution_weight(header.c_tokens, header.c_steps, staleness,
                                      self.cfg.syncer.stale_weight_decay)
         if header.step_seconds > 0:
             state.grace.step_seconds.observe(header.step_seconds)
-        state.admit(_key(header), values, norm, weight, self.clock(), transfer_seconds)
+        state.admit(_key(header), header.payload, payload, weight, self.clock(), transfer_seconds)
 
     def _refuse_stale(self, state: FragmentState, staleness: int) -> PushOutcome:
         self.counters.add("contributions.refused_stale")
@@ -348,8 +359,7 @@ class ShardCore:
                     raise ValueError(f"fragment {fid}: journal holds a contribution to round "
                                      f"{contribution.round}, but the open round is {state.round.number}")
                 header = contribution.header
-                values = decode_payload(header.payload, contribution.payload)
-                self._admit(state, header, values, _finite_norm(state, values), state.version - header.base_version, 0.0)
+                self._admit(state, header, bytes(contribution.payload), state.version - header.base_version, 0.0)
                 self.counters.add("contributions.restored")
 
     # ---- helpers -------------------------------------------------------------------------

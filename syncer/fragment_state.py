@@ -21,7 +21,7 @@ from services.client import apply_update, state_hash
 from services.codecs import ErrorFeedback, get_codec
 from services.config import SyncConfig, SyncerConfig
 from services.fragments import Fragment
-from services.payload import describe
+from services.payload import decode_payload, describe
 from services.wire import pb
 from syncer.grace import GraceWindow
 from syncer.merge import RoundAccumulator
@@ -82,16 +82,35 @@ class PullPlan:
     state_hash: str  # of the value after the last item
 
 
+@dataclass(frozen=True)
+class PendingContribution:
+    """An admitted outer gradient as it arrived: decoded only when its round closes."""
+    header: pb.PayloadHeader
+    payload: bytes
+    weight: float
+
+
 class OpenRound:
+    """What arrived since the last version. Contributions are kept encoded (an eighth of their
+    fp32 size in int4) and merged when the round closes, so a push is acknowledged without
+    decoding it."""
+
     def __init__(self, number: int, numel: int, merge: str):
         self.number = number  # closing it produces version `number`
-        self.accumulator = RoundAccumulator(numel, merge)
-        self.keys: set[ContributionKey] = set()
+        self.numel, self.merge = numel, merge
+        self.contributions: dict[ContributionKey, PendingContribution] = {}
         self.contributors: set[str] = set()
-        self.count = 0
         self.first_at: float | None = None
         self.quorum_at: float | None = None  # when the K-th distinct learner contributed
         self.transfer_seconds = 0.0  # summed over contributions
+
+    @property
+    def keys(self) -> frozenset[ContributionKey]:
+        return frozenset(self.contributions)
+
+    @property
+    def count(self) -> int:
+        return len(self.contributions)
 
     @property
     def quorum_seconds(self) -> float:
@@ -100,6 +119,16 @@ class OpenRound:
     @property
     def mean_transfer_seconds(self) -> float:
         return self.transfer_seconds / self.count if self.count else 0.0
+
+    def merged(self) -> torch.Tensor:
+        """The merged outer gradient. Contributions are folded in key order, not arrival
+        order, so a round rebuilt from the journal after a restart merges to the same bits."""
+        accumulator = RoundAccumulator(self.numel, self.merge)
+        for key in sorted(self.contributions):
+            contribution = self.contributions[key]
+            delta = decode_payload(contribution.header, contribution.payload)
+            accumulator.add(delta, contribution.weight, float(torch.linalg.vector_norm(delta)))
+        return accumulator.merged()
 
 
 class FragmentState:
@@ -164,13 +193,12 @@ class FragmentState:
 
     # ---- the open round ------------------------------------------------------------------
 
-    def admit(self, key: ContributionKey, delta: torch.Tensor, norm: float, weight: float,
+    def admit(self, key: ContributionKey, header: pb.PayloadHeader, payload: bytes, weight: float,
               now: float, transfer_seconds: float) -> None:
+        """Adds a checked outer gradient (finite, within the norm bound) to the open round."""
         round_ = self.round
-        round_.accumulator.add(delta, weight, norm)
-        round_.keys.add(key)
+        round_.contributions[key] = PendingContribution(header, payload, weight)
         round_.contributors.add(key.learner_id)
-        round_.count += 1
         round_.transfer_seconds += transfer_seconds
         if round_.first_at is None:
             round_.first_at = now
@@ -226,7 +254,7 @@ class FragmentState:
         learner is exactly the plain DiLoCo outer step."""
         committed, round_ = self.committed, self.round
         share = len(round_.contributors) / len(live_ids | round_.contributors)
-        merged = round_.accumulator.merged() * share
+        merged = round_.merged() * share
         period_sum = committed.period_sum + merged
         period_share = committed.period_share + share
         if period_share >= 1.0 - 1e-9:

@@ -10,8 +10,8 @@ Two merges (DESIGN.md §2.2):
   outer gradients keep their size; a plain mean of M of them shrinks by about sqrt(M).
 - "mean": the weighted mean.
 
-Both are running sums, so an open round holds one accumulator however many learners
-contribute, and a contribution can be folded in (and forgotten) as soon as it arrives.
+Both are running sums over the round's contributions, folded in when the round closes
+(fragment_state.OpenRound keeps them encoded until then).
 """
 from __future__ import annotations
 

@@ -74,11 +74,13 @@ class ShardStore:
     def append(self, fragment_id: int, contribution: LoggedContribution) -> None:
         header = contribution.header.SerializeToString()
         body = [_ROUND.pack(contribution.round), _LENGTH.pack(len(header)), header, contribution.payload]
-        record = b"".join(memoryview(part).cast("B") for part in _frame(body))
+        record = _frame(body)  # written as it is, without joining the parts into one copy
         with self._files(fragment_id) as files:
-            os.pwrite(files.log(), record, files.log_end)
+            written = os.pwritev(files.log(), record, files.log_end)
+            if written != _frame_size(record):
+                raise OSError(f"short write to {files.folder / 'round.log'}: {written} bytes")
             _sync_data(files.log())
-            files.log_end += len(record)
+            files.log_end += written
 
     def commit(self, snapshot: FragmentSnapshot) -> None:
         with self._files(snapshot.fragment_id) as files:
@@ -246,6 +248,10 @@ def _frame(parts: list) -> list:
         length += view.nbytes
         crc = zlib.crc32(view, crc)
     return [_FRAME.pack(length, crc), *parts]
+
+
+def _frame_size(parts: list) -> int:
+    return sum(memoryview(part).nbytes for part in parts)
 
 
 def _read_frames(path: pathlib.Path) -> tuple[list[memoryview], int]:

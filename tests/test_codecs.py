@@ -328,3 +328,32 @@ def test_error_feedback_keeps_its_residual_when_encoding_fails():
     with pytest.raises(ValueError, match="1 non-finite"):
         feedback.compress(values)
     assert torch.equal(feedback.residual, before)
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=st.sampled_from(CODEC_NAMES), numel=st.integers(1, 700), block_size=st.integers(1, 130),
+       seed=st.integers(0, 2**32 - 1))
+def test_norm_bound_is_never_below_the_decoded_norm(name, numel, block_size, seed):
+    """Any bytes of the right length, including codes no encoder writes (int4's -8) and NaN or
+    Inf scales: either the bound is at least the norm of what decodes, or it is not a number
+    any limit can clear."""
+    codec = get_codec(name)
+    size = codec.encoded_size(numel, block_size)
+    payload = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    payload = payload.numpy().tobytes()
+    bound = codec.norm_bound(payload, numel, block_size)
+    norm = float(torch.linalg.vector_norm(codec.decode(payload, numel, block_size).double()))
+    if math.isfinite(norm):
+        assert not bound < norm
+    else:
+        assert not bound <= 1e300
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "fp4_e3m0"])
+def test_norm_bound_of_a_block_codec_is_within_a_small_factor(name):
+    """The bound clears honest pushes against a limit a few times their norm, so they are not decoded on receipt."""
+    codec = get_codec(name)
+    values = torch.randn(10_000, generator=torch.Generator().manual_seed(1))
+    payload = codec.encode(values, DEFAULT_BLOCK_SIZE)
+    decoded_norm = float(torch.linalg.vector_norm(codec.decode(payload, values.numel(), DEFAULT_BLOCK_SIZE)))
+    assert decoded_norm <= codec.norm_bound(payload, values.numel(), DEFAULT_BLOCK_SIZE) < 5 * decoded_norm
