@@ -6,7 +6,10 @@ Fragment p starts syncing after step t when `t % H == t_p`: its outer gradient
 global value is pulled, all on a background thread while training goes on. tau
 steps later the result is applied:
 `theta_p <- alpha*theta_p + (1-alpha)*g_p`, `anchor_p <- g_p`. The loop blocks
-only when the result is late, and that wait is measured as badput.
+only when the result is late, and that wait is measured as badput. It blocks for at most
+`sync.max_block_seconds` per sync, then trains on and applies the result after the first
+step that finds it in: a round waits for its contributors, and learners that each wait
+for a round the other has yet to contribute to would otherwise wait for ever.
 
 A shard that cannot be reached never stops training: the sync is skipped (the
 next outer gradient still carries all local progress, since it is taken against
@@ -17,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -53,6 +56,7 @@ class FragmentSync:
     tokens_since_sync: int = 0  # c_tokens
     in_flight: Future | None = None
     apply_at: int = -1  # the step after which the in-flight result is applied
+    blocked_seconds: float = 0.0  # how long the loop has waited for the in-flight result
 
 
 @dataclass
@@ -72,6 +76,7 @@ class SyncStats:
     syncs_started: int = 0
     syncs_applied: int = 0
     syncs_skipped: int = 0  # shard unreachable: progress kept for the next sync
+    syncs_late: int = 0  # applied after the loop stopped waiting for them
     refused_stale: int = 0
     blocked_seconds: float = 0.0
     bytes_up: int = 0
@@ -113,7 +118,9 @@ class StreamingSync:
         self._lock = threading.Lock()  # guards link.joined and heartbeat-visible fields
         self._stop = threading.Event()
         self._left = threading.Event()  # the learner said goodbye: no heartbeats, no rejoining
-        self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.links)), thread_name_prefix="sync")
+        # One thread per fragment: a sync waiting for its round must never keep another
+        # fragment's push from going out (that push may be what closes the round).
+        self._pool = ThreadPoolExecutor(max_workers=len(plan.fragments), thread_name_prefix="sync")
         self._heartbeats: threading.Thread | None = None
 
     # ---- start-up: join, seed, pull every fragment --------------------------------
@@ -219,15 +226,20 @@ class StreamingSync:
         applied = []
         for state in self.fragments.values():
             if state.in_flight is not None and state.apply_at <= step:
-                if self._finish_sync(state):
+                if self._finish_sync(state, self._wait_limit(state)):
                     applied.append(state.fragment.id)
         return applied
 
+    def _wait_limit(self, state: FragmentSync) -> float | None:
+        if self.cfg.sync.overlap_steps == 0:
+            return None
+        return max(0.0, self.cfg.sync.max_block_seconds - state.blocked_seconds)
+
     def flush(self) -> None:
-        """Applies every in-flight sync (end of training)."""
+        """Applies every in-flight sync (end of training), waiting as long as it takes."""
         for state in self.fragments.values():
             if state.in_flight is not None:
-                self._finish_sync(state)
+                self._finish_sync(state, wait_limit=None)
 
     def _start_sync(self, state: FragmentSync, apply_at: int) -> None:
         """Snapshots the fragment now; everything else runs on the background thread."""
@@ -240,6 +252,7 @@ class StreamingSync:
         state.in_flight = self._pool.submit(self._push_and_pull, self.links[fragment.shard], state,
                                             state.anchor, local, meta)
         state.apply_at = apply_at
+        state.blocked_seconds = 0.0
         self.stats.syncs_started += 1
 
     def _push_and_pull(self, link: ShardLink, state: FragmentSync, anchor: torch.Tensor,
@@ -296,13 +309,26 @@ class StreamingSync:
             if self._stop.is_set():
                 return None  # shutting down
 
-    def _finish_sync(self, state: FragmentSync) -> bool:
+    def _finish_sync(self, state: FragmentSync, wait_limit: float | None) -> bool:
+        """Applies the in-flight result, waiting up to `wait_limit` seconds for it (None: as
+        long as it takes). Returns whether a new global value was applied; False also while
+        the result is still out (it stays in flight)."""
         future = state.in_flight
         if not future.done():
-            waited = time.perf_counter()
-            future.result()
-            self.stats.blocked_seconds += time.perf_counter() - waited
+            if wait_limit == 0:
+                return False
+            started = time.perf_counter()
+            wait([future], timeout=wait_limit)
+            waited = time.perf_counter() - started
+            state.blocked_seconds += waited
+            self.stats.blocked_seconds += waited
+            if not future.done():
+                log.info("fragment %d: result still out after %.1fs; training on", state.fragment.id,
+                         state.blocked_seconds)
+                return False
         outcome: SyncOutcome = future.result()
+        if self.step - 1 > state.apply_at:
+            self.stats.syncs_late += 1
         state.in_flight = None
         self.stats.bytes_up += outcome.bytes_up
         self.stats.bytes_down += outcome.bytes_down

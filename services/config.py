@@ -59,6 +59,10 @@ class SyncConfig(_Section):
     interval_steps: PositiveInt = 24  # H: each fragment is synced every H inner steps
     overlap_steps: NonNegativeInt = 2  # tau: apply a sync's result tau steps after it started
     mix_alpha: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0  # alpha: 0 overwrites, 0.5 averages
+    # With tau > 0, how long the training loop waits for a result that is late before it
+    # trains on and applies the result when it arrives (tau = 0 always waits: lockstep).
+    # Bounded, because learners blocked on each other's rounds could otherwise wait forever.
+    max_block_seconds: Annotated[float, Field(ge=0.0)] = 2.0
     codec: str = "int4"
     codec_block_size: PositiveInt = 128
     fragmentation: Literal["balanced", "strided"] = "balanced"

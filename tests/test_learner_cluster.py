@@ -7,6 +7,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -126,6 +127,35 @@ def test_killed_learner_rejoins_reports_staleness_and_the_others_never_stop(tmp_
     shards = shard_fragments(cfg)
     for report in reports.values():
         assert held_fragments(report) == shards
+
+
+def test_a_learner_trains_on_while_its_rounds_wait_for_a_frozen_member(tmp_path, cluster_factory):
+    """Quorum 2 of 2 and a lease longer than the test: while one learner is frozen (SIGSTOP)
+    no round can close, yet the other trains on through several sync periods, waiting at
+    most sync.max_block_seconds per sync; once the frozen one resumes, every round closes
+    and both end holding the shards' bits."""
+    cfg = tiny_cluster(tmp_path / "state", shards=1, learners=2, steps=200,
+                       syncer={"quorum": 2, "lease_seconds": 600.0},
+                       sync={"max_block_seconds": 0.5})
+    cluster = cluster_factory(cfg)
+    cluster.start_shards()
+    cluster.start_learners()
+    worker, frozen = cluster.learners
+    wait_until(lambda: _step_of(cfg, frozen.name) >= 10 and _step_of(cfg, worker.name) >= 10,
+               TIMEOUT, "both learners to pass step 10")
+    os.killpg(frozen.popen.pid, signal.SIGSTOP)
+    try:
+        since = _step_of(cfg, worker.name)
+        wait_until(lambda: _step_of(cfg, worker.name) >= since + 3 * cfg.sync.interval_steps, TIMEOUT,
+                   "the worker to train through three sync periods while rounds cannot close")
+    finally:
+        os.killpg(frozen.popen.pid, signal.SIGCONT)
+    reports = wait_for_learners_to_finish(cluster)
+
+    assert reports[worker.name]["incarnations"][-1]["syncs_late"] > 0
+    shards = shard_fragments(cfg)
+    for report in reports.values():
+        assert report["steps"] == 200 and held_fragments(report) == shards
 
 
 def _step_of(cfg, learner_id: str) -> int:
