@@ -37,7 +37,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(tmp_path, **syncer):
+def write_config(tmp_path, limits=None, rpc=None, **syncer):
+    """A 2-shard config (shards not started) with certificates for its processes; `limits`
+    and `rpc` are those sections of the config."""
     syncer.setdefault("grace", {"mode": "fixed", "seconds": 0.2})
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump({
@@ -47,7 +49,8 @@ def write_config(tmp_path, **syncer):
         "sync": {"fragments": 4, "interval_steps": 8, "overlap_steps": 1, "codec": "int4", "codec_block_size": BLOCK},
         "syncer": syncer,
         "trainer": {"heartbeat_seconds": 0.2},
-        "rpc": {"deadline_seconds": 10.0},
+        "rpc": rpc or {"deadline_seconds": 10.0},
+        "limits": limits or {},
     }))
     cfg = load_config(path)
     # Certificates for the config's processes, and for "mallory": a learner certificate of the
