@@ -74,6 +74,56 @@ def stream_deadline(cfg: RpcConfig, payload_bytes: int) -> float:
     return cfg.deadline_seconds * (1 + payload_bytes / (1 << 20))
 
 
+class UnparsableRequest(ValueError):
+    """A request message that does not parse (raised where the handler reads it)."""
+
+
+class RefuseUnparsableRequests(grpc.ServerInterceptor):
+    """gRPC answers a request message that does not parse with INTERNAL ("Exception
+    deserializing request!"), as if the server had failed. It is the client's fault: this
+    parses requests where the handler reads them and answers INVALID_ARGUMENT, naming the
+    method. A message a handler never reads (it refused the call before) is never judged."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse, method = handler.request_deserializer, handler_call_details.method
+
+        def parsed(data):
+            try:
+                return parse(data)
+            except Exception:  # protobuf's DecodeError, or whatever a custom parser raises
+                raise UnparsableRequest(f"{method}: a request message of {len(data)} bytes "
+                                        "does not parse") from None
+
+        def refused(context, error):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+
+        kind = ("stream" if handler.request_streaming else "unary") + "_" + \
+            ("stream" if handler.response_streaming else "unary")
+        behavior = getattr(handler, kind)
+
+        def call(request, context):
+            if handler.request_streaming:
+                return behavior(map(parsed, request), context)
+            return behavior(parsed(request), context)
+
+        if handler.response_streaming:
+            def wrapped(request, context):
+                try:
+                    yield from call(request, context)
+                except UnparsableRequest as error:
+                    refused(context, error)
+        else:
+            def wrapped(request, context):
+                try:
+                    return call(request, context)
+                except UnparsableRequest as error:
+                    refused(context, error)
+        return handler._replace(request_deserializer=None, **{kind: wrapped})
+
+
 class Server:
     """A grpc.Server with health and reflection, stopped gracefully on SIGTERM.
 
@@ -94,6 +144,7 @@ class Server:
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
             options=server_options(cfg),
             compression=grpc.Compression.NoCompression,
+            interceptors=[RefuseUnparsableRequests()],
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
