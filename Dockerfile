@@ -33,13 +33,14 @@ RUN pip install -c constraints.txt . \
     && diloco learner --help >/dev/null \
     && torchrun --help >/dev/null
 
-# A named volume mounted on /var/lib/diloco starts as a copy of this folder, owner
-# included, so the non-root user can write its state there.
+# A named volume mounted on /var/lib/diloco (or /etc/diloco/tls, where compose's `certs`
+# service writes certificates) starts as a copy of this folder, owner included, so the
+# non-root user can write there.
 RUN groupadd --gid 10001 diloco \
     && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home \
        --shell /usr/sbin/nologin diloco \
-    && mkdir -p /var/lib/diloco /etc/diloco \
-    && chown 10001:10001 /var/lib/diloco
+    && mkdir -p /var/lib/diloco /etc/diloco/tls \
+    && chown 10001:10001 /var/lib/diloco /etc/diloco/tls
 USER 10001:10001
 # Relative state paths (run.state_dir defaults to .diloco) land on the volume too.
 WORKDIR /var/lib/diloco

@@ -137,6 +137,8 @@ def main() -> int:
         "syncer": {"quorum": args.pushers, "grace": {"mode": "fixed", "seconds": 3600.0},
                    "history_versions": 2, "lease_seconds": 3600.0, "max_update_norm": 1.0e9},
         "rpc": {"deadline_seconds": 600.0},
+        # Plaintext like the raw baseline's server, so the ratio compares the push path alone.
+        "tls": {"mode": "plaintext"},
     }))
     cfg = load_config(config_path)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
@@ -154,9 +156,9 @@ def main() -> int:
         numel = args.params // TENSORS
         manifest = [(f"layers.{i}.weight", (numel,)) for i in range(TENSORS)]
         incarnation = time.time_ns()
-        pushers = [ShardClient(shard_address, cfg.rpc, learner, incarnation) for learner in learners[:-1]]
-        observer = ShardClient(shard_address, cfg.rpc, "observer", incarnation)
-        sinks = [ShardClient(sink_address, cfg.rpc, learner, incarnation) for learner in learners[:-1]]
+        pushers = [ShardClient(shard_address, cfg.rpc, learner, incarnation, identity=None) for learner in learners[:-1]]
+        observer = ShardClient(shard_address, cfg.rpc, "observer", incarnation, identity=None)
+        sinks = [ShardClient(sink_address, cfg.rpc, learner, incarnation, identity=None) for learner in learners[:-1]]
         clients = pushers + [observer] + sinks
         fragments = [(f.fragment_id, f.numel) for f in pushers[0].join("bench", manifest).fragments]
         for client in pushers[1:] + [observer]:

@@ -35,6 +35,7 @@ from services.client import ShardClient
 from services.config import Config, ConfigError, load_config
 from services.fragments import FragmentPlan, gather, plan_for_config, scatter
 from services.metrics import LearnerMetrics, serve
+from services.tls import Identity, learner_name, load_identity
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--region", required=True)
     parser.add_argument("--state-dir", help="checkpoint and report folder "
                         "(default: <run.state_dir>/learner-<id>)")
+    parser.add_argument("--tls-dir", help="folder with this learner's ca.crt, tls.crt and tls.key "
+                        "(default: <tls.dir>/learner-<id> of the config)")
     parser.add_argument("--catch-up-seconds", type=float, default=3.0,
                         help="after training, pull until no fragment changed for this long "
                              "(or until SIGTERM), so the learner ends with the run's final values")
@@ -125,12 +128,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config)
         learner = cfg.learner(args.learner_id)
+        if learner.region != args.region:
+            raise ConfigError(f"--region {args.region}: learner {learner.id} is in region "
+                              f"{learner.region} in {args.config}")
+        identity = load_identity(cfg, learner_name(learner.id), args.tls_dir)
     except ConfigError as error:
         print(f"invalid: {error}", file=sys.stderr)
-        return 2
-    if learner.region != args.region:
-        print(f"invalid: --region {args.region}: learner {learner.id} is in region "
-              f"{learner.region} in {args.config}", file=sys.stderr)
         return 2
     state_dir = pathlib.Path(args.state_dir or pathlib.Path(cfg.run.state_dir) / f"learner-{learner.id}")
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -161,9 +164,9 @@ def run(args: argparse.Namespace) -> int:
     if island.leader and not args.no_sync:
         if metrics:
             # Before joining: the shards still hold the previous incarnation's last step.
-            metrics.steps_lost(max(0, last_step_seen_by_shards(cfg, learner.id) - trainer.step),
+            metrics.steps_lost(max(0, last_step_seen_by_shards(cfg, learner.id, identity) - trainer.step),
                                mean_step_seconds(extra.get("report", {}).get("incarnations", [])))
-        sync = StreamingSync(cfg, learner.id, learner.region, params, plan, observer=metrics)
+        sync = StreamingSync(cfg, learner.id, learner.region, params, plan, observer=metrics, identity=identity)
         sync.start(extra.get("sync"), should_stop=stop.is_set)
     island.share_start(trainer, params)
     if island.world_size > 1:
@@ -239,14 +242,14 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
              trainer.step)
 
 
-def last_step_seen_by_shards(cfg: Config, learner_id: str) -> int:
+def last_step_seen_by_shards(cfg: Config, learner_id: str, identity: Identity | None) -> int:
     """The step this learner's previous incarnation last reported in a heartbeat, as far as any
     shard remembers it (0 when none does: first start, or the shards restarted too). It lags the
     step the process died at by up to one heartbeat interval, so work lost is a lower bound."""
     seen = 0
     for shard in cfg.shards:
         try:
-            with ShardClient(shard.address, cfg.rpc) as client:
+            with ShardClient(shard.address, cfg.rpc, identity=identity) as client:
                 status = client.status(timeout=2.0)
         except grpc.RpcError:
             continue

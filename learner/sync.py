@@ -28,6 +28,7 @@ import grpc
 import torch
 
 from services.client import PullResult, ShardClient, TransferObserver, WanLink, state_hash
+from services.tls import Identity
 from services.codecs import ErrorFeedback, get_codec
 from services.config import Config
 from services.fragments import Fragment, FragmentPlan, gather, scatter
@@ -98,7 +99,8 @@ class ShardLink:
 class StreamingSync:
     def __init__(self, cfg: Config, learner_id: str, region: str,
                  params: Mapping[str, torch.Tensor], plan: FragmentPlan,
-                 incarnation: int | None = None, observer: TransferObserver | None = None):
+                 incarnation: int | None = None, observer: TransferObserver | None = None, *,
+                 identity: Identity | None):
         self.cfg = cfg
         self.learner_id = learner_id
         self.region = region
@@ -108,7 +110,8 @@ class StreamingSync:
         self.plan = plan
         self.codec = get_codec(cfg.sync.codec)
         wan = WanLink(cfg.rpc.wan_mbps) if cfg.rpc.wan_mbps else None
-        self.links = [ShardLink(i, ShardClient(s.address, cfg.rpc, learner_id, self.incarnation, wan, observer))
+        self.links = [ShardLink(i, ShardClient(s.address, cfg.rpc, learner_id, self.incarnation, wan, observer,
+                                                 identity=identity))
                       for i, s in enumerate(cfg.shards)]
         self.fragments: dict[int, FragmentSync] = {}
         self.stats = SyncStats()

@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "sim": ("services.sim", "run a whole multi-region cluster as local processes"),
     "status": ("services.status", "show a cluster's learners and fragments from its shards"),
     "config": ("services.config_cli", "validate a config file and print what it describes"),
+    "certs": ("services.tls", "make a CA and a certificate for every shard, learner and operator of a config"),
 }
 
 

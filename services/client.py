@@ -19,7 +19,8 @@ import torch
 from services.codecs import Codec, get_codec
 from services.config import RpcConfig
 from services.payload import Reassembler, decode_payload, describe, iter_chunks
-from services.rpc import open_channel
+from services.rpc import open_channel, stream_deadline
+from services.tls import Identity
 from services.wire import pb, pb_grpc
 
 
@@ -102,15 +103,19 @@ class TransferObserver(Protocol):
 
 
 class ShardClient:
+    """`identity` is the certificate this process presents (services.tls.load_identity);
+    None only when the config says plaintext. A learner's calls must present its own."""
+
     def __init__(self, address: str, rpc: RpcConfig, learner_id: str = "", incarnation: int = 0,
-                 wan: WanLink | None = None, observer: TransferObserver | None = None):
+                 wan: WanLink | None = None, observer: TransferObserver | None = None, *,
+                 identity: Identity | None):
         self.address = address
         self.wan = wan
         self.observer = observer
         self.rpc = rpc
         self.learner_id = learner_id
         self.incarnation = incarnation
-        self.channel = open_channel(address, rpc)
+        self.channel = open_channel(address, rpc, identity)
         self.stub = pb_grpc.SyncerStub(self.channel)
 
     def close(self) -> None:
@@ -121,11 +126,6 @@ class ShardClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def _stream_deadline(self, payload_bytes: int) -> float:
-        # Large transfers over a slow WAN link need more than a unary deadline:
-        # allow the unary deadline again for every MiB.
-        return self.rpc.deadline_seconds * (1 + payload_bytes / (1 << 20))
 
     def join(self, region: str, manifest: Sequence[tuple[str, Sequence[int]]]) -> pb.JoinResponse:
         request = pb.JoinRequest(
@@ -174,7 +174,7 @@ class ShardClient:
                 yield pb.PushRequest(chunk=chunk)
 
         started = time.perf_counter()
-        reply = self.stub.PushFragment(requests(), timeout=self._stream_deadline(len(payload)))
+        reply = self.stub.PushFragment(requests(), timeout=stream_deadline(self.rpc, len(payload)))
         if self.observer:
             self.observer.pushed(header, len(payload), time.perf_counter() - started, reply.result)
         return reply
@@ -188,7 +188,7 @@ class ShardClient:
         if base_version is not None:
             request.base_version = base_version
         started = time.perf_counter()
-        responses = self.stub.PullFragment(request, timeout=max_wait_seconds + self._stream_deadline(0))
+        responses = self.stub.PullFragment(request, timeout=max_wait_seconds + stream_deadline(self.rpc, 0))
         items: list[PulledItem] = []
         final_hash, wire_bytes = "", 0
         bytes_by_codec: dict[str, int] = {}

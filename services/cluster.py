@@ -3,6 +3,9 @@
 `diloco sim`, the integration tests and the benchmarks share this, so each starts
 shards and learners exactly as a user would: `python -m services.cli syncer ...`
 and `python -m services.cli learner ...` in their own processes.
+
+With tls.mode mtls (the default) and no tls.dir of its own, the cluster issues its
+certificates into the run's state folder first, as `diloco certs` would.
 """
 from __future__ import annotations
 
@@ -18,7 +21,9 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.config import Config, dump_config
+from services.config import Config, RpcConfig, dump_config
+from services.rpc import open_channel
+from services.tls import OPERATOR, Identity, certs_dir, issue_cluster_certs, load_identity
 
 SYNCER_SERVICE = "diloco.v1.Syncer"
 
@@ -35,10 +40,11 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def wait_serving(address: str, timeout: float) -> None:
-    """Blocks until the gRPC health service at `address` says the syncer is SERVING."""
+def wait_serving(address: str, timeout: float, identity: Identity | None) -> None:
+    """Blocks until the gRPC health service at `address` says the syncer is SERVING
+    (asked over mutual TLS with `identity`, in plaintext with None)."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, RpcConfig(), identity) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
@@ -117,6 +123,10 @@ class LocalCluster:
         (run_dir / "logs").mkdir(exist_ok=True)
         self.config_path = run_dir / "cluster.yaml"
         self.config_path.write_text(dump_config(cfg))
+        if cfg.tls.mode == "mtls" and cfg.tls.dir is None:
+            issue_cluster_certs(cfg, certs_dir(cfg))
+        # What the harness presents to the shards: health checks and Status.
+        self.operator = load_identity(cfg, OPERATOR)
         cli = [sys.executable, "-m", "services.cli"]
         self.shards = [
             Proc(f"shard-{i}", cli + ["syncer", "--config", str(self.config_path), "--shard-index", str(i)],
@@ -134,11 +144,11 @@ class LocalCluster:
         for proc in self.shards:
             proc.start()
         for shard in self.cfg.shards:
-            wait_serving(shard.address, timeout)
+            wait_serving(shard.address, timeout, self.operator)
 
     def restart_shard(self, index: int, timeout: float = 60) -> None:
         self.shards[index].start()
-        wait_serving(self.cfg.shards[index].address, timeout)
+        wait_serving(self.cfg.shards[index].address, timeout, self.operator)
 
     def start_learners(self) -> None:
         for proc in self.learners:

@@ -46,6 +46,9 @@ class RunConfig(_Section):
 class ShardConfig(_Section):
     address: HostPort  # host:port learners dial; the shard listens on this port
     metrics_port: Port = 9100  # 0 disables the /metrics endpoint
+    # A plaintext port that serves grpc.health.v1 and nothing else, for probes that cannot
+    # present a client certificate (Kubernetes gRPC probes, compose healthchecks). 0: none.
+    health_port: Port = 0
 
 
 class LearnerConfig(_Section):
@@ -148,6 +151,34 @@ class RpcConfig(_Section):
     wan_mbps: PositiveFloat | None = None
 
 
+class TlsConfig(_Section):
+    # mtls: every connection is TLS with a certificate of the run's CA on both ends, and a
+    # learner may only act as the learner id its certificate names. plaintext: neither
+    # encryption nor authentication, for a network that is trusted as a whole; it must be
+    # written out, the default is mtls.
+    mode: Literal["mtls", "plaintext"] = "mtls"
+    # Holds one folder per process (shard-<i>, learner-<id>, operator), each with ca.crt,
+    # tls.crt and tls.key, as `diloco certs` writes them; None: <run.state_dir>/certs. A
+    # process given --tls-dir reads its own folder from there instead (a mounted Secret).
+    dir: str | None = None
+
+
+class LimitsConfig(_Section):
+    """What one peer may ask of a shard. Beyond a limit the call is refused (RESOURCE_EXHAUSTED,
+    DEADLINE_EXCEEDED for a stalled push) and what it sent so far is discarded."""
+    max_push_bytes: Annotated[int, Field(gt=0)] = 1 << 30  # encoded payload of one push
+    max_chunks_per_push: PositiveInt = 4096
+    # Longest gap between two messages of a push stream: a push that trickles (slow loris)
+    # is cut off. A whole push may take rpc.deadline_seconds per MiB, as clients allow it.
+    push_idle_seconds: PositiveFloat = 30.0
+    # Pushes and pulls in flight at once from one client certificate (one connection
+    # in plaintext mode).
+    max_streams_per_peer: PositiveInt = 16
+    # Largest model a Join may declare (sum of the manifest's tensor sizes): the first Join
+    # fixes the plan, and every shard allocates its share of it.
+    max_parameters: PositiveInt = 1 << 35
+
+
 class Config(_Section):
     run: RunConfig = RunConfig()
     shards: Annotated[list[ShardConfig], Field(min_length=1)]
@@ -158,6 +189,8 @@ class Config(_Section):
     model: Union[Factory, GPTConfig] = GPTConfig()
     data: Union[Factory, CorpusConfig] = CorpusConfig()
     rpc: RpcConfig = RpcConfig()
+    tls: TlsConfig = TlsConfig()
+    limits: LimitsConfig = LimitsConfig()
 
     def learner(self, learner_id: str) -> LearnerConfig:
         for learner in self.learners:
@@ -196,6 +229,10 @@ def _check_relations(cfg: Config) -> None:
             if value in seen:
                 raise ConfigError(f"{key}[{i}].{field}: duplicate value {value!r}")
             seen.add(value)
+    for i, shard in enumerate(cfg.shards):
+        if shard.health_port and str(shard.health_port) == shard.address.rsplit(":", 1)[1]:
+            raise ConfigError(f"shards[{i}].health_port: {shard.health_port} is the port of "
+                              f"shards[{i}].address; the plaintext health port needs a port of its own")
     if isinstance(cfg.model, GPTConfig) and cfg.model.n_embd % cfg.model.n_head:
         raise ConfigError(f"model.n_embd: {cfg.model.n_embd} is not divisible by "
                           f"model.n_head ({cfg.model.n_head})")

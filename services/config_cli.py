@@ -6,6 +6,7 @@ import collections
 import sys
 
 from services.config import ConfigError, load_config
+from services.tls import certs_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,4 +35,6 @@ def run(args: argparse.Namespace) -> int:
     model = cfg.model if isinstance(cfg.model, str) else (
         f"GPT {cfg.model.n_layer} layers x {cfg.model.n_embd}, context {cfg.model.seq_len}")
     print(f"  model      {model}")
+    tls = cfg.tls.mode if cfg.tls.mode == "plaintext" else f"mtls, certificates in {certs_dir(cfg)} (diloco certs)"
+    print(f"  transport  {tls}")
     return 0

@@ -301,6 +301,11 @@ def _checked_param(slot: TensorSlot, params: Mapping[str, torch.Tensor]) -> torc
 
 
 def plan_for_config(cfg, manifest: Sequence[tuple[str, Sequence[int]]]) -> FragmentPlan:
-    """The plan a run's config gives for a model manifest: what shards and learners compute."""
-    return plan_fragments(manifest, cfg.sync.fragments, cfg.sync.interval_steps,
+    """The plan a run's config gives for a model manifest: what shards and learners compute.
+    A model larger than limits.max_parameters is refused: shards allocate their share of it."""
+    plan = plan_fragments(manifest, cfg.sync.fragments, cfg.sync.interval_steps,
                           len(cfg.shards), cfg.sync.fragmentation)
+    if plan.total_numel > cfg.limits.max_parameters:
+        raise ValueError(f"the manifest declares {plan.total_numel} parameters, more than "
+                         f"limits.max_parameters={cfg.limits.max_parameters}")
+    return plan

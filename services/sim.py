@@ -34,6 +34,7 @@ from services.client import ShardClient
 from services.cluster import LocalCluster, free_ports
 from services.config import Config, ConfigError, load_config, parse_config
 from services.metrics import write_file_sd
+from services.tls import Identity
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +110,8 @@ class Observer:
     """Polls the shards' Status: learners' steps for progress and goodput over time,
     counters accumulated across shard restarts (a restarted shard counts from zero)."""
 
-    def __init__(self, cfg: Config):
-        self.clients = [ShardClient(s.address, cfg.rpc) for s in cfg.shards]
+    def __init__(self, cfg: Config, identity: Identity | None):
+        self.clients = [ShardClient(s.address, cfg.rpc, identity=identity) for s in cfg.shards]
         self.steps: dict[str, int] = {}
         self.counters_before_restart: Counter[str] = Counter()
         self.last_counters: list[Counter[str]] = [Counter() for _ in self.clients]
@@ -209,7 +210,7 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
     cluster.start_shards()
     started = time.time()
     cluster.start_learners()
-    observer = Observer(cfg)
+    observer = Observer(cfg, cluster.operator)
     learner_chaos = Chaos("learner", len(cluster.learners), args.chaos_mtbf, args.restart_delay, rng, started)
     shard_chaos = Chaos("shard", len(cluster.shards), args.chaos_shards, args.restart_delay, rng, started)
     finished_at: dict[str, float] = {}

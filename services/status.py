@@ -4,10 +4,15 @@ Every shard answers the Status RPC for the fragments it owns and for the learner
 each shard holds every learner's lease itself (DESIGN.md §2.5), so a learner is listed once with
 the shards' views merged: alive on how many shards, staleness summed over the shards'
 fragments, the latest step any shard heard of. Exit status 1 when a shard does not answer.
+
+Status is read-only: a shard answers any client certificate of the run's CA. By default this
+presents the operator's (`<tls.dir>/operator`, made by `diloco certs`); --tls-dir names another
+folder. With --syncer there is no config to say plaintext: give --tls-dir or --plaintext.
 """
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -16,6 +21,7 @@ import grpc
 
 from services.client import ShardClient
 from services.config import ConfigError, RpcConfig, load_config
+from services.tls import OPERATOR, Identity, load_identity, read_identity
 from services.wire import pb
 
 HASH_PREFIX = 12
@@ -25,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--syncer", help="comma-separated host:port of the shards to ask")
     source.add_argument("--config", help="cluster YAML file: ask every shard it lists")
+    parser.add_argument("--tls-dir", help="folder with the ca.crt, tls.crt and tls.key to present "
+                        "(default with --config: <tls.dir>/operator)")
+    parser.add_argument("--plaintext", action="store_true",
+                        help="with --syncer: the shards run with tls.mode plaintext")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds each shard may take to answer")
 
 
@@ -73,11 +83,11 @@ class ClusterView:
         return total
 
 
-def ask(addresses: list[str], rpc: RpcConfig, timeout: float) -> ClusterView:
+def ask(addresses: list[str], rpc: RpcConfig, identity: Identity | None, timeout: float) -> ClusterView:
     view = ClusterView()
     for address in addresses:
         try:
-            with ShardClient(address, rpc) as client:
+            with ShardClient(address, rpc, identity=identity) as client:
                 view.replies.append((address, client.status(timeout=timeout)))
         except grpc.RpcError as error:
             view.failures.append((address, f"{error.code().name} {error.details() or ''}".strip()))
@@ -137,15 +147,19 @@ def render(view: ClusterView, asked: int, now: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.config:
-        try:
+    try:
+        if args.config:
             cfg = load_config(args.config)
-        except ConfigError as error:
-            print(f"invalid: {error}", file=sys.stderr)
-            return 2
-        addresses, rpc = [s.address for s in cfg.shards], cfg.rpc
-    else:
-        addresses, rpc = [a.strip() for a in args.syncer.split(",") if a.strip()], RpcConfig()
-    view = ask(addresses, rpc, args.timeout)
+            addresses, rpc = [s.address for s in cfg.shards], cfg.rpc
+            identity = load_identity(cfg, OPERATOR, args.tls_dir)
+        else:
+            addresses, rpc = [a.strip() for a in args.syncer.split(",") if a.strip()], RpcConfig()
+            if args.plaintext == bool(args.tls_dir):
+                raise ConfigError("--syncer: give --tls-dir (mutual TLS) or --plaintext, not both or neither")
+            identity = None if args.plaintext else read_identity(pathlib.Path(args.tls_dir), "--tls-dir")
+    except ConfigError as error:
+        print(f"invalid: {error}", file=sys.stderr)
+        return 2
+    view = ask(addresses, rpc, identity, args.timeout)
     print(render(view, len(addresses), time.time()))
     return 1 if view.failures else 0

@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-index", type=int, required=True, help="which of the config's shards this is")
     parser.add_argument("--listen", help="host:port to bind (default: [::]:<port of the shard's address>)")
     parser.add_argument("--state-dir", help="folder holding shard-<I>/ (default: run.state_dir of the config)")
+    parser.add_argument("--tls-dir", help="folder with this shard's ca.crt, tls.crt and tls.key "
+                        "(default: <tls.dir>/shard-<I> of the config)")
     parser.add_argument("--drain-seconds", type=float, default=5.0,
                         help="how long in-flight calls may finish after SIGTERM")
 
@@ -51,9 +53,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"invalid: {error}", file=sys.stderr)
         return 2
     listen = args.listen or f"[::]:{address.rsplit(':', 1)[1]}"
+    health_port = cfg.shard(args.shard_index).health_port
     keep_freed_memory()
     try:
-        handle = start_shard(cfg, args.shard_index, listen, args.state_dir)
+        handle = start_shard(cfg, args.shard_index, listen, args.state_dir, tls_dir=args.tls_dir,
+                             health_listen=f"[::]:{health_port}" if health_port else None)
+    except ConfigError as error:  # no certificate where the config says
+        print(f"invalid: {error}", file=sys.stderr)
+        return 2
     except (StoreError, ValueError, OSError) as error:  # damaged state, another plan, port taken
         log.error("shard %d cannot start: %s", args.shard_index, error)
         return 1

@@ -25,8 +25,10 @@ from services.codecs import get_codec
 from services.config import Config
 from services.payload import iter_chunks
 from services.rpc import Server
+from services.tls import load_identity, shard_name
 from services.wire import pb, pb_grpc
 from syncer.core import FragmentView, ShardCore
+from syncer.guard import CallGuard
 from syncer.refusal import Refusal
 from syncer.store import ShardStore, shard_state_dir
 
@@ -59,6 +61,7 @@ def _answer_refusals(method):
 class SyncerServicer(pb_grpc.SyncerServicer):
     def __init__(self, core: ShardCore):
         self.core = core
+        self.guard = CallGuard(core.cfg, core.counters)
         self.settings = _cluster_settings(core.cfg)
         self._new_version = threading.Condition()
 
@@ -68,6 +71,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
 
     @_answer_refusals
     def Join(self, request, context):
+        self.guard.check_learner(context, request.learner_id)
         digest, fragments = self.core.join(request.learner_id, request.incarnation, request.region,
                                            [(t.name, tuple(t.shape)) for t in request.manifest.tensors])
         return pb.JoinResponse(shard_index=self.core.shard_index, plan_digest=digest,
@@ -75,6 +79,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
 
     @_answer_refusals
     def Heartbeat(self, request, context):
+        self.guard.check_learner(context, request.learner_id)
         versions = self.core.heartbeat(request.learner_id, request.incarnation, request.step,
                                        request.step_seconds, request.tokens_per_second,
                                        dict(request.held_versions))
@@ -82,12 +87,14 @@ class SyncerServicer(pb_grpc.SyncerServicer):
 
     @_answer_refusals
     def Leave(self, request, context):
+        self.guard.check_learner(context, request.learner_id)
         self.core.leave(request.learner_id, request.incarnation)
         return pb.LeaveResponse()
 
     @_answer_refusals
     def PushFragment(self, request_iterator, context):
-        outcome = self.core.push(request_iterator)
+        self.guard.open_stream(context)
+        outcome = self.core.push(self.guard.push_requests(request_iterator, context))
         if outcome.committed:
             self.versions_changed()
         return pb.PushResponse(result=outcome.result, current_version=outcome.current_version,
@@ -95,6 +102,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
 
     @_answer_refusals
     def PullFragment(self, request, context):
+        self.guard.open_stream(context)
         fragment_id = request.fragment_id
         self.core.version(fragment_id)  # an unknown fragment is refused before any wait
         context.add_callback(self.versions_changed)  # a cancelled call stops waiting at once
@@ -216,14 +224,18 @@ class ShardHandle:
 
 
 def start_shard(cfg: Config, shard_index: int, listen: str = "127.0.0.1:0",
-                state_dir: str | os.PathLike | None = None) -> ShardHandle:
-    """Restores the shard's state from disk and serves it on `listen` (port 0: any free one)."""
+                state_dir: str | os.PathLike | None = None, *, tls_dir: str | os.PathLike | None = None,
+                health_listen: str | None = None) -> ShardHandle:
+    """Restores the shard's state from disk and serves it on `listen` (port 0: any free one),
+    with mutual TLS unless the config says plaintext: the shard's certificate comes from
+    `tls_dir`, else <tls.dir>/shard-<i>. `health_listen`: also a plaintext health-only port."""
+    identity = load_identity(cfg, shard_name(shard_index), tls_dir)
     store = ShardStore(shard_state_dir(cfg.run.state_dir if state_dir is None else state_dir, shard_index))
     core = ShardCore(cfg, shard_index, journal=store)
     core.restore(store.load())
     servicer = SyncerServicer(core)
-    server = Server(cfg.rpc, [SERVICE_NAME], max_workers=worker_threads(cfg))
+    server = Server(cfg.rpc, [SERVICE_NAME], max_workers=worker_threads(cfg), identity=identity)
     pb_grpc.add_SyncerServicer_to_server(servicer, server.grpc_server)
-    port = server.start(listen)
+    port = server.start(listen, health_listen)
     ticker = Ticker(core, servicer.versions_changed)
     return ShardHandle(core, server, store, ticker, port)

@@ -25,10 +25,12 @@ import pytest
 import yaml
 
 import learner.main
+import services.tls
 import syncer.main
 from services.client import ShardClient
 from services.cluster import Proc, free_ports, wait_serving
 from services.config import Config, dump_config, load_config, parse_config
+from services.tls import OPERATOR, load_identity
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -61,7 +63,7 @@ def compose() -> dict:
 
 def parse_command(command: list[str]) -> argparse.Namespace:
     """The service's command as the subcommand's own parser reads it."""
-    module = {"syncer": syncer.main, "learner": learner.main}[command[0]]
+    module = {"syncer": syncer.main, "learner": learner.main, "certs": services.tls}[command[0]]
     parser = argparse.ArgumentParser(prog=f"diloco {command[0]}")
     module.add_arguments(parser)
     return parser.parse_args(command[1:])
@@ -127,7 +129,8 @@ def test_compose_cluster_config_is_the_example_with_compose_addresses():
         data = cfg.model_dump(mode="json")
         del data["run"]["state_dir"]
         for shard in data["shards"]:
-            del shard["address"], shard["metrics_port"]
+            del shard["address"], shard["metrics_port"], shard["health_port"]
+        del data["tls"]["dir"]
         for learner_cfg in data["learners"]:
             del learner_cfg["metrics_port"]
         return data
@@ -143,11 +146,26 @@ def test_services_are_the_configs_processes_on_per_region_networks():
     by_index = {parse_command(s["command"]).shard_index: name for name, s in syncers.items()}
     assert sorted(by_index) == list(range(len(cfg.shards)))
     for index, name in by_index.items():
-        host, port = cfg.shards[index].address.rsplit(":", 1)
+        host = cfg.shards[index].address.rsplit(":", 1)[0]
         assert name == host
-        # The healthcheck asks the shard's own port for the Syncer service.
+        # The healthcheck asks the shard's plaintext health port for the Syncer service.
         code = syncers[name]["healthcheck"]["test"][-1]
-        assert f"127.0.0.1:{port}" in code and "diloco.v1.Syncer" in code
+        assert f"127.0.0.1:{cfg.shards[index].health_port}" in code and "diloco.v1.Syncer" in code
+
+    # Every shard and learner reads its certificate from the volume the certs service writes,
+    # and starts only once it has; only the certs service holds the CA's key.
+    (certs_name, certs), = diloco_services(spec, "certs").items()
+    certs_args = parse_command(certs["command"])
+    assert certs_args.out == cfg.tls.dir and cfg.tls.mode == "mtls"
+    (tls_volume,) = {src for src, target, writable in mounts(certs) if target == certs_args.out and writable}
+    (ca_volume,) = {src for src, target, writable in mounts(certs) if target == certs_args.ca_dir and writable}
+    assert tls_volume != ca_volume
+    for name, service in {**syncers, **learners}.items():
+        assert (tls_volume, cfg.tls.dir, False) in mounts(service), name
+        assert ca_volume not in {src for src, _, _ in mounts(service)}, f"{name} mounts the CA's key"
+    # Shards start once the certificates exist, learners once the shards are healthy (below).
+    for name in syncers:
+        assert spec["services"][name]["depends_on"] == {certs_name: {"condition": "service_completed_successfully"}}
 
     # One learner service per learner, with its id and region.
     region_of = {}
@@ -209,8 +227,8 @@ def test_prometheus_scrapes_every_process_by_compose_host_name():
 
 class ServiceProcess:
     """One compose service as a local process: its volumes and tmpfs are folders under
-    `root`, and the mounted cluster config is `config` (with `run.state_dir` moved to
-    wherever that service's volume is)."""
+    `root`, and the mounted cluster config is `config` (with `run.state_dir` and `tls.dir`
+    moved to wherever that service's volumes are)."""
 
     def __init__(self, name: str, service: dict, root: pathlib.Path, volumes: pathlib.Path,
                  config: Config):
@@ -232,7 +250,8 @@ class ServiceProcess:
             self.mounts.append((target, host))
         state_dir = self.host_path(config.run.state_dir)
         run = config.run.model_copy(update={"state_dir": str(state_dir)})
-        (root / "cluster.yaml").write_text(dump_config(config.model_copy(update={"run": run})))
+        tls = config.tls.model_copy(update={"dir": str(self.host_path(config.tls.dir))})
+        (root / "cluster.yaml").write_text(dump_config(config.model_copy(update={"run": run, "tls": tls})))
         argv = [sys.executable, "-m", "services.cli"] + [self.map_arg(a) for a in service["command"]]
         # Paths in the environment (HOME) must be writable: on a volume or tmpfs.
         env = {key: str(self.host_path(value)) if str(value).startswith("/") else str(value)
@@ -268,37 +287,46 @@ def healthcheck(service: dict, container_address: str, local_address: str) -> in
 def test_compose_commands_and_environment_run_a_working_cluster(tmp_path):
     spec = compose()
     base = load_config(CLUSTER_CONFIG)
-    # Compose host names -> free loopback ports; every /metrics endpoint a port of its own.
-    ports = iter(free_ports(len(base.shards) * 2 + len(base.learners)))
+    # Compose host names -> free loopback ports; every /metrics and health endpoint a port of its own.
+    ports = iter(free_ports(len(base.shards) * 3 + len(base.learners)))
     local = {shard.address: f"127.0.0.1:{next(ports)}" for shard in base.shards}
     data = deep_merge(base.model_dump(mode="json"), FAST)
-    data["shards"] = [{"address": local[s.address], "metrics_port": next(ports)} for s in base.shards]
+    data["shards"] = [{"address": local[s.address], "metrics_port": next(ports), "health_port": next(ports)}
+                      for s in base.shards]
     data["learners"] = [{**l.model_dump(mode="json"), "metrics_port": next(ports)} for l in base.learners]
     config = parse_config(data, source="compose config for the local run")
 
     volumes = tmp_path / "volumes"
+    (certs_name, certs_spec), = diloco_services(spec, "certs").items()
+    certs = ServiceProcess(certs_name, certs_spec, tmp_path / certs_name, volumes, config)
     syncers = {name: ServiceProcess(name, s, tmp_path / name, volumes, config)
                for name, s in diloco_services(spec, "syncer").items()}
     learners = {name: ServiceProcess(name, s, tmp_path / name, volumes, config)
                 for name, s in diloco_services(spec, "learner").items()}
-    # Each shard as its own healthcheck sees it (the container's loopback) and as it is here.
+    # Each shard's address here, and its health port as its own healthcheck sees it (the
+    # container's loopback) and as it is here.
     shard_addresses = {}
     for name, process in syncers.items():
-        shard = base.shards[process.args.shard_index]
-        shard_addresses[name] = (f"127.0.0.1:{shard.address.rsplit(':', 1)[1]}", local[shard.address])
-    first, (container_address, local_address) = next(iter(shard_addresses.items()))
-    assert healthcheck(spec["services"][first], container_address, local_address) != 0, \
+        index = process.args.shard_index
+        shard_addresses[name] = (local[base.shards[index].address], f"127.0.0.1:{base.shards[index].health_port}",
+                                 f"127.0.0.1:{config.shards[index].health_port}")
+    first, (_, container_health, local_health) = next(iter(shard_addresses.items()))
+    assert healthcheck(spec["services"][first], container_health, local_health) != 0, \
         "the healthcheck passes with no shard running"
 
     try:
+        certs.proc.start()
+        certs.proc.wait_or_kill(60)
+        assert certs.proc.returncode == 0, certs.log_tail()
+        operator = load_identity(config, OPERATOR, certs.host_path(f"{config.tls.dir}/{OPERATOR}"))
         for process in syncers.values():
             process.proc.start()
-        for name, (container_address, local_address) in shard_addresses.items():
+        for name, (local_address, container_health, local_health) in shard_addresses.items():
             try:
-                wait_serving(local_address, timeout=60)
+                wait_serving(local_address, 60, operator)
             except TimeoutError:
                 pytest.fail(f"{name} never served:\n{syncers[name].log_tail()}")
-            assert healthcheck(spec["services"][name], container_address, local_address) == 0, \
+            assert healthcheck(spec["services"][name], container_health, local_health) == 0, \
                 f"{name}: the healthcheck fails against a serving shard"
 
         for process in learners.values():
@@ -314,8 +342,8 @@ def test_compose_commands_and_environment_run_a_working_cluster(tmp_path):
                 f"{name} exited {process.proc.returncode}:\n{process.log_tail()}"
 
         shard_state = {}
-        for _, local_address in shard_addresses.values():
-            with ShardClient(local_address, config.rpc) as client:
+        for local_address, _, _ in shard_addresses.values():
+            with ShardClient(local_address, config.rpc, identity=operator) as client:
                 for fragment in client.status(timeout=10).fragments:
                     shard_state[str(fragment.fragment_id)] = (fragment.version, fragment.state_hash)
         assert len(shard_state) == config.sync.fragments

@@ -40,7 +40,7 @@ REGIONS = ["us-east", "us-west", "us-central", "us-south"]
 RELEASES = {"diloco": ["values-cluster.yaml", "values-syncer.yaml"]} | {
     f"learners-{region}": ["values-cluster.yaml", f"values-{region}.yaml"] for region in REGIONS}
 # Every optional part of the chart switched on, on top of the defaults.
-EVERYTHING = ["tls.secretName=diloco-tls", "syncer.credentialsSecret=tokens",
+EVERYTHING = ["tls.secretName=diloco-tls", "tls.learnerSecretPrefix=learner-tls-", "syncer.credentialsSecret=tokens",
               "learners.credentialsSecret=creds", "learners.persistence.enabled=true",
               "syncer.expose.enabled=true", "metrics.serviceMonitor.enabled=true",
               "metrics.prometheusRule.enabled=true", "grafana.dashboards.enabled=true",
@@ -286,7 +286,7 @@ def test_schema_knows_exactly_the_keys_of_the_projects_config():
         return set(model.model_fields) - set(generated)
 
     s = schema["properties"]
-    assert keys(schema) == fields(c.Config, "shards", "learners")
+    assert keys(schema) == fields(c.Config, "shards", "learners", "tls")  # tls: from the chart's tls.mode
     assert keys(s["run"]) == fields(c.RunConfig, "state_dir")
     assert keys(s["sync"]) == fields(c.SyncConfig)
     assert keys(s["syncer"]) == fields(c.SyncerConfig)
@@ -297,6 +297,7 @@ def test_schema_knows_exactly_the_keys_of_the_projects_config():
     assert keys(s["model"]["oneOf"][1]) == fields(c.GPTConfig)
     assert keys(s["data"]["oneOf"][1]) == fields(c.CorpusConfig)
     assert keys(s["rpc"]) == fields(c.RpcConfig)
+    assert keys(s["limits"]) == fields(c.LimitsConfig)
     assert s["sync"]["properties"]["codec"]["enum"] == list(CODEC_NAMES)
 
 
@@ -432,12 +433,38 @@ def test_secrets_are_mounted_where_documented(renders):
         statefulset = one(docs, "StatefulSet", suffix)
         volumes = {v["name"]: v for v in statefulset["spec"]["template"]["spec"]["volumes"]}
         mounts = {m["name"]: m for m in container(statefulset)["volumeMounts"]}
-        assert volumes["tls"]["secret"]["secretName"] == "diloco-tls"
         assert volumes["credentials"]["secret"]["secretName"] == credentials
         assert mounts["tls"] == {"name": "tls", "mountPath": "/etc/diloco/tls", "readOnly": True}
         assert mounts["credentials"]["mountPath"] == "/etc/diloco/credentials"
-    assert not any(v["name"] in ("tls", "credentials") for v in
+    assert not any(v["name"] == "credentials" for v in
                    one(renders["default"], "StatefulSet", "-syncer")["spec"]["template"]["spec"]["volumes"])
+
+
+def test_mutual_tls_each_process_reads_its_own_certificate(helm, renders):
+    """mTLS by default: the shards read the shards' Secret, each learner pod its own learner's
+    Secret (one folder per learner id of its region); plaintext must be asked for."""
+    docs = renders["everything"]
+    syncer = one(docs, "StatefulSet", "-syncer")
+    volumes = {v["name"]: v for v in syncer["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "diloco-tls"
+    assert flag(run_entrypoint(syncer, "diloco-syncer-1"), "--tls-dir") == "/etc/diloco/tls"
+    learners = one(docs, "StatefulSet", "-learner")
+    sources = {v["name"]: v for v in learners["spec"]["template"]["spec"]["volumes"]}["tls"]["projected"]["sources"]
+    count = learners["spec"]["replicas"]
+    assert [s["secret"]["name"] for s in sources] == [f"learner-tls-local-{i}" for i in range(count)]
+    for i, source in enumerate(sources):
+        assert sorted(item["path"] for item in source["secret"]["items"]) == \
+            [f"local-{i}/{name}" for name in ("ca.crt", "tls.crt", "tls.key")]
+        argv = run_entrypoint(learners, f"diloco-learner-{i}")
+        assert (flag(argv, "--learner-id"), flag(argv, "--tls-dir")) == (f"local-{i}", f"/etc/diloco/tls/local-{i}")
+    assert cluster_config(docs)["tls"] == {"mode": "mtls"}
+
+    plain = template(helm, "diloco", sets=["tls.mode=plaintext"])
+    assert cluster_config(plain)["tls"] == {"mode": "plaintext"}
+    for suffix in ("-syncer", "-learner"):
+        statefulset = one(plain, "StatefulSet", suffix)
+        assert "tls" not in {v["name"] for v in statefulset["spec"]["template"]["spec"]["volumes"]}
+        assert "--tls-dir" not in run_entrypoint(statefulset, f"diloco{suffix}-0")
 
 
 # ---------------------------------------------------------------- syncer pods
@@ -448,12 +475,15 @@ def test_probes_check_the_grpc_health_service_on_the_shard_port(helm, renders, c
     statefulset = one(docs, "StatefulSet", "-syncer")
     c = container(statefulset)
     port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
+    health_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "health")
     assert flag(c["args"], "--listen").endswith(f":{port}")
     address_port = {int(s["address"].rsplit(":", 1)[1]) for s in cluster_config(docs)["shards"]}
     if case != "diloco":  # the example dials load balancers; their port is checked elsewhere
         assert address_port == {port}
+    # Probes cannot present a client certificate: they ask the shard's plaintext health port.
+    assert {s["health_port"] for s in cluster_config(docs)["shards"]} == {health_port} and health_port != port
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["grpc"] == {"port": port, "service": "diloco.v1.Syncer"}, probe
+        assert c[probe]["grpc"] == {"port": health_port, "service": "diloco.v1.Syncer"}, probe
     headless = one(docs, "Service", "-syncer-headless")
     assert {"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP",
             "appProtocol": "grpc"} in headless["spec"]["ports"]
@@ -481,6 +511,10 @@ def test_shard_state_is_one_persistent_volume_per_shard(renders):
 
 BAD_VALUES = [
     # (--set, or --set-json when it starts with "json:"), the message helm must print
+    ("tls.secretName=", "tls.secretName: the shards need a Secret"),
+    ("tls.learnerSecretPrefix=", "tls.learnerSecretPrefix: each learner needs a Secret"),
+    ("tls.mode=none", "tls.mode must be one of the following"),
+    ("syncer.healthPort=50051", "syncer.healthPort: 50051 is syncer.port"),
     ("cluster.shards=-1", "cluster.shards: Must be greater than or equal to 1"),
     ("cluster.shards=0", "cluster.shards: Must be greater than or equal to 1"),
     ("config.sync.codec=int3",

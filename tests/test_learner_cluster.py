@@ -16,6 +16,7 @@ import pytest
 
 from services.client import ShardClient
 from services.cluster import LocalCluster
+from services.tls import OPERATOR, load_identity
 from tests.cluster_config import tiny_cluster
 
 pytestmark = pytest.mark.slow
@@ -40,10 +41,14 @@ def read_report(cluster: LocalCluster, learner_id: str) -> dict:
         return {}
 
 
+def operator(cfg):
+    return load_identity(cfg, OPERATOR)
+
+
 def shard_fragments(cfg) -> dict[str, tuple[int, str]]:
     state = {}
     for shard in cfg.shards:
-        with ShardClient(shard.address, cfg.rpc) as client:
+        with ShardClient(shard.address, cfg.rpc, identity=operator(cfg)) as client:
             for fragment in client.status(timeout=5).fragments:
                 state[str(fragment.fragment_id)] = (fragment.version, fragment.state_hash)
     return state
@@ -162,7 +167,7 @@ def _step_of(cfg, learner_id: str) -> int:
     """The learner's step as the shards last heard it in a heartbeat."""
     best = 0
     for shard in cfg.shards:
-        with ShardClient(shard.address, cfg.rpc) as client:
+        with ShardClient(shard.address, cfg.rpc, identity=operator(cfg)) as client:
             for learner in client.status(timeout=5).learners:
                 if learner.learner_id == learner_id and learner.alive:
                     best = max(best, learner.last_step)

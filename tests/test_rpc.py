@@ -7,6 +7,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.config import RpcConfig
 from services.rpc import Server, open_channel
+from services.tls import OPERATOR, certs_dir, issue_cluster_certs, learner_name, load_identity, shard_name
+from tests.cluster_config import tiny_cluster
 
 SYNCER = "diloco.v1.Syncer"
 
@@ -21,7 +23,7 @@ def server():
 
 def test_health_and_reflection(server):
     _, address = server
-    with open_channel(address, RpcConfig()) as channel:
+    with open_channel(address, RpcConfig(), None) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         reply = health.Check(health_pb2.HealthCheckRequest(service=SYNCER), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -39,12 +41,12 @@ def test_health_and_reflection(server):
 def test_graceful_stop_reports_not_serving_while_draining(server):
     srv, address = server
     srv.health.enter_graceful_shutdown()
-    with open_channel(address, RpcConfig()) as channel:
+    with open_channel(address, RpcConfig(), None) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service=SYNCER), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
     srv.stop(drain_seconds=0)
-    with open_channel(address, RpcConfig()) as channel:
+    with open_channel(address, RpcConfig(), None) as channel:
         with pytest.raises(grpc.RpcError) as info:
             health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -54,3 +56,38 @@ def test_binding_an_unusable_address_raises():
     srv = Server(RpcConfig(), [SYNCER])
     with pytest.raises(Exception):
         srv.start("256.0.0.1:1")
+
+
+def test_mutual_tls_port_and_plaintext_health_port(tmp_path):
+    """With an identity the server's port takes only clients holding a certificate of its CA;
+    the health port answers probes in plaintext and serves nothing but health."""
+    cfg = tiny_cluster(tmp_path, shards=1, learners=1)
+    issue_cluster_certs(cfg, certs_dir(cfg))
+    foreign = tmp_path / "another-ca"
+    issue_cluster_certs(cfg, foreign)
+    srv = Server(RpcConfig(), [SYNCER], identity=load_identity(cfg, shard_name(0)))
+    port = srv.start("127.0.0.1:0", health_listen="127.0.0.1:0")
+    address, health_address = f"127.0.0.1:{port}", f"127.0.0.1:{srv.health_port}"
+    check = health_pb2.HealthCheckRequest(service=SYNCER)
+    try:
+        for name in (learner_name(cfg.learners[0].id), OPERATOR):
+            with open_channel(address, RpcConfig(), load_identity(cfg, name)) as channel:
+                assert health_pb2_grpc.HealthStub(channel).Check(check, timeout=5).status == \
+                    health_pb2.HealthCheckResponse.SERVING
+        for identity in (None, load_identity(cfg, OPERATOR, foreign / OPERATOR)):  # no or a foreign cert
+            with open_channel(address, RpcConfig(), identity) as channel:
+                with pytest.raises(grpc.RpcError) as info:
+                    health_pb2_grpc.HealthStub(channel).Check(check, timeout=2)
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        with open_channel(health_address, RpcConfig(), None) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            assert health.Check(check, timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                               timeout=5))
+            assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            srv.health.enter_graceful_shutdown()  # draining shows on the health port too
+            assert health.Check(check, timeout=5).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        srv.stop(drain_seconds=0)

@@ -9,6 +9,7 @@ import torch
 from services.cli import main
 from services.client import ShardClient
 from services.config import dump_config
+from services.tls import OPERATOR, certs_dir, issue_cluster_certs, learner_name, load_identity
 from services.wire import pb
 from syncer.service import start_shard
 from tests.cluster_config import tiny_cluster
@@ -26,10 +27,12 @@ def cluster(tmp_path):
     cfg = tiny_cluster(tmp_path / "state", shards=2, learners=3)
     config_path = tmp_path / "cluster.yaml"
     config_path.write_text(dump_config(cfg))
+    issue_cluster_certs(cfg, certs_dir(cfg))
     handle = start_shard(cfg, 0, listen=cfg.shards[0].address, state_dir=tmp_path / "state")
     learner = cfg.learners[0]
     try:
-        with ShardClient(cfg.shards[0].address, cfg.rpc, learner.id, INCARNATION) as client:
+        with ShardClient(cfg.shards[0].address, cfg.rpc, learner.id, INCARNATION,
+                         identity=load_identity(cfg, learner_name(learner.id))) as client:
             fragments = client.join(learner.region, MANIFEST).fragments
             for info in fragments:
                 client.push(info.fragment_id, torch.zeros(info.numel), codec="fp32", block_size=128,
@@ -46,7 +49,8 @@ def cluster(tmp_path):
 
 def test_status_shows_learners_fragments_and_totals(cluster, capsys):
     cfg, _, handle, owned = cluster
-    assert main(["status", "--syncer", cfg.shards[0].address]) == 0
+    operator = certs_dir(cfg) / OPERATOR
+    assert main(["status", "--syncer", cfg.shards[0].address, "--tls-dir", str(operator)]) == 0
     out = capsys.readouterr().out
     assert "shards    1 of 1 answering" in out
     assert "learners  1 alive of 1 known" in out
@@ -76,3 +80,18 @@ def test_status_from_a_config_names_the_shard_that_does_not_answer(cluster, caps
     assert "shards    1 of 2 answering" in out
     assert f"{cfg.shards[1].address}: UNAVAILABLE" in out or f"{cfg.shards[1].address}: DEADLINE_EXCEEDED" in out
     assert cfg.learners[0].id in out
+
+
+def test_status_needs_a_certificate_the_shards_trust(cluster, capsys, tmp_path):
+    cfg, _, _, _ = cluster
+    address = cfg.shards[0].address
+    # Without --tls-dir or --plaintext there is nothing to say how to connect.
+    assert main(["status", "--syncer", address]) == 2
+    assert "--tls-dir" in capsys.readouterr().err
+    # In plaintext, or with a certificate of another CA, the TLS handshake fails: no answer.
+    assert main(["status", "--syncer", address, "--plaintext", "--timeout", "2"]) == 1
+    assert f"{address}: UNAVAILABLE" in capsys.readouterr().out
+    other = tmp_path / "other-ca"
+    issue_cluster_certs(cfg, other)
+    assert main(["status", "--syncer", address, "--tls-dir", str(other / OPERATOR), "--timeout", "2"]) == 1
+    assert f"{address}: UNAVAILABLE" in capsys.readouterr().out

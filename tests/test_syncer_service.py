@@ -18,8 +18,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.client import ShardClient, state_hash
 from services.codecs import get_codec
-from services.config import load_config
+from services.rpc import open_channel
+from services.config import RpcConfig, load_config, parse_config
 from services.payload import describe, iter_chunks
+from services.tls import OPERATOR, certs_dir, issue_cluster_certs, learner_name, load_identity
 from services.wire import pb
 from syncer.service import start_shard
 
@@ -35,7 +37,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(tmp_path, **syncer):
+def write_config(tmp_path, limits=None, rpc=None, **syncer):
+    """A 2-shard config (shards not started) with certificates for its processes; `limits`
+    and `rpc` are those sections of the config."""
     syncer.setdefault("grace", {"mode": "fixed", "seconds": 0.2})
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump({
@@ -45,9 +49,20 @@ def write_config(tmp_path, **syncer):
         "sync": {"fragments": 4, "interval_steps": 8, "overlap_steps": 1, "codec": "int4", "codec_block_size": BLOCK},
         "syncer": syncer,
         "trainer": {"heartbeat_seconds": 0.2},
-        "rpc": {"deadline_seconds": 10.0},
+        "rpc": rpc or {"deadline_seconds": 10.0},
+        "limits": limits or {},
     }))
-    return path, load_config(path)
+    cfg = load_config(path)
+    # Certificates for the config's processes, and for "mallory": a learner certificate of the
+    # run's CA whose id the config does not list (a learner removed from the run).
+    extra = cfg.model_dump(mode="json")
+    extra["learners"].append({"id": "mallory", "region": "r"})
+    issue_cluster_certs(parse_config(extra), certs_dir(cfg))
+    return path, cfg
+
+
+def identity(cfg, learner):
+    return load_identity(cfg, learner_name(learner) if learner else OPERATOR)
 
 
 # ---- bad input: one in-process shard, each request refused without a trace ----------------
@@ -62,7 +77,8 @@ def bad_input_shard(tmp_path_factory):
     clients = []
     try:
         def client(learner, incarnation=1):
-            clients.append(ShardClient(f"127.0.0.1:{handle.port}", cfg.rpc, learner, incarnation))
+            clients.append(ShardClient(f"127.0.0.1:{handle.port}", cfg.rpc, learner, incarnation,
+                                       identity=identity(cfg, learner)))
             return clients[-1]
         a = client("a")
         reply = a.join("r", MANIFEST)
@@ -180,8 +196,10 @@ def test_each_bad_push_is_refused_with_its_status_and_changes_nothing(bad_input_
     other_shard = next(i for i in range(cfg.sync.fragments) if i not in owned)
     for name, reason, code, words, requests in _bad_pushes(seeded, unseeded, other_shard, numel):
         before, counted = _fragments(a), a.status().counters
+        # Each push comes from the learner its header names, holding that learner's certificate.
+        pusher = client(requests[0].header.learner_id) if requests[0].HasField("header") else a
         with pytest.raises(grpc.RpcError) as info:
-            a.stub.PushFragment(iter(requests), timeout=10)
+            pusher.stub.PushFragment(iter(requests), timeout=10)
         assert info.value.code() == code, f"{name}: {info.value.code()} {info.value.details()}"
         assert words in info.value.details(), f"{name}: {info.value.details()}"
         assert _fragments(a) == before, f"{name} changed the shard's state"
@@ -220,6 +238,7 @@ def test_membership_and_pull_refusals_over_the_wire(bad_input_shard):
 class ShardProcess:
     def __init__(self, config_path, cfg, index, log_dir):
         self.config_path, self.index, self.address = config_path, index, cfg.shards[index].address
+        self.cfg = cfg
         self.log_path = log_dir / f"shard-{index}.log"
         self.process = None
 
@@ -232,7 +251,7 @@ class ShardProcess:
 
     def wait_serving(self, timeout=30.0):
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address) as channel:
+        with open_channel(self.address, RpcConfig(), identity(self.cfg, None)) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 assert self.process.poll() is None, self.log_path.read_text()
@@ -281,7 +300,8 @@ class Learner:
     def __init__(self, learner_id, cfg, gate, max_delay=0.0):
         self.id, self.cfg, self.gate = learner_id, cfg, gate
         self.max_delay = max_delay  # seconds of "training" before a push, drawn uniformly
-        self.clients = [ShardClient(s.address, cfg.rpc, learner_id, time.time_ns()) for s in cfg.shards]
+        self.clients = [ShardClient(s.address, cfg.rpc, learner_id, time.time_ns(), identity=identity(cfg, learner_id))
+                        for s in cfg.shards]
         self.generator = torch.Generator().manual_seed(sum(map(ord, learner_id)))
         self.values, self.versions, self.owner = {}, {}, {}
         self.acked = []  # (shard, fragment, round) of every acknowledged contribution
@@ -405,7 +425,7 @@ def assert_identical_bits(learners, cfg):
         learner.catch_up()
     statuses = []
     for shard in cfg.shards:
-        with ShardClient(shard.address, cfg.rpc) as client:
+        with ShardClient(shard.address, cfg.rpc, identity=identity(cfg, None)) as client:
             statuses.append(client.status())
     hashes = {f.fragment_id: (f.version, f.state_hash) for status in statuses for f in status.fragments}
     for learner in learners:
@@ -468,7 +488,7 @@ def test_kill_9_loses_no_acknowledged_contribution(cluster):
         acked = [(fragment, round_) for l in learners for s, fragment, round_ in l.acked if s == victim.index]
         victim.start()
         victim.wait_serving()
-        with ShardClient(victim.address, cfg.rpc) as client:
+        with ShardClient(victim.address, cfg.rpc, identity=identity(cfg, None)) as client:
             status = client.status()
         restored = {f.fragment_id: f for f in status.fragments}
         for fragment, f in restored.items():

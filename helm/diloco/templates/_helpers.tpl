@@ -96,7 +96,7 @@ Sections are written in a fixed order so the file reads like examples/*.yaml.
 {{- $run := merge (dict "state_dir" (include "diloco.stateDir" .)) (deepCopy $v.config.run) -}}
 {{- $shards := list -}}
 {{- range $i := until (int $v.cluster.shards) -}}
-{{- $shards = append $shards (dict "address" (include "diloco.shardAddress" (dict "ctx" $ "index" $i)) "metrics_port" $v.syncer.metricsPort) -}}
+{{- $shards = append $shards (dict "address" (include "diloco.shardAddress" (dict "ctx" $ "index" $i)) "metrics_port" $v.syncer.metricsPort "health_port" $v.syncer.healthPort) -}}
 {{- end -}}
 {{- $learners := list -}}
 {{- range $region := $v.cluster.regions -}}
@@ -109,7 +109,8 @@ Sections are written in a fixed order so the file reads like examples/*.yaml.
 {{ toYaml (dict "run" $run) }}
 {{ toYaml (dict "shards" $shards) }}
 {{ toYaml (dict "learners" $learners) }}
-{{- range $section := list "sync" "syncer" "trainer" "model" "data" "rpc" }}
+{{ toYaml (dict "tls" (dict "mode" $v.tls.mode)) }}
+{{- range $section := list "sync" "syncer" "trainer" "model" "data" "rpc" "limits" }}
 {{- if hasKey $v.config $section }}
 {{ toYaml (dict $section (get $v.config $section)) }}
 {{- end }}
@@ -117,11 +118,28 @@ Sections are written in a fixed order so the file reads like examples/*.yaml.
 {{- end -}}
 
 {{/* Volumes and mounts of the optional Secrets, shared by syncer and learner pods. */}}
+{{- /* With learnerIds (learner pods): each of those learners' Secrets in a folder named
+  after it; else (shards) the shards' Secret. */ -}}
 {{- define "diloco.secretVolumes" -}}
-{{- if .ctx.Values.tls.secretName }}
+{{- $tls := .ctx.Values.tls }}
+{{- if and (eq $tls.mode "mtls") .learnerIds }}
+- name: tls
+  projected:
+    defaultMode: 0440
+    sources:
+      {{- range .learnerIds }}
+      - secret:
+          name: {{ printf "%s%s" $tls.learnerSecretPrefix . }}
+          items:
+            {{- $id := . }}
+            {{- range list "ca.crt" "tls.crt" "tls.key" }}
+            - {key: {{ . }}, path: {{ printf "%s/%s" $id . }}}
+            {{- end }}
+      {{- end }}
+{{- else if eq $tls.mode "mtls" }}
 - name: tls
   secret:
-    secretName: {{ .ctx.Values.tls.secretName }}
+    secretName: {{ $tls.secretName }}
     defaultMode: 0440
 {{- end }}
 {{- if .credentialsSecret }}
@@ -133,7 +151,7 @@ Sections are written in a fixed order so the file reads like examples/*.yaml.
 {{- end -}}
 
 {{- define "diloco.secretMounts" -}}
-{{- if .ctx.Values.tls.secretName }}
+{{- if eq .ctx.Values.tls.mode "mtls" }}
 - name: tls
   mountPath: {{ include "diloco.tlsDir" .ctx }}
   readOnly: true
@@ -161,6 +179,15 @@ all refuse such values before anything reaches the cluster.
 {{- end -}}
 {{- if and $v.syncer.enabled (le (int $v.syncer.terminationGracePeriodSeconds) (int $v.syncer.drainSeconds)) -}}
 {{- fail (printf "syncer.terminationGracePeriodSeconds (%d) must be greater than syncer.drainSeconds (%d): Kubernetes would kill a shard before it has drained and flushed its state" (int $v.syncer.terminationGracePeriodSeconds) (int $v.syncer.drainSeconds)) -}}
+{{- end -}}
+{{- if and (eq $v.tls.mode "mtls") $v.syncer.enabled (not $v.tls.secretName) -}}
+{{- fail "tls.secretName: the shards need a Secret with their certificate (tls.mode is mtls)" -}}
+{{- end -}}
+{{- if and (eq $v.tls.mode "mtls") $v.learners.enabled (not $v.tls.learnerSecretPrefix) -}}
+{{- fail "tls.learnerSecretPrefix: each learner needs a Secret <prefix><learner id> with its certificate (tls.mode is mtls)" -}}
+{{- end -}}
+{{- if and $v.syncer.enabled (eq (int $v.syncer.healthPort) (int $v.syncer.port)) -}}
+{{- fail (printf "syncer.healthPort: %d is syncer.port; the plaintext health port needs a port of its own" (int $v.syncer.healthPort)) -}}
 {{- end -}}
 {{- if and $v.cluster.syncerAddresses (ne (len $v.cluster.syncerAddresses) (int $v.cluster.shards)) -}}
 {{- fail (printf "cluster.syncerAddresses has %d entries but cluster.shards is %d: give one address per shard, in shard order" (len $v.cluster.syncerAddresses) (int $v.cluster.shards)) -}}
