@@ -64,7 +64,9 @@ def quality(section: dict, out: pathlib.Path) -> list[str]:
     first = rows[0]["diloco"]
     lines = [f"Final validation loss (mean over learners, which end on the same global model; start "
              f"{first['initial_eval_loss']:.3f}) at the same model, data, seed and token budget "
-             f"({first['tokens']:,} tokens for M={rows[0]['learners']}). Target: diloco within "
+             f"({first['steps_per_learner']:.0f} inner steps per learner, {first['tokens']:,} tokens for "
+             f"M={rows[0]['learners']}; so H=100 syncs each fragment only {first['steps_per_learner'] / 100:.0f} "
+             f"times). Target: diloco within "
              f"{pct(section['target_loss_vs_dp'])} of data parallel. dp is `diloco sim --mode dp` with the same flags.", ""]
     lines += table(
         ["configuration", "diloco loss", "dp loss", "diloco vs dp", "target", "wall s diloco / dp", "command (diloco)"],
@@ -91,15 +93,18 @@ def bandwidth(section: dict, out: pathlib.Path) -> list[str]:
              f"the ratio dp / diloco (anchor: Streaming DiLoCo {section['anchor_dp_over_diloco']}x fewer bits than dp). "
              f"The Gbit/s a learner would need at a 1 s step for {' and '.join(models)} parameters with the same H, P, "
              f"tau and codec come from the measured bytes per parameter per sync: on average over H steps, and to move "
-             f"one fragment within tau steps (dp: every step, the same).", ""]
-    header = ["configuration", "B/token diloco", "B/token dp", "dp / diloco", "vs 400x anchor", "B/param/sync"]
+             f"one fragment within tau steps (dp: every step, the same). The downlink is larger than the uplink: "
+             f"a learner pulls every round's update since its anchor, and with K=1 and learners out of lockstep a "
+             f"sync period holds about one (partial) round per learner; the join snapshots count too.", ""]
+    header = ["configuration", "B/token diloco", "B/token dp", "dp / diloco", "vs 400x anchor", "B/param/sync up + down"]
     for model in models:
         header += [f"{model} Gbit/s avg (dp)", f"{model} Gbit/s within tau"]
     body = []
     for r in rows:
         cells = [config_name(r), f"{r['diloco']['bytes_per_token']:.1f}", f"{r['dp']['bytes_per_token']:.0f}",
                  f"{r['dp_over_diloco']:.0f}x", verdict(r["dp_over_diloco"] >= section["anchor_dp_over_diloco"]),
-                 f"{r['diloco']['bytes_per_parameter_per_sync']:.2f}"]
+                 f"{r['diloco']['up_bytes_per_parameter_per_sync']:.2f} + "
+                 f"{r['diloco']['bytes_per_parameter_per_sync'] - r['diloco']['up_bytes_per_parameter_per_sync']:.2f}"]
         for model in models:
             ours, theirs = r["diloco"]["at_1s_step"][model], r["dp"]["at_1s_step"][model]
             cells += [f"{ours['average_gbps']:.1f} ({theirs['average_gbps']:.0f})", f"{ours['within_tau_gbps']:.1f}"]
@@ -212,6 +217,59 @@ def recovery(section: dict, out: pathlib.Path) -> list[str]:
                          title="recovery after SIGKILL"), ""]
 
 
+def summary(results: dict) -> list[str]:
+    """One headline row per section that ran, with its target or anchor and whether it was met."""
+    rows = []
+    if "quality" in results:
+        q = results["quality"]["rows"]
+        met = sum(r["within_target"] for r in q)
+        worst = max(q, key=lambda r: r["loss_vs_dp"])
+        rows.append(["1. quality", f"diloco vs dp final loss {pct(min(r['loss_vs_dp'] for r in q), True)} to "
+                     f"{pct(worst['loss_vs_dp'], True)} (worst: {config_name(worst)})",
+                     f"within {pct(results['quality']['target_loss_vs_dp'])} of dp",
+                     f"{met} of {len(q)} met" if met < len(q) else "met"])
+    if "bandwidth" in results:
+        b = results["bandwidth"]
+        best = max(b["rows"], key=lambda r: r["dp_over_diloco"])
+        rows.append(["2. bandwidth", f"dp / diloco bytes per token {min(r['dp_over_diloco'] for r in b['rows']):.0f}x "
+                     f"to {best['dp_over_diloco']:.0f}x (best: {config_name(best)}; 12B at a 1 s step: "
+                     f"{best['diloco']['at_1s_step']['12B']['average_gbps']:.1f} vs "
+                     f"{best['dp']['at_1s_step']['12B']['average_gbps']:.0f} Gbit/s)",
+                     f"{b['anchor_dp_over_diloco']}x (Streaming DiLoCo)",
+                     verdict(best["dp_over_diloco"] >= b["anchor_dp_over_diloco"])])
+    if "goodput" in results:
+        g = results["goodput"]
+        high = g["rows"][-1]
+        rows.append(["3. goodput", f"at {pct(high['target_down_share'])} down: diloco {pct(high['diloco']['goodput'])} "
+                     f"vs dp {pct(high['dp']['goodput'])}",
+                     f"{pct(g['anchor']['diloco'])} vs {pct(g['anchor']['dp'])} (paper)",
+                     verdict(high["diloco"]["goodput"] >= g["anchor"]["diloco"])])
+    if "overlap" in results:
+        links = results["overlap"]["links"]
+        rows.append(["4. overlap", ", ".join(f"{pct(l['utilisation'])} at {l['wan_mbps']:g} Mb/s" if l["wan_mbps"]
+                                             else f"{pct(l['utilisation'])} on loopback" for l in links),
+                     f">= {pct(UTILISATION_TARGET)} on a link above the need "
+                     f"({results['overlap']['needed_mbps']:.0f} Mb/s)",
+                     verdict(all(l["utilisation"] >= UTILISATION_TARGET for l in links
+                                 if not l["wan_mbps"] or l["wan_mbps"] >= results["overlap"]["needed_mbps"]))])
+    if "transport" in results:
+        t = results["transport"]
+        one = t["runs"][0]
+        rows.append(["5. transport", f"push {one['push_vs_raw']:.2f}x raw gRPC, pull {one['pull_vs_raw']:.2f}x; a round "
+                     f"{one['params_per_second'] / t['in_process_params_per_second']:.2f}x in-process arithmetic"
+                     + (f"; {t['runs'][-1]['shards']} shards {t['runs'][-1]['params_per_second'] / one['params_per_second']:.2f}x one"
+                        if len(t["runs"]) > 1 else ""),
+                     f"push >= {t['target_push_vs_raw']}x raw", verdict(one["push_vs_raw"] >= t["target_push_vs_raw"])])
+    if "recovery" in results:
+        sizes = results["recovery"]["sizes"]
+        rows.append(["6. recovery", f"learner back to training in {sizes[0]['learner_back_to_training_seconds']:.1f} s "
+                     f"({sizes[0]['model_parameters'] / 1e6:.1f}M) to {sizes[-1]['learner_back_to_training_seconds']:.1f} s "
+                     f"({sizes[-1]['model_parameters'] / 1e6:.1f}M); shard serving again in "
+                     f"{sizes[0]['shard_serving_again_seconds']:.1f} to {sizes[-1]['shard_serving_again_seconds']:.1f} s",
+                     "torchft's documented pain: 948 s", "-"])
+    return table(["section", "headline (this run)", "target or anchor", "verdict"], rows)
+
+
 TITLES = {"quality": "1. Quality at equal tokens", "bandwidth": "2. Bandwidth", "goodput": "3. Goodput under failures",
           "overlap": "4. Overlap", "transport": "5. Transport and syncer", "recovery": "6. Recovery"}
 RENDERERS = {"quality": quality, "bandwidth": bandwidth, "goodput": goodput, "overlap": overlap,
@@ -228,6 +286,7 @@ def render(results: dict, out: pathlib.Path) -> None:
              "the command that produced it (the runner only adds where output goes: `--quiet --run-dir --report`, "
              "`--json`). Regenerate with `make benchmarks`. The models are small so that the whole run fits in 30 "
              "minutes on 2 cores: the method, not the scale, is compared. Other processes may share the machine.", ""]
+    lines += ["## Summary", "", *summary(results)]
     for name in RENDERERS:
         if name in results:
             lines += [f"## {TITLES[name]}", "", *RENDERERS[name](results[name], out)]

@@ -64,7 +64,7 @@ class Profile:
 
 
 FULL = Profile("full", steps=400, learners=(4, 8), intervals=(25, 100), codecs=("int4", "bf16"),
-               goodput_learners=4, goodput_seconds=60, down_shares=(0.05, 0.10, 0.25), restart_delay=4.0,
+               goodput_learners=4, goodput_seconds=45, down_shares=(0.05, 0.10, 0.25), restart_delay=4.0,
                overlap=("--steps", "80", "--repeats", "3", "--wan-mbps", "50", "5"),
                transport=("--params", "16000000", "--rounds", "3", "--shards", "1", "2"),
                recovery=("--sizes", "2x64", "4x256", "4x512", "--kills", "3"))
@@ -135,6 +135,7 @@ def run_figures(report: dict) -> dict:
     """The figures of one sim run that the tables show."""
     return {"final_eval_loss": report["final_eval_loss"], "initial_eval_loss": report["initial_eval_loss"],
             "wall_seconds": report["wall_seconds"], "tokens": report["tokens"], "goodput": report["goodput"],
+            "steps_per_learner": report["inner_steps"] / report["learners"],
             "bytes": report["bytes_up"] + report["bytes_down"], "state_hashes_agree": report["state_hashes_agree"],
             "command": report["command"]}
 
@@ -170,7 +171,9 @@ def link_needs(report: dict) -> dict:
         needs[model] = {"average_gbps": bits / cfg["H"] / 1e9,
                         "within_tau_gbps": bits / cfg["P"] / max(cfg["tau"], 1) / 1e9}
     return {"bytes_per_token": (report["bytes_up"] + report["bytes_down"]) / report["tokens"],
-            "bytes_per_parameter_per_sync": per_parameter_sync, "at_1s_step": needs,
+            "bytes_per_parameter_per_sync": per_parameter_sync,
+            "up_bytes_per_parameter_per_sync": report["bytes_up"] / (syncs_per_parameter * params),
+            "at_1s_step": needs,
             "command": report["command"]}
 
 

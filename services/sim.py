@@ -197,6 +197,12 @@ class Chaos:
         self.events.append({"event": "restart", "kind": self.kind, "index": downtime.proc_index,
                             "time": now})
 
+    def end(self, now: float) -> None:
+        """The run is over: a process still down was down until now."""
+        for downtime in self.down.values():
+            self.down_seconds[downtime.proc_index] += now - downtime.killed_at
+        self.down.clear()
+
     def retire(self, index: int) -> None:
         """A finished process is not killed any more."""
         self.next_kill[index] = float("inf")
@@ -285,6 +291,7 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
         if progress:
             progress.close()
     wall = time.time() - started
+    learner_chaos.end(started + wall)
     for downtime in list(shard_chaos.down.values()):  # every shard serves the final pulls
         cluster.restart_shard(downtime.proc_index)
         shard_chaos.restarted(downtime, time.time())

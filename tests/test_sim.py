@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import subprocess
 import sys
 
@@ -83,3 +84,14 @@ def test_sim_overrides_config_keys_and_slows_the_first_learner(tmp_path):
         build_config(base, parser.parse_args(["--set", "sync.bogus=1"]), tmp_path / "run")
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
         build_config(base, parser.parse_args(["--set", "sync.codec"]), tmp_path / "run")
+
+
+def test_chaos_counts_a_process_still_down_at_the_end_as_down_until_then():
+    from services.sim import Chaos
+
+    chaos = Chaos("learner", 2, mtbf=10.0, restart_delay=5.0, rng=random.Random(0), now=0.0)
+    chaos.killed(0, now=1.0)
+    chaos.killed(1, now=2.0)
+    chaos.restarted(chaos.down[1], now=7.0)
+    chaos.end(now=5.0)
+    assert chaos.down_seconds == [4.0, 5.0] and not chaos.down
