@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DILOCO := $(VENV)/bin/diloco
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench benchmarks install clean
 
 install: $(VENV)/.installed
 
@@ -35,6 +35,11 @@ bench: install
 	$(PY) bench/codecs.py
 	$(PY) bench/overlap.py
 	$(PY) bench/syncer_push.py
+
+# Every figure of BENCHMARKS.md, fresh on this machine (under 30 minutes on 2 cores); also
+# writes bench/results.json and bench/plots/. `$(PY) bench/run_all.py --quick` takes minutes.
+benchmarks: install
+	$(PY) bench/run_all.py
 
 clean:
 	rm -rf $(VENV) .diloco .pytest_cache

@@ -1,7 +1,7 @@
 """Overlap: inner-step time with fragment syncs in flight against the same loop with sync
 switched off, measured in one run of this script.
 
-    python bench/overlap.py [--steps 300] [--repeats 3] [--wan-mbps 0 100]
+    python bench/overlap.py [--steps 300] [--repeats 3] [--wan-mbps 0 100] [--json PATH]
 
 One shard and one learner process (so every round closes as soon as the learner's
 contribution arrives) train the demo model; the same learner is also run with
@@ -23,7 +23,9 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+from services.client import ShardClient  # noqa: E402
 from services.cluster import LocalCluster, free_ports  # noqa: E402
+from services.codecs import get_codec  # noqa: E402
 from services.config import load_config, parse_config  # noqa: E402
 
 
@@ -58,37 +60,61 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--wan-mbps", type=float, nargs="+", default=[0.0],
                         help="link caps to measure (0: loopback, uncapped)")
+    parser.add_argument("--json", help="also write the figures here (bench/run_all.py reads them)")
     args = parser.parse_args()
-    rows = []
-    for mbps in args.wan_mbps:
-        off, on, blocked, moved = [], [], [], []
-        for repeat in range(args.repeats):
-            with tempfile.TemporaryDirectory() as tmp:
-                cfg = bench_config(pathlib.Path(tmp) / "state", args.steps, mbps or None)
-                cluster = LocalCluster(cfg, pathlib.Path(tmp) / "run")
-                try:
-                    cluster.start_shards()
-                    off.append(loop_step_seconds(cluster, pathlib.Path(tmp) / "off", ["--no-sync"])[0])
-                    seconds, life = loop_step_seconds(cluster, pathlib.Path(tmp) / "on", [])
-                    on.append(seconds)
-                    blocked.append(life["blocked_seconds"] / life["steps"])
-                    moved.append((life["bytes_up"] + life["bytes_down"]) / life["steps"])
-                finally:
-                    cluster.stop()
-        ratio = statistics.median(on) / statistics.median(off)
-        rows.append((mbps, statistics.median(off), statistics.median(on), ratio,
-                     statistics.median(blocked), statistics.median(moved)))
     cfg = bench_config(pathlib.Path("/tmp"), args.steps, None)
+    rows = [measure_link(mbps, args.steps, args.repeats) for mbps in args.wan_mbps]
     print(f"overlap: H={cfg.sync.interval_steps} P={cfg.sync.fragments} tau={cfg.sync.overlap_steps} "
           f"codec={cfg.sync.codec}, {args.steps} steps, median of {args.repeats} alternating runs")
     print(f"{'link':>10} {'sync off ms/step':>17} {'sync on ms/step':>16} {'ratio':>7} "
           f"{'blocked ms/step':>16} {'bytes/step':>11} {'utilisation':>12}  target")
-    for mbps, off_s, on_s, ratio, blocked_s, bytes_step in rows:
-        link = f"{mbps:g} Mb/s" if mbps else "loopback"
-        verdict = "PASS" if ratio <= 1.05 else "FAIL"
-        print(f"{link:>10} {off_s * 1e3:17.2f} {on_s * 1e3:16.2f} {ratio:7.3f} {blocked_s * 1e3:16.2f} "
-              f"{bytes_step:11.0f} {1 / ratio:12.1%}  <= 1.05 {verdict}")
+    for row in rows:
+        link = f"{row['wan_mbps']:g} Mb/s" if row["wan_mbps"] else "loopback"
+        verdict = "PASS" if row["ratio"] <= 1.05 else "FAIL"
+        print(f"{link:>10} {row['sync_off_step_seconds'] * 1e3:17.2f} {row['sync_on_step_seconds'] * 1e3:16.2f} "
+              f"{row['ratio']:7.3f} {row['blocked_step_seconds'] * 1e3:16.2f} {row['bytes_per_step']:11.0f} "
+              f"{row['utilisation']:12.1%}  <= 1.05 {verdict}")
+    # A fragment's sync (its compressed outer gradient up, one compressed update down) must
+    # cross the link within tau steps of compute, or the learner blocks: the least bandwidth
+    # that keeps the loop at full speed.
+    fragment_numel = rows[0]["model_parameters"] // cfg.sync.fragments
+    bytes_per_sync = 2 * get_codec(cfg.sync.codec).encoded_size(fragment_numel, cfg.sync.codec_block_size)
+    step_seconds = statistics.median(r["sync_off_step_seconds"] for r in rows)
+    needed_mbps = bytes_per_sync * 8 / (cfg.sync.overlap_steps * step_seconds) / 1e6
+    print(f"a sync moves {bytes_per_sync / 1e3:.0f} kB; to cross within tau={cfg.sync.overlap_steps} steps of "
+          f"{step_seconds * 1e3:.0f} ms the link needs about {needed_mbps:.1f} Mb/s")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({
+            "H": cfg.sync.interval_steps, "P": cfg.sync.fragments, "tau": cfg.sync.overlap_steps,
+            "codec": cfg.sync.codec, "model_parameters": rows[0]["model_parameters"], "steps": args.steps,
+            "repeats": args.repeats, "bytes_per_sync": bytes_per_sync, "needed_mbps": needed_mbps,
+            "links": rows}, indent=1))
     return 0
+
+
+def measure_link(mbps: float, steps: int, repeats: int) -> dict:
+    """Median loop seconds per step with sync off and on, over `repeats` alternating pairs of runs."""
+    off, on, blocked, moved = [], [], [], []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = bench_config(pathlib.Path(tmp) / "state", steps, mbps or None)
+            cluster = LocalCluster(cfg, pathlib.Path(tmp) / "run")
+            try:
+                cluster.start_shards()
+                off.append(loop_step_seconds(cluster, pathlib.Path(tmp) / "off", ["--no-sync"])[0])
+                seconds, life = loop_step_seconds(cluster, pathlib.Path(tmp) / "on", [])
+                on.append(seconds)
+                blocked.append(life["blocked_seconds"] / life["steps"])
+                moved.append((life["bytes_up"] + life["bytes_down"]) / life["steps"])
+                with ShardClient(cfg.shards[0].address, cfg.rpc, identity=cluster.operator) as client:
+                    numel = sum(f.numel for f in client.status(timeout=10).fragments)
+            finally:
+                cluster.stop()
+    ratio = statistics.median(on) / statistics.median(off)
+    return {"wan_mbps": mbps, "sync_off_step_seconds": statistics.median(off),
+            "sync_on_step_seconds": statistics.median(on), "ratio": ratio, "utilisation": 1 / ratio,
+            "blocked_step_seconds": statistics.median(blocked), "bytes_per_step": statistics.median(moved),
+            "model_parameters": numel}
 
 
 if __name__ == "__main__":

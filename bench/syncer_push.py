@@ -1,27 +1,36 @@
-"""Speed of one syncer shard process on loopback: M concurrent pushers of a fragment set in int4,
-against raw gRPC streaming of the same bytes measured in the same run.
+"""Speed of syncer shard processes on loopback: M concurrent pushers of a fragment set in int4,
+against raw gRPC streaming of the same bytes and against the same arithmetic done in-process with
+torch, all measured in the same run.
 
-    python bench/syncer_push.py                          # 64M parameters, M = 4, as the target is stated
+    python bench/syncer_push.py                          # 64M parameters, M = 4, one shard, as the target is stated
     python bench/syncer_push.py --params 8000000         # a quick run
-    python bench/syncer_push.py --state-dir /dev/shm/x   # keep the shard's state off the disk
+    python bench/syncer_push.py --shards 1 2             # the same work on one shard, then on two
+    python bench/syncer_push.py --state-dir /dev/shm/x   # keep the shards' state off the disk
 
-Each round has two timed phases:
-1. push: every pusher streams its int4 outer gradient of every fragment. The shard receives,
-   verifies, decodes, checks, logs (fsync) and merges each one before acknowledging it. An
-   idle "observer" learner is joined, so no round can close yet: this is the push path alone.
-2. close + pull: the observer leaves; the shard's ticker closes every round (merge, Nesterov,
+Each round has three timed phases:
+1. push: every pusher streams its int4 outer gradient of every fragment to the shard that owns
+   it. The shard receives, verifies, decodes, checks, logs (fsync) and merges each one before
+   acknowledging it. An idle "observer" learner is joined, so no round can close yet: this is
+   the push path alone.
+2. close + pull: the observer leaves; the shards' tickers close every round (merge, Nesterov,
    int4 + error feedback, snapshot with fsync) and the pushers' waiting pulls receive and
    apply the updates.
+3. pull: every pusher pulls the round's update of every fragment again (compressed, decoded by
+   the client), the pull path alone.
 The raw baseline streams the same payloads with the same message types and chunking to a
-server that only counts the bytes, started the same way as the shard (its own process).
+server per shard that only counts the bytes, and pulls them back from it (it streams the last
+payload pushed for the fragment), started the same way as the shards (their own processes).
+The in-process baseline does one round's arithmetic in this process: decode every
+contribution, radial-directional merge, Nesterov step, int4 encode with error feedback, apply.
 
-Reported: raw and push-path MB/s of compressed bytes (target: push path >= 0.7 x raw), and
-for whole rounds, contributions merged per second and fp32 parameters per second
-(contributions x parameters per contribution). Medians over the rounds. Exits 1 if the
-target is missed.
+Reported: raw, push-path and pull-path MB/s of compressed bytes (target: push path >= 0.7 x
+raw), and for whole rounds (push + close), contributions merged per second and fp32
+parameters per second (contributions x parameters per contribution) against the in-process
+arithmetic. Medians over the rounds. Exits 1 if the push target is missed.
 """
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -42,23 +51,37 @@ sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from services.client import ShardClient, state_hash  # noqa: E402
-from services.codecs import get_codec  # noqa: E402
+from services.client import ShardClient, apply_update, state_hash  # noqa: E402
+from services.codecs import ErrorFeedback, get_codec  # noqa: E402
 from services.config import RpcConfig, load_config  # noqa: E402
+from services.payload import iter_chunks  # noqa: E402
 from services.rpc import Server  # noqa: E402
 from services.wire import pb, pb_grpc  # noqa: E402
+from syncer.merge import RoundAccumulator  # noqa: E402
+from syncer.outer import OuterOptimizer  # noqa: E402
 
 TARGET_VS_RAW = 0.7
 BLOCK = 128
 TENSORS = 8  # the parameter set is TENSORS equal tensors, packed into --fragments fragments
+INT4 = get_codec("int4")
 
 
 class Sink(pb_grpc.SyncerServicer):
-    """The raw baseline: takes a push stream and only counts its bytes."""
+    """The raw baseline: takes a push stream and only counts its bytes; a pull streams back the
+    last payload pushed for that fragment."""
+
+    def __init__(self):
+        self.last: dict[int, bytes] = {}
 
     def PushFragment(self, request_iterator, context):
-        received = sum(len(request.chunk.data) for request in request_iterator)
-        return pb.PushResponse(result=pb.PUSH_RESULT_ACCEPTED, round=received)
+        header = next(request_iterator).header
+        payload = b"".join(request.chunk.data for request in request_iterator)
+        self.last[header.fragment_id] = payload
+        return pb.PushResponse(result=pb.PUSH_RESULT_ACCEPTED, round=len(payload))
+
+    def PullFragment(self, request, context):
+        for chunk in iter_chunks(self.last[request.fragment_id]):
+            yield pb.PullResponse(chunk=chunk)
 
 
 def serve_sink(port: int) -> None:
@@ -110,26 +133,21 @@ def in_parallel(jobs) -> float:
     return time.perf_counter() - start
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--params", type=int, default=64_000_000)
-    parser.add_argument("--pushers", type=int, default=4, help="M: concurrent pushing learners")
-    parser.add_argument("--fragments", type=int, default=4, help="P: the parameters split into P fragments")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--state-dir", help="where the shard keeps its state (default: a temporary folder)")
-    parser.add_argument("--sink", type=int, help=argparse.SUPPRESS)  # internal: serve the raw baseline
-    args = parser.parse_args()
-    if args.sink:
-        serve_sink(args.sink)
-        return 0
+def outer_gradients(pushers: int, fragments: list[tuple[int, int]]) -> list[dict[int, bytes]]:
+    """Every pusher's int4 outer gradient of every fragment (fragment id, numel)."""
+    return [{fragment: INT4.encode(torch.randn(n, generator=torch.Generator().manual_seed(i * 1000 + fragment)) * 1e-3, BLOCK)
+             for fragment, n in fragments} for i in range(pushers)]
 
+
+def measure_shards(args: argparse.Namespace, num_shards: int) -> dict:
+    """Rounds of M pushers against `num_shards` shard processes and as many raw sinks."""
     work = Path(tempfile.mkdtemp(prefix="bench-syncer-"))  # the config, and the state unless --state-dir
-    state_dir = Path(args.state_dir) if args.state_dir else work / "state"
+    state_dir = Path(args.state_dir) / f"shards-{num_shards}" if args.state_dir else work / "state"
     learners = [f"pusher-{i}" for i in range(args.pushers)] + ["observer"]
     config_path = work / "cluster.yaml"
     config_path.write_text(yaml.safe_dump({
         "run": {"state_dir": str(state_dir)},
-        "shards": [{"address": f"127.0.0.1:{free_port()}", "metrics_port": 0}],
+        "shards": [{"address": f"127.0.0.1:{free_port()}", "metrics_port": 0} for _ in range(num_shards)],
         "learners": [{"id": learner, "region": "bench"} for learner in learners],
         "sync": {"fragments": args.fragments, "interval_steps": max(2, args.fragments), "overlap_steps": 1,
                  "codec": "int4", "codec_block_size": BLOCK},
@@ -142,74 +160,96 @@ def main() -> int:
     }))
     cfg = load_config(config_path)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    shard_address, sink_address = cfg.shards[0].address, f"127.0.0.1:{free_port()}"
+    shard_addresses = [shard.address for shard in cfg.shards]
+    sink_addresses = [f"127.0.0.1:{free_port()}" for _ in range(num_shards)]
     processes = [
         subprocess.Popen([sys.executable, "-m", "services.cli", "--log-level", "WARNING", "syncer",
-                          "--config", str(config_path), "--shard-index", "0", "--listen", shard_address],
-                         cwd=ROOT, env=env),
-        subprocess.Popen([sys.executable, __file__, "--sink", sink_address.rsplit(":", 1)[1]], cwd=ROOT, env=env),
-    ]
+                          "--config", str(config_path), "--shard-index", str(index), "--listen", address],
+                         cwd=ROOT, env=env)
+        for index, address in enumerate(shard_addresses)
+    ] + [subprocess.Popen([sys.executable, __file__, "--sink", address.rsplit(":", 1)[1]], cwd=ROOT, env=env)
+         for address in sink_addresses]
     clients: list[ShardClient] = []
     try:
-        wait_serving(shard_address, processes[0])
-        wait_serving(sink_address, processes[1])
+        for address, process in zip(shard_addresses + sink_addresses, processes):
+            wait_serving(address, process)
         numel = args.params // TENSORS
         manifest = [(f"layers.{i}.weight", (numel,)) for i in range(TENSORS)]
         incarnation = time.time_ns()
-        pushers = [ShardClient(shard_address, cfg.rpc, learner, incarnation, identity=None) for learner in learners[:-1]]
-        observer = ShardClient(shard_address, cfg.rpc, "observer", incarnation, identity=None)
-        sinks = [ShardClient(sink_address, cfg.rpc, learner, incarnation, identity=None) for learner in learners[:-1]]
-        clients = pushers + [observer] + sinks
-        fragments = [(f.fragment_id, f.numel) for f in pushers[0].join("bench", manifest).fragments]
-        for client in pushers[1:] + [observer]:
+
+        def connect(addresses: list[str], learner: str) -> list[ShardClient]:
+            return [ShardClient(address, cfg.rpc, learner, incarnation, identity=None) for address in addresses]
+
+        pushers = [connect(shard_addresses, learner) for learner in learners[:-1]]
+        observer = connect(shard_addresses, "observer")
+        sinks = [connect(sink_addresses, learner) for learner in learners[:-1]]
+        clients = [c for group in pushers + [observer] + sinks for c in group]
+        owner: dict[int, int] = {}  # fragment id -> shard index
+        fragments: list[tuple[int, int]] = []
+        for shard, client in enumerate(pushers[0]):
+            for fragment in client.join("bench", manifest).fragments:
+                owner[fragment.fragment_id] = shard
+                fragments.append((fragment.fragment_id, fragment.numel))
+        for client in [c for group in pushers[1:] + [observer] for c in group]:
             client.join("bench", manifest)
         for fragment, n in fragments:  # every learner starts from the same value
-            pushers[0].push(fragment, torch.zeros(n), codec="fp32", block_size=BLOCK, kind=pb.PUSH_KIND_SEED)
-        values = [{fragment: pusher.pull(fragment).apply(None) for fragment, _ in fragments} for pusher in pushers]
-
-        int4 = get_codec("int4")
-        payloads = [{fragment: int4.encode(torch.randn(n, generator=torch.Generator().manual_seed(i * 1000 + fragment)) * 1e-3, BLOCK)
-                     for fragment, n in fragments} for i in range(args.pushers)]
+            pushers[0][owner[fragment]].push(fragment, torch.zeros(n), codec="fp32", block_size=BLOCK,
+                                             kind=pb.PUSH_KIND_SEED)
+        values = [{fragment: pusher[owner[fragment]].pull(fragment).apply(None) for fragment, _ in fragments}
+                  for pusher in pushers]
+        payloads = outer_gradients(args.pushers, fragments)
         payload_bytes = sum(len(p) for per_pusher in payloads for p in per_pusher.values())
         contributions = args.pushers * len(fragments)
-        print(f"one shard process, M={args.pushers} pushers, {args.params / 1e6:.0f}M fp32 parameters in "
-              f"{len(fragments)} fragments, int4/{BLOCK}: {payload_bytes / 1e6:.0f} MB per round; "
+        print(f"{num_shards} shard process(es), M={args.pushers} pushers, {args.params / 1e6:.0f}M fp32 parameters "
+              f"in {len(fragments)} fragments, int4/{BLOCK}: {payload_bytes / 1e6:.0f} MB per round; "
               f"state in {state_dir}", flush=True)
 
-        def push_all(client, i, base_version):
+        def push_all(links, i, base_version):
             for fragment, n in fragments:
-                reply = client.push(fragment, payloads[i][fragment], numel=n, codec=int4, block_size=BLOCK,
-                                    base_version=base_version, c_steps=24, c_tokens=24 * 1024, step_seconds=0.1)
+                reply = links[owner[fragment]].push(
+                    fragment, payloads[i][fragment], numel=n, codec=INT4, block_size=BLOCK,
+                    base_version=base_version, c_steps=24, c_tokens=24 * 1024, step_seconds=0.1)
                 if reply.result != pb.PUSH_RESULT_ACCEPTED:
                     raise RuntimeError(f"push not accepted: {reply}")
 
-        def pull_all(i, version):
+        def pull_all(i, version, wait):
             for fragment, _ in fragments:
-                result = pushers[i].pull(fragment, version, min_version=version + 1, max_wait_seconds=600)
-                values[i][fragment] = result.apply(values[i][fragment])
+                result = pushers[i][owner[fragment]].pull(fragment, version, min_version=version + 1,
+                                                          max_wait_seconds=600 if wait else 0)
+                if wait:
+                    values[i][fragment] = result.apply(values[i][fragment])
 
-        raw, push, close = [], [], []
+        def pull_raw(i):
+            for fragment, _ in fragments:
+                stub = sinks[i][owner[fragment]].stub
+                request = pb.PullRequest(learner_id=learners[i], fragment_id=fragment)
+                sum(len(response.chunk.data) for response in stub.PullFragment(request, timeout=600))
+
+        raw, raw_pull, push, close, pull = [], [], [], [], []
         for version in range(args.rounds):
             raw.append(in_parallel([lambda i=i: push_all(sinks[i], i, version) for i in range(args.pushers)]))
+            raw_pull.append(in_parallel([lambda i=i: pull_raw(i) for i in range(args.pushers)]))
             push.append(in_parallel([lambda i=i: push_all(pushers[i], i, version) for i in range(args.pushers)]))
             # The observer's goodbye lets every round close; the pushers' pulls wait for that.
-            close.append(in_parallel([observer.leave] + [lambda i=i: pull_all(i, version) for i in range(args.pushers)]))
-            observer.join("bench", manifest)  # back for the next round
-        status = {f.fragment_id: f for f in observer.status().fragments}
-        for fragment, _ in fragments:  # every pusher holds the shard's bits, a round further each time
-            assert status[fragment].version == args.rounds, status[fragment]
-            assert all(state_hash(v[fragment]) == status[fragment].state_hash for v in values)
-
-        raw_s, push_s, close_s = (statistics.median(t) for t in (raw, push, close))
-        ratio = raw_s / push_s
+            close.append(in_parallel([client.leave for client in observer] +
+                                     [lambda i=i: pull_all(i, version, wait=True) for i in range(args.pushers)]))
+            pull.append(in_parallel([lambda i=i: pull_all(i, version, wait=False) for i in range(args.pushers)]))
+            for client in observer:  # back for the next round
+                client.join("bench", manifest)
+        for shard, client in enumerate(observer):  # every pusher holds the shards' bits, a round further each time
+            for fragment in client.status().fragments:
+                assert fragment.version == args.rounds, fragment
+                assert all(state_hash(v[fragment.fragment_id]) == fragment.state_hash for v in values)
+        raw_s, raw_pull_s, push_s, close_s, pull_s = (statistics.median(t) for t in (raw, raw_pull, push, close, pull))
         round_s = push_s + close_s
-        print(f"raw gRPC stream          {payload_bytes / raw_s / 1e6:8.0f} MB/s   ({raw_s:.2f} s per round)")
-        print(f"push path (durable)      {payload_bytes / push_s / 1e6:8.0f} MB/s   ({push_s:.2f} s) = "
-              f"{ratio:.2f} x raw  (target >= {TARGET_VS_RAW})")
-        print(f"whole rounds             {contributions / round_s:8.1f} contributions/s, "
-              f"{contributions * args.params / len(fragments) / round_s / 1e6:.0f}M fp32 parameters/s "
-              f"({push_s:.2f} s push + {close_s:.2f} s close and pull per round)")
-        return 0 if ratio >= TARGET_VS_RAW else 1
+        return {"shards": num_shards, "bytes_per_round": payload_bytes,
+                "raw_push_mbytes_per_second": payload_bytes / raw_s / 1e6,
+                "push_mbytes_per_second": payload_bytes / push_s / 1e6, "push_vs_raw": raw_s / push_s,
+                "raw_pull_mbytes_per_second": payload_bytes / raw_pull_s / 1e6,
+                "pull_mbytes_per_second": payload_bytes / pull_s / 1e6, "pull_vs_raw": raw_pull_s / pull_s,
+                "push_seconds": push_s, "close_and_pull_seconds": close_s, "round_seconds": round_s,
+                "contributions_per_second": contributions / round_s,
+                "params_per_second": contributions * args.params / len(fragments) / round_s}
     finally:
         for client in clients:
             client.close()
@@ -217,6 +257,73 @@ def main() -> int:
             process.terminate()
             process.wait(timeout=30)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def in_process_round_seconds(args: argparse.Namespace) -> float:
+    """One round's arithmetic in this process (median over --rounds): what the shards compute,
+    without the wire, the processes or the durable log."""
+    numel = args.params // args.fragments
+    fragments = [(fragment, numel) for fragment in range(args.fragments)]
+    payloads = outer_gradients(args.pushers, fragments)
+    optimizer = OuterOptimizer(lr=0.7, momentum=0.9, nesterov=True)
+    value = {fragment: torch.zeros(n) for fragment, n in fragments}
+    momentum = {fragment: torch.zeros(n) for fragment, n in fragments}
+    feedback = {fragment: ErrorFeedback(INT4, n, BLOCK) for fragment, n in fragments}
+    seconds = []
+    for _ in range(args.rounds + 1):  # the first round warms up (allocations), as the shards' did
+        started = time.perf_counter()
+        for fragment, n in fragments:
+            accumulator = RoundAccumulator(n, "rda")
+            for per_pusher in payloads:
+                delta = INT4.decode(per_pusher[fragment], n, BLOCK)
+                accumulator.add(delta, 1.0, float(torch.linalg.vector_norm(delta)))
+            momentum[fragment], update = optimizer.step(momentum[fragment], accumulator.merged())
+            _, decoded = feedback[fragment].compress(update)
+            apply_update(value[fragment], decoded)
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds[1:])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=int, default=64_000_000)
+    parser.add_argument("--pushers", type=int, default=4, help="M: concurrent pushing learners")
+    parser.add_argument("--fragments", type=int, default=4, help="P: the parameters split into P fragments")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--shards", type=int, nargs="+", default=[1], help="shard counts to measure, in turn")
+    parser.add_argument("--state-dir", help="where the shards keep their state (default: a temporary folder)")
+    parser.add_argument("--json", help="also write the figures here (bench/run_all.py reads them)")
+    parser.add_argument("--sink", type=int, help=argparse.SUPPRESS)  # internal: serve the raw baseline
+    args = parser.parse_args()
+    if args.sink:
+        serve_sink(args.sink)
+        return 0
+
+    runs = [measure_shards(args, num_shards) for num_shards in args.shards]
+    in_process_s = in_process_round_seconds(args)
+    in_process_rate = args.pushers * args.params / in_process_s
+    for run in runs:
+        print(f"{run['shards']} shard(s):")
+        print(f"  raw gRPC push stream   {run['raw_push_mbytes_per_second']:8.0f} MB/s")
+        print(f"  push path (durable)    {run['push_mbytes_per_second']:8.0f} MB/s = {run['push_vs_raw']:.2f} x raw "
+              f"(target >= {TARGET_VS_RAW})")
+        print(f"  raw gRPC pull stream   {run['raw_pull_mbytes_per_second']:8.0f} MB/s")
+        print(f"  pull path (decoded)    {run['pull_mbytes_per_second']:8.0f} MB/s = {run['pull_vs_raw']:.2f} x raw")
+        print(f"  whole rounds           {run['contributions_per_second']:8.1f} contributions/s, "
+              f"{run['params_per_second'] / 1e6:.0f}M fp32 parameters/s = "
+              f"{run['params_per_second'] / in_process_rate:.2f} x in-process "
+              f"({run['push_seconds']:.2f} s push + {run['close_and_pull_seconds']:.2f} s close and pull per round)")
+    print(f"in-process torch arithmetic of a round: {in_process_rate / 1e6:.0f}M fp32 parameters/s "
+          f"({in_process_s:.2f} s per round)")
+    if len(runs) > 1:
+        print(f"{runs[-1]['shards']} shards vs {runs[0]['shards']}: "
+              f"{runs[-1]['params_per_second'] / runs[0]['params_per_second']:.2f} x the round throughput")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "params": args.params, "pushers": args.pushers, "fragments": args.fragments, "rounds": args.rounds,
+            "codec": "int4", "target_push_vs_raw": TARGET_VS_RAW, "runs": runs,
+            "in_process_round_seconds": in_process_s, "in_process_params_per_second": in_process_rate}, indent=1))
+    return 0 if all(run["push_vs_raw"] >= TARGET_VS_RAW for run in runs) else 1
 
 
 if __name__ == "__main__":

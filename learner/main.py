@@ -222,6 +222,7 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
             evaluate()
         if island.leader and trainer.step % budget.checkpoint_every == 0:
             save(trainer, sync, report, checkpoint_path)
+            report.write("training", trainer, sync, island)  # what it keeps, should it die before the end
     if not island.leader:
         return
     finished = not budget_left()

@@ -120,6 +120,7 @@ class StreamingSync:
         self.tokens_per_second = 0.0
         self._lock = threading.Lock()  # guards link.joined and heartbeat-visible fields
         self._stop = threading.Event()
+        self._should_stop: Callable[[], bool] = lambda: False  # set by start()
         self._left = threading.Event()  # the learner said goodbye: no heartbeats, no rejoining
         # One thread per fragment: a sync waiting for its round must never keep another
         # fragment's push from going out (that push may be what closes the round).
@@ -134,9 +135,11 @@ class StreamingSync:
         seeded, pulls every fragment and moves the model onto the global values.
 
         `restored` is the sync state of a checkpoint (see state_dict); with it the
-        learner pulls only the updates it missed. Returns how many versions it was
+        learner pulls only the updates it missed. `should_stop` (the process was asked to
+        stop) also ends waits for a round's result. Returns how many versions it was
         behind, summed over fragments.
         """
+        self._should_stop = should_stop
         for link in self.links:
             self._join_with_retry(link, should_stop)
         behind = 0
@@ -309,8 +312,10 @@ class StreamingSync:
                                       max_wait_seconds=self.cfg.syncer.lease_seconds)
             if result.version is not None and result.version >= round_version:
                 return result
-            if self._stop.is_set():
-                return None  # shutting down
+            # Shutting down; or asked to stop while a round cannot close (synchronous rounds
+            # wait for a learner that is down): the training thread must not block on it.
+            if self._stop.is_set() or self._should_stop():
+                return None
 
     def _finish_sync(self, state: FragmentSync, wait_limit: float | None) -> bool:
         """Applies the in-flight result, waiting up to `wait_limit` seconds for it (None: as

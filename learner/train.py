@@ -77,11 +77,12 @@ class Trainer:
     caller wraps it (DistributedDataParallel inside an island)."""
 
     def __init__(self, model: nn.Module, data: DataSource, cfg: TrainerConfig, *,
-                 forward_module: nn.Module | None = None):
+                 forward_module: nn.Module | None = None, slowdown: float = 1.0):
         torch.set_num_threads(cfg.threads)
         self.model = model
         self.data = data
         self.cfg = cfg
+        self.slowdown = slowdown  # a step lasts slowdown x its compute time (LearnerConfig.slowdown)
         self.forward_module = forward_module if forward_module is not None else model
         self.optimizer = make_optimizer(model, cfg.inner_optimizer)
         self.step = 0  # inner steps done
@@ -92,10 +93,10 @@ class Trainer:
     def from_config(cls, cfg: Config, learner_id: str, *, rank: int = 0,
                     cache_dir: str | os.PathLike | None = None) -> Trainer:
         """Model, data and optimizer of learner `learner_id` as the config describes them."""
-        learner_index = cfg.learners.index(cfg.learner(learner_id))
+        learner = cfg.learner(learner_id)
         model = build_model(cfg.model, seed=cfg.run.seed)
-        data = build_data(cfg, learner_index, model.seq_len, rank=rank, cache_dir=cache_dir)
-        return cls(model, data, cfg.trainer)
+        data = build_data(cfg, cfg.learners.index(learner), model.seq_len, rank=rank, cache_dir=cache_dir)
+        return cls(model, data, cfg.trainer, slowdown=learner.slowdown)
 
     def train_step(self) -> StepStats:
         started = time.perf_counter()
@@ -110,6 +111,8 @@ class Trainer:
         max_norm = self.cfg.inner_optimizer.grad_clip or math.inf
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()
+        if self.slowdown > 1.0:  # emulated slower hardware: the step takes longer, for real
+            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - started))
         self.step += 1
         self.tokens += x.numel()
         return StepStats(loss=loss.item(), tokens=x.numel(), seconds=time.perf_counter() - started,

@@ -55,6 +55,9 @@ class LearnerConfig(_Section):
     id: Identifier
     region: Identifier
     metrics_port: Port = 9100
+    # Each inner step takes this many times as long as its compute (the learner sleeps the
+    # rest): a slower hardware generation in the same run, for benchmarks and tests.
+    slowdown: Annotated[float, Field(ge=1.0)] = 1.0
 
 
 class SyncConfig(_Section):
@@ -273,11 +276,11 @@ def parse_config(data: object, source: str = "config") -> Config:
     return cfg
 
 
-class _Loader(yaml.SafeLoader):
+class ConfigLoader(yaml.SafeLoader):
     """SafeLoader that reads 1e-4 as a float (YAML 1.1 would make it a string)."""
 
 
-_Loader.add_implicit_resolver(
+ConfigLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
     list("-+0123456789."),
@@ -291,7 +294,7 @@ def load_config(path: str | pathlib.Path) -> Config:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
     try:
-        data = yaml.load(text, Loader=_Loader)
+        data = yaml.load(text, Loader=ConfigLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     return parse_config(data, source=str(path))

@@ -29,10 +29,11 @@ from collections import Counter
 from dataclasses import dataclass
 
 import grpc
+import yaml
 
 from services.client import ShardClient
 from services.cluster import LocalCluster, free_ports
-from services.config import Config, ConfigError, load_config, parse_config
+from services.config import Config, ConfigError, ConfigLoader, load_config, parse_config
 from services.metrics import write_file_sd
 from services.tls import Identity
 
@@ -56,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chaos-shards", type=float, help="mean seconds between SIGKILLs of each shard")
     parser.add_argument("--restart-delay", type=float, default=5.0, help="seconds a killed process stays down")
     parser.add_argument("--wan-mbps", type=float, help="cap each learner's link to the syncer (Mbit/s, each way)")
+    parser.add_argument("--slow-learner", type=float, default=1.0, metavar="FACTOR",
+                        help="the first learner's steps take FACTOR times as long (mixed hardware)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="override one config key, e.g. --set sync.interval_steps=100 "
+                             "--set sync.codec=bf16 (VALUE is read as YAML; repeatable)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the run and of the chaos schedule")
     parser.add_argument("--run-dir", default=".diloco/sim", help="state, logs and generated config")
     parser.add_argument("--report", help="write the JSON report here (default: <run-dir>/report.json)")
@@ -78,9 +84,12 @@ def build_config(base: Config, args: argparse.Namespace, run_dir: pathlib.Path) 
     data["shards"] = [{"address": f"127.0.0.1:{ports[i]}", "metrics_port": ports[num_shards + i]}
                       for i in range(num_shards)]
     data["learners"] = [{"id": f"{regions[i % len(regions)]}-{i // len(regions)}",
-                         "region": regions[i % len(regions)], "metrics_port": ports[2 * num_shards + i]}
+                         "region": regions[i % len(regions)], "metrics_port": ports[2 * num_shards + i],
+                         "slowdown": args.slow_learner if i == 0 else 1.0}
                         for i in range(num_learners)]
     data["run"].update(seed=args.seed, state_dir=str((run_dir / "state").resolve()))
+    for override in args.overrides:
+        apply_override(data, override)
     if args.steps:
         data["trainer"]["max_steps"] = args.steps
     if args.wan_mbps:
@@ -96,6 +105,19 @@ def build_config(base: Config, args: argparse.Namespace, run_dir: pathlib.Path) 
     else:
         data["syncer"]["quorum"] = min(data["syncer"]["quorum"], num_learners)
     return parse_config(data, source="sim config")
+
+
+def apply_override(data: dict, override: str) -> None:
+    """Sets one `dotted.key=value` in the config's dict; parse_config judges the result."""
+    key, sep, value = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set {override!r}: expected KEY=VALUE, e.g. sync.codec=bf16")
+    *sections, name = key.split(".")
+    for section in sections:
+        data = data.setdefault(section, {})
+        if not isinstance(data, dict):
+            raise ConfigError(f"--set {override!r}: {section} is not a section")
+    data[name] = yaml.load(value, Loader=ConfigLoader)
 
 
 @dataclass
@@ -175,6 +197,12 @@ class Chaos:
         self.next_kill[downtime.proc_index] = self._draw(now)
         self.events.append({"event": "restart", "kind": self.kind, "index": downtime.proc_index,
                             "time": now})
+
+    def end(self, now: float) -> None:
+        """The run is over: a process still down was down until now."""
+        for downtime in self.down.values():
+            self.down_seconds[downtime.proc_index] += now - downtime.killed_at
+        self.down.clear()
 
     def retire(self, index: int) -> None:
         """A finished process is not killed any more."""
@@ -264,6 +292,7 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
         if progress:
             progress.close()
     wall = time.time() - started
+    learner_chaos.end(started + wall)
     for downtime in list(shard_chaos.down.values()):  # every shard serves the final pulls
         cluster.restart_shard(downtime.proc_index)
         shard_chaos.restarted(downtime, time.time())
@@ -387,7 +416,8 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         "timeline": timeline,
         "config": {"H": cfg.sync.interval_steps, "P": cfg.sync.fragments, "tau": cfg.sync.overlap_steps,
                    "codec": cfg.sync.codec, "K": cfg.syncer.quorum, "wan_mbps": cfg.rpc.wan_mbps,
-                   "chaos_mtbf": args.chaos_mtbf, "restart_delay": args.restart_delay},
+                   "chaos_mtbf": args.chaos_mtbf, "restart_delay": args.restart_delay,
+                   "slow_learner": args.slow_learner},
     }
 
 

@@ -115,6 +115,7 @@ def test_killed_learner_rejoins_reports_staleness_and_the_others_never_stop(tmp_
     # Kill it after its first checkpoint, mid-run.
     wait_until(lambda: _step_of(cfg, victim.name) >= 60, TIMEOUT, "the victim to pass step 60")
     victim.kill()
+    assert read_report(cluster, victim.name)["steps"] >= 50  # written with its last checkpoint
     time.sleep(2 * cfg.syncer.lease_seconds)  # its lease expires; the others go on syncing
     assert all(p.running for p in others)
     steps_while_down = {p.name: _step_of(cfg, p.name) for p in others}
@@ -161,6 +162,25 @@ def test_a_learner_trains_on_while_its_rounds_wait_for_a_frozen_member(tmp_path,
     shards = shard_fragments(cfg)
     for report in reports.values():
         assert report["steps"] == 200 and held_fragments(report) == shards
+
+
+def test_sigterm_ends_a_learner_blocked_on_a_round_that_waits_for_a_dead_one(tmp_path, cluster_factory):
+    # Synchronous (data-parallel) rounds wait for every learner, also one that is down: a
+    # learner waiting on such a round must still stop when asked, writing its report.
+    cfg = tiny_cluster(tmp_path / "state", shards=1, learners=2, steps=100_000,
+                       sync={"fragments": 1, "interval_steps": 1, "overlap_steps": 0, "codec": "fp32"},
+                       syncer={"quorum": 2, "wait_for_all": True, "merge": "mean", "max_staleness": 0})
+    cluster = cluster_factory(cfg)
+    cluster.start_shards()
+    cluster.start_learners()
+    waiting, dead = cluster.learners
+    wait_until(lambda: _step_of(cfg, waiting.name) >= 5, TIMEOUT, "both learners to train")
+    dead.kill()
+    time.sleep(1.0)  # the next round cannot close now
+    waiting.request_stop()
+    waiting.wait_or_kill(timeout=30)  # SIGKILL, exit code -9, if it did not stop by itself
+    assert waiting.returncode == 0, f"see {waiting.log_path}"
+    assert read_report(cluster, waiting.name)["phase"] == "training"
 
 
 def _step_of(cfg, learner_id: str) -> int:

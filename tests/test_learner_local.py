@@ -12,6 +12,7 @@ from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.data import (FILE_SEPARATOR, CorpusShard, build_data, is_validation, load_corpus,
                           read_corpus)
 from learner.model import build_model
+import learner.train
 from learner.train import Trainer, lr_at, manifest, named_parameters
 from services.config import GPTConfig, InnerOptimizerConfig, parse_config
 from tests import user_plugins
@@ -187,6 +188,22 @@ def test_grad_clipping_bounds_the_norm(state_dir):
     stats = unclipped.train_step()
     assert grad_norm(unclipped.model) == pytest.approx(stats.grad_norm)
 
+
+
+def test_a_slowed_learner_sleeps_for_the_extra_share_of_each_step(state_dir, monkeypatch):
+    cfg = parse_config({**make_config(state_dir).model_dump(mode="json"),
+                        "learners": [{"id": "learner-0", "region": "local", "slowdown": 2.0},
+                                     {"id": "learner-1", "region": "local"}]})
+    slept = []
+    real_sleep = learner.train.time.sleep
+    monkeypatch.setattr(learner.train.time, "sleep", lambda s: (slept.append(s), real_sleep(s)))
+    normal = Trainer.from_config(cfg, "learner-1").train_step()
+    assert slept == []
+    slow = Trainer.from_config(cfg, "learner-0").train_step()
+    # Slept as long again as the step computed, and the step time the sync reports includes it.
+    assert len(slept) == 1 and slept[0] > 0
+    assert slow.seconds >= 2 * slept[0] * 0.99
+    assert normal.seconds > 0
 
 # --- checkpoint --------------------------------------------------------------------------
 

@@ -2,13 +2,15 @@
 and the data-parallel baseline in the same harness."""
 from __future__ import annotations
 
+import argparse
 import json
+import random
 import subprocess
 import sys
 
 import pytest
 
-from services.config import dump_config
+from services.config import ConfigError, dump_config
 from tests.cluster_config import tiny_cluster
 
 pytestmark = pytest.mark.slow
@@ -65,3 +67,31 @@ def test_sim_wan_cap_limits_each_learners_link(tmp_path):
     report = run_sim(tmp_path, "--learners", "2", "--shards", "1", "--steps", "60", "--wan-mbps", "2")
     for link in report["links"].values():
         assert 0 < link["bytes_per_second"] <= 2e6 / 8 * 1.2, link
+
+
+def test_sim_overrides_config_keys_and_slows_the_first_learner(tmp_path):
+    from services.sim import add_arguments, build_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = tiny_cluster(tmp_path / "unused", learners=3)
+    args = parser.parse_args(["--set", "sync.interval_steps=100", "--set", "sync.codec=bf16",
+                              "--set", "trainer.inner_optimizer.lr=1e-4", "--slow-learner", "2"])
+    cfg = build_config(base, args, tmp_path / "run")
+    assert (cfg.sync.interval_steps, cfg.sync.codec, cfg.trainer.inner_optimizer.lr) == (100, "bf16", 1e-4)
+    assert [learner.slowdown for learner in cfg.learners] == [2.0, 1.0, 1.0]
+    with pytest.raises(ConfigError, match="sync.bogus: unknown key"):
+        build_config(base, parser.parse_args(["--set", "sync.bogus=1"]), tmp_path / "run")
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        build_config(base, parser.parse_args(["--set", "sync.codec"]), tmp_path / "run")
+
+
+def test_chaos_counts_a_process_still_down_at_the_end_as_down_until_then():
+    from services.sim import Chaos
+
+    chaos = Chaos("learner", 2, mtbf=10.0, restart_delay=5.0, rng=random.Random(0), now=0.0)
+    chaos.killed(0, now=1.0)
+    chaos.killed(1, now=2.0)
+    chaos.restarted(chaos.down[1], now=7.0)
+    chaos.end(now=5.0)
+    assert chaos.down_seconds == [4.0, 5.0] and not chaos.down

@@ -1,0 +1,306 @@
+"""BENCHMARKS.md and the plots under bench/plots/ from the figures of bench/run_all.py.
+
+    python bench/report.py [bench/results.json] [--out .]    # render again without running
+
+Nothing here measures: every number comes from results.json, which the runner wrote from
+the commands it ran.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+UTILISATION_TARGET = 0.95
+
+
+def pct(value: float, signed: bool = False) -> str:
+    return f"{value:+.1%}" if signed else f"{value:.1%}"
+
+
+def verdict(met: bool) -> str:
+    return "met" if met else "**missed**"
+
+
+def code(command: str) -> str:
+    return f"`{command}`"
+
+
+def table(header: list[str], rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows), ""]
+
+
+def config_name(row: dict) -> str:
+    name = f"M={row['learners']} H={row['H']} {row['codec']}"
+    if row.get("slow_learner", 1.0) != 1.0:
+        name += f", one learner {row['slow_learner']:g}x slower (measured {row['slow_learner_step_ratio']:.2f}x)"
+    return name
+
+
+def save(fig, ax, out: pathlib.Path, name: str, **axes) -> str:
+    """Labels the axes, writes bench/plots/<name>.png below `out`; the Markdown that shows it."""
+    ax.set(**axes)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+    path = out / "bench" / "plots" / f"{name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return f"![{name}](bench/plots/{name}.png)"
+
+
+# ---- the sections --------------------------------------------------------------------------
+
+def quality(section: dict, out: pathlib.Path) -> list[str]:
+    rows = section["rows"]
+    first = rows[0]["diloco"]
+    lines = [f"Final validation loss (mean over learners, which end on the same global model; start "
+             f"{first['initial_eval_loss']:.3f}) at the same model, data, seed and token budget "
+             f"({first['steps_per_learner']:.0f} inner steps per learner, {first['tokens']:,} tokens for "
+             f"M={rows[0]['learners']}; so H=100 syncs each fragment only {first['steps_per_learner'] / 100:.0f} "
+             f"times). Target: diloco within "
+             f"{pct(section['target_loss_vs_dp'])} of data parallel. dp is `diloco sim --mode dp` with the same flags.", ""]
+    lines += table(
+        ["configuration", "diloco loss", "dp loss", "diloco vs dp", "target", "wall s diloco / dp", "command (diloco)"],
+        [[config_name(r), f"{r['diloco']['final_eval_loss']:.4f}", f"{r['dp']['final_eval_loss']:.4f}",
+          pct(r["loss_vs_dp"], signed=True), verdict(r["within_target"]),
+          f"{r['diloco']['wall_seconds']:.0f} / {r['dp']['wall_seconds']:.0f}", code(r["diloco"]["command"])]
+         for r in rows])
+    lines += [f"dp commands: " + ", ".join(sorted({code(r["dp"]["command"]) for r in rows})), ""]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    names = [config_name(r).split(",")[0] + (" slow" if r["slow_learner"] != 1.0 else "") for r in rows]
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["diloco"]["final_eval_loss"] for r in rows], 0.4, label="diloco")
+    ax.bar([i + 0.2 for i in x], [r["dp"]["final_eval_loss"] for r in rows], 0.4, label="data parallel")
+    low = min(min(r["diloco"]["final_eval_loss"], r["dp"]["final_eval_loss"]) for r in rows)
+    ax.set_xticks(list(x), names, rotation=20, fontsize="small")
+    return lines + [save(fig, ax, out, "quality", ylabel="final validation loss", ylim=(low * 0.9, None),
+                         title="quality at equal tokens"), ""]
+
+
+def bandwidth(section: dict, out: pathlib.Path) -> list[str]:
+    rows = section["rows"]
+    models = list(rows[0]["diloco"]["at_1s_step"])
+    lines = [f"Bytes on the wire (up and down, join pulls included) per token trained, from the quality runs, and "
+             f"the ratio dp / diloco (anchor: Streaming DiLoCo {section['anchor_dp_over_diloco']}x fewer bits than dp). "
+             f"The Gbit/s a learner would need at a 1 s step for {' and '.join(models)} parameters with the same H, P, "
+             f"tau and codec come from the measured bytes per parameter per sync: on average over H steps, and to move "
+             f"one fragment within tau steps (dp: every step, the same). The downlink is larger than the uplink: "
+             f"a learner pulls every round's update since its anchor, and with K=1 and learners out of lockstep a "
+             f"sync period holds about one (partial) round per learner; the join snapshots count too.", ""]
+    header = ["configuration", "B/token diloco", "B/token dp", "dp / diloco", "vs 400x anchor", "B/param/sync up + down"]
+    for model in models:
+        header += [f"{model} Gbit/s avg (dp)", f"{model} Gbit/s within tau"]
+    body = []
+    for r in rows:
+        cells = [config_name(r), f"{r['diloco']['bytes_per_token']:.1f}", f"{r['dp']['bytes_per_token']:.0f}",
+                 f"{r['dp_over_diloco']:.0f}x", verdict(r["dp_over_diloco"] >= section["anchor_dp_over_diloco"]),
+                 f"{r['diloco']['up_bytes_per_parameter_per_sync']:.2f} + "
+                 f"{r['diloco']['bytes_per_parameter_per_sync'] - r['diloco']['up_bytes_per_parameter_per_sync']:.2f}"]
+        for model in models:
+            ours, theirs = r["diloco"]["at_1s_step"][model], r["dp"]["at_1s_step"][model]
+            cells += [f"{ours['average_gbps']:.1f} ({theirs['average_gbps']:.0f})", f"{ours['within_tau_gbps']:.1f}"]
+        body.append(cells)
+    lines += table(header, body)
+    lines += ["Commands: the quality runs of the same configuration (section 1).", ""]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.bar([config_name(r) for r in rows], [r["diloco"]["bytes_per_token"] for r in rows], label="diloco")
+    ax.bar(["dp"], [rows[0]["dp"]["bytes_per_token"]], color="tab:orange", label="data parallel")
+    ax.tick_params(axis="x", labelrotation=20, labelsize="small")
+    return lines + [save(fig, ax, out, "bandwidth", yscale="log", ylabel="bytes on the wire per token",
+                         title="bandwidth per token"), ""]
+
+
+def goodput(section: dict, out: pathlib.Path) -> list[str]:
+    rows = section["rows"]
+    anchor = section["anchor"]
+    lines = [f"M={section['learners']} learners, {section['seconds']:g} s per run; every learner is SIGKILLed at "
+             f"exponentially distributed intervals and restarted {section['restart_delay']:g} s later, so that it is "
+             f"down for the target share of the time (diloco and dp get the same seed, so the same schedule). "
+             f"Goodput = kept training compute / provisioned learner time; badput shares are of provisioned time. "
+             f"Anchor: Decoupled DiLoCo {pct(anchor['diloco'])} vs data parallel {pct(anchor['dp'])} at a high failure rate.", ""]
+    body = []
+    for r in rows:
+        for mode in ("diloco", "dp"):
+            m = r[mode]
+            badput = ", ".join(f"{k} {pct(v)}" for k, v in m["badput_share"].items() if v >= 0.005)
+            body.append([pct(r["target_down_share"]), mode, pct(m["down_share"]), f"**{pct(m['goodput'])}**",
+                         m["restarts"], badput, code(m["command"])])
+    lines += table(["target down", "mode", "measured down", "goodput", "restarts", "badput", "command"], body)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, color in (("diloco", "tab:blue"), ("dp", "tab:orange")):
+        ax.plot([r[mode]["down_share"] * 100 for r in rows], [r[mode]["goodput"] * 100 for r in rows],
+                marker="o", color=color, label=f"{mode} (measured)")
+        ax.axhline(anchor[mode] * 100, color=color, linestyle=":", label=f"{mode} paper anchor")
+    return lines + [save(fig, ax, out, "goodput", xlabel="learner time down (%)", ylabel="goodput (%)",
+                         ylim=(0, 100), title="goodput under failures"), ""]
+
+
+def overlap(section: dict, out: pathlib.Path) -> list[str]:
+    links = section["links"]
+    lines = [f"One shard, one learner (demo model, {section['model_parameters']:,} parameters, H={section['H']}, "
+             f"P={section['P']}, tau={section['tau']}, {section['codec']}), {section['steps']} steps; loop time per "
+             f"step with syncs in flight against the same learner with sync off, median of {section['repeats']} "
+             f"alternating runs. Target: utilisation (off / on) >= {pct(UTILISATION_TARGET)}.", ""]
+    lines += table(["link", "sync off ms/step", "sync on ms/step", "utilisation", ">= 95 %", "blocked ms/step", "command"],
+                   [[f"{l['wan_mbps']:g} Mb/s" if l["wan_mbps"] else "loopback (uncapped)",
+                     f"{l['sync_off_step_seconds'] * 1e3:.1f}", f"{l['sync_on_step_seconds'] * 1e3:.1f}",
+                     pct(l["utilisation"]), verdict(l["utilisation"] >= UTILISATION_TARGET),
+                     f"{l['blocked_step_seconds'] * 1e3:.1f}", code(section["command"])] for l in links])
+    capped = sorted((l for l in links if l["wan_mbps"]), key=lambda l: l["wan_mbps"])
+    below = [l["wan_mbps"] for l in capped if l["utilisation"] < UTILISATION_TARGET]
+    above = [l["wan_mbps"] for l in capped if l["utilisation"] >= UTILISATION_TARGET]
+    where = (f"Utilisation falls below {pct(UTILISATION_TARGET)} between {max(below):g} and {min(above):g} Mb/s"
+             if below and above and max(below) < min(above) else
+             f"Measured links below {pct(UTILISATION_TARGET)}: {', '.join(f'{b:g}' for b in below) or 'none'} Mb/s")
+    lines += [f"{where}. A sync moves {section['bytes_per_sync'] / 1e3:.0f} kB (one fragment up and one update down); "
+              f"to cross within tau steps of compute the link needs about {section['needed_mbps']:.1f} Mb/s.", ""]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([l["wan_mbps"] for l in capped], [l["utilisation"] * 100 for l in capped], marker="o", label="measured")
+    ax.axhline(UTILISATION_TARGET * 100, color="red", linestyle=":", label="95 %")
+    ax.axvline(section["needed_mbps"], color="grey", linestyle="--", label="estimated need")
+    return lines + [save(fig, ax, out, "overlap", xscale="log", xlabel="link Mb/s (each way)",
+                         ylabel="compute utilisation (%)", title="overlap"), ""]
+
+
+def transport(section: dict, out: pathlib.Path) -> list[str]:
+    runs = section["runs"]
+    inproc = section["in_process_params_per_second"]
+    lines = [f"M={section['pushers']} pushers, {section['params'] / 1e6:.0f}M fp32 parameters in {section['fragments']} "
+             f"fragments, {section['codec']}, median of {section['rounds']} rounds; raw = the same bytes over plain gRPC "
+             f"streams to a server that only counts them; in-process = the same round's arithmetic (decode, RDA merge, "
+             f"Nesterov, int4 with error feedback, apply) in one process with torch: "
+             f"{inproc / 1e6:.0f}M fp32 parameters/s. Push target: >= {section['target_push_vs_raw']} x raw.", ""]
+    lines += table(["shards", "push MB/s (raw)", "push / raw", "target", "pull MB/s (raw)", "pull / raw",
+                    "round M params/s", "vs in-process", "command"],
+                   [[r["shards"], f"{r['push_mbytes_per_second']:.0f} ({r['raw_push_mbytes_per_second']:.0f})",
+                     f"{r['push_vs_raw']:.2f}", verdict(r["push_vs_raw"] >= section["target_push_vs_raw"]),
+                     f"{r['pull_mbytes_per_second']:.0f} ({r['raw_pull_mbytes_per_second']:.0f})", f"{r['pull_vs_raw']:.2f}",
+                     f"{r['params_per_second'] / 1e6:.0f}", f"{r['params_per_second'] / inproc:.2f}x",
+                     code(section["command"])] for r in runs])
+    if len(runs) > 1:
+        lines += [f"Scaling: {runs[-1]['shards']} shards give {runs[-1]['params_per_second'] / runs[0]['params_per_second']:.2f}x "
+                  f"the round throughput of {runs[0]['shards']} (shards and pushers share the machine's cores).", ""]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    labels = [f"{r['shards']} shard(s)" for r in runs] + ["in-process"]
+    ax.bar(labels, [r["params_per_second"] / 1e6 for r in runs] + [inproc / 1e6], color=["tab:blue"] * len(runs) + ["grey"])
+    return lines + [save(fig, ax, out, "transport", ylabel="M fp32 parameters merged per second",
+                         title="syncer round throughput"), ""]
+
+
+def recovery(section: dict, out: pathlib.Path) -> list[str]:
+    sizes = section["sizes"]
+    lines = [f"One shard, two learners; learner 0 SIGKILLed and started again at once, then the shard; median of "
+             f"{section['kills']} kills. Back to training: from the new process's start until the shard sees it step; "
+             f"start-up and restore (join + pulling the missed updates) are the learner's own records.", ""]
+    lines += table(["model", "parameters", "learner back to training s", "start-up s", "restore + catch-up s",
+                    "versions caught up", "shard serving again s", "shard state MB", "command"],
+                   [[f"{s['layers']}x{s['width']}", f"{s['model_parameters'] / 1e6:.2f}M",
+                     f"{s['learner_back_to_training_seconds']:.2f}", f"{s['learner_startup_seconds']:.2f}",
+                     f"{s['learner_restore_seconds']:.2f}", f"{s['versions_caught_up']:.0f}",
+                     f"{s['shard_serving_again_seconds']:.2f}", f"{s['shard_state_bytes'] / 1e6:.1f}",
+                     code(section["command"])] for s in sizes])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    params = [s["model_parameters"] / 1e6 for s in sizes]
+    ax.plot(params, [s["learner_back_to_training_seconds"] for s in sizes], marker="o", label="learner back to training")
+    ax.plot(params, [s["learner_restore_seconds"] for s in sizes], marker="o", label="learner restore + catch-up")
+    ax.plot(params, [s["shard_serving_again_seconds"] for s in sizes], marker="o", label="shard serving again")
+    return lines + [save(fig, ax, out, "recovery", xscale="log", xlabel="model parameters (M)", ylabel="seconds",
+                         title="recovery after SIGKILL"), ""]
+
+
+def summary(results: dict) -> list[str]:
+    """One headline row per section that ran, with its target or anchor and whether it was met."""
+    rows = []
+    if "quality" in results:
+        q = results["quality"]["rows"]
+        met = sum(r["within_target"] for r in q)
+        worst = max(q, key=lambda r: r["loss_vs_dp"])
+        rows.append(["1. quality", f"diloco vs dp final loss {pct(min(r['loss_vs_dp'] for r in q), True)} to "
+                     f"{pct(worst['loss_vs_dp'], True)} (worst: {config_name(worst)})",
+                     f"within {pct(results['quality']['target_loss_vs_dp'])} of dp",
+                     f"{met} of {len(q)} met" if met < len(q) else "met"])
+    if "bandwidth" in results:
+        b = results["bandwidth"]
+        best = max(b["rows"], key=lambda r: r["dp_over_diloco"])
+        rows.append(["2. bandwidth", f"dp / diloco bytes per token {min(r['dp_over_diloco'] for r in b['rows']):.0f}x "
+                     f"to {best['dp_over_diloco']:.0f}x (best: {config_name(best)}; 12B at a 1 s step: "
+                     f"{best['diloco']['at_1s_step']['12B']['average_gbps']:.1f} vs "
+                     f"{best['dp']['at_1s_step']['12B']['average_gbps']:.0f} Gbit/s)",
+                     f"{b['anchor_dp_over_diloco']}x (Streaming DiLoCo)",
+                     verdict(best["dp_over_diloco"] >= b["anchor_dp_over_diloco"])])
+    if "goodput" in results:
+        g = results["goodput"]
+        high = g["rows"][-1]
+        rows.append(["3. goodput", f"at {pct(high['target_down_share'])} down: diloco {pct(high['diloco']['goodput'])} "
+                     f"vs dp {pct(high['dp']['goodput'])}",
+                     f"{pct(g['anchor']['diloco'])} vs {pct(g['anchor']['dp'])} (paper)",
+                     verdict(high["diloco"]["goodput"] >= g["anchor"]["diloco"])])
+    if "overlap" in results:
+        links = results["overlap"]["links"]
+        rows.append(["4. overlap", ", ".join(f"{pct(l['utilisation'])} at {l['wan_mbps']:g} Mb/s" if l["wan_mbps"]
+                                             else f"{pct(l['utilisation'])} on loopback" for l in links),
+                     f">= {pct(UTILISATION_TARGET)} on a link above the need "
+                     f"({results['overlap']['needed_mbps']:.0f} Mb/s)",
+                     verdict(all(l["utilisation"] >= UTILISATION_TARGET for l in links
+                                 if not l["wan_mbps"] or l["wan_mbps"] >= results["overlap"]["needed_mbps"]))])
+    if "transport" in results:
+        t = results["transport"]
+        one = t["runs"][0]
+        rows.append(["5. transport", f"push {one['push_vs_raw']:.2f}x raw gRPC, pull {one['pull_vs_raw']:.2f}x; a round "
+                     f"{one['params_per_second'] / t['in_process_params_per_second']:.2f}x in-process arithmetic"
+                     + (f"; {t['runs'][-1]['shards']} shards {t['runs'][-1]['params_per_second'] / one['params_per_second']:.2f}x one"
+                        if len(t["runs"]) > 1 else ""),
+                     f"push >= {t['target_push_vs_raw']}x raw", verdict(one["push_vs_raw"] >= t["target_push_vs_raw"])])
+    if "recovery" in results:
+        sizes = results["recovery"]["sizes"]
+        rows.append(["6. recovery", f"learner back to training in {sizes[0]['learner_back_to_training_seconds']:.1f} s "
+                     f"({sizes[0]['model_parameters'] / 1e6:.1f}M) to {sizes[-1]['learner_back_to_training_seconds']:.1f} s "
+                     f"({sizes[-1]['model_parameters'] / 1e6:.1f}M); shard serving again in "
+                     f"{sizes[0]['shard_serving_again_seconds']:.1f} to {sizes[-1]['shard_serving_again_seconds']:.1f} s",
+                     "torchft's documented pain: 948 s", "-"])
+    return table(["section", "headline (this run)", "target or anchor", "verdict"], rows)
+
+
+TITLES = {"quality": "1. Quality at equal tokens", "bandwidth": "2. Bandwidth", "goodput": "3. Goodput under failures",
+          "overlap": "4. Overlap", "transport": "5. Transport and syncer", "recovery": "6. Recovery"}
+RENDERERS = {"quality": quality, "bandwidth": bandwidth, "goodput": goodput, "overlap": overlap,
+             "transport": transport, "recovery": recovery}
+
+
+def render(results: dict, out: pathlib.Path) -> None:
+    m, runner = results["machine"], results["runner"]
+    lines = ["# Benchmarks", "",
+             f"Generated by `{runner['command']}` ({results['profile']} profile) in "
+             f"{runner['wall_seconds'] / 60:.1f} minutes on {m['date']}: {m['cpu']}, {m['cores']} cores, "
+             f"{m['ram_gib']} GiB RAM, torch {m['torch']}, Python {m['python']}, commit {m['commit']}. "
+             "Every figure below comes from that run (also in [bench/results.json](bench/results.json)); each row names "
+             "the command that produced it (the runner only adds where output goes: `--quiet --run-dir --report`, "
+             "`--json`). Regenerate with `make benchmarks`. The models are small so that the whole run fits in 30 "
+             "minutes on 2 cores: the method, not the scale, is compared. Other processes may share the machine.", ""]
+    lines += ["## Summary", "", *summary(results)]
+    for name in RENDERERS:
+        if name in results:
+            lines += [f"## {TITLES[name]}", "", *RENDERERS[name](results[name], out)]
+    (out / "BENCHMARKS.md").write_text("\n".join(lines))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="?", default="bench/results.json")
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    render(json.loads(pathlib.Path(args.results).read_text()), pathlib.Path(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

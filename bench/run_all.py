@@ -1,0 +1,293 @@
+"""Runs every benchmark fresh on this machine and writes BENCHMARKS.md, bench/results.json and
+the plots under bench/plots/.
+
+    python bench/run_all.py                    # the full run: under 30 minutes on 2 cores
+    python bench/run_all.py --quick            # tiny sizes, a few minutes: for development
+    python bench/run_all.py --quick --sections transport --out /tmp/b   # a subset, elsewhere
+
+Six sections (issue #8), each from real processes talking gRPC on loopback:
+1. quality: final validation loss of diloco against data parallel (`diloco sim --mode dp`)
+   at the same model, data, seed and token budget;
+2. bandwidth: bytes on the wire per token from the same runs, and the Gbit/s a learner of a
+   1B or 12B model would need at a 1 s step;
+3. goodput: diloco and dp under SIGKILLs of learners at three failure rates;
+4. overlap: bench/overlap.py; 5. transport and syncer: bench/syncer_push.py;
+6. recovery: bench/recovery.py.
+Commands run one after another, never two at once, so timings do not compete with each other
+(other tenants of the machine still may: timings are medians of repeats). Every row of
+BENCHMARKS.md names its command; the runner only adds where the output goes (--run-dir,
+--report, --json, --quiet).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from bench.report import render  # noqa: E402
+from services.sim import Chaos  # noqa: E402
+
+SECTIONS = ("quality", "bandwidth", "goodput", "overlap", "transport", "recovery")
+QUALITY_TARGET = 0.02  # diloco's final loss within 2 % of dp's (issue #8)
+STREAMING_DILOCO_RATIO = 400  # anchor: fewer bits than dp at equal loss
+PAPER_GOODPUT = {"diloco": 0.88, "dp": 0.27}  # anchor: Decoupled DiLoCo at a high failure rate
+PROJECTED_MODELS = {"1B": 1e9, "12B": 12e9}
+SIM_CONFIG = "bench/cluster.yaml"
+SIM_POLL_SECONDS = 0.5  # how often `diloco sim` acts on its failure schedule
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The sizes of one run of the runner."""
+    name: str
+    steps: int  # inner steps per learner in the quality runs
+    learners: tuple[int, ...]  # M of the quality runs
+    intervals: tuple[int, ...]  # H
+    codecs: tuple[str, ...]
+    goodput_learners: int
+    goodput_seconds: float  # each goodput run lasts this long
+    down_shares: tuple[float, ...]  # share of time each learner is down (SIGKILLed, not restarted yet)
+    restart_delay: float
+    overlap: tuple[str, ...]  # arguments of bench/overlap.py
+    transport: tuple[str, ...]  # of bench/syncer_push.py
+    recovery: tuple[str, ...]  # of bench/recovery.py
+
+
+FULL = Profile("full", steps=400, learners=(4, 8), intervals=(25, 100), codecs=("int4", "bf16"),
+               goodput_learners=4, goodput_seconds=45, down_shares=(0.05, 0.10, 0.25), restart_delay=4.0,
+               overlap=("--steps", "80", "--repeats", "3", "--wan-mbps", "50", "5"),
+               transport=("--params", "16000000", "--rounds", "3", "--shards", "1", "2"),
+               recovery=("--sizes", "2x64", "4x256", "4x512", "--kills", "3"))
+QUICK = Profile("quick", steps=60, learners=(2,), intervals=(25,), codecs=("int4",),
+                goodput_learners=2, goodput_seconds=20, down_shares=(0.25,), restart_delay=4.0,
+                overlap=("--steps", "30", "--repeats", "1", "--wan-mbps", "5"),
+                transport=("--params", "1000000", "--rounds", "1", "--shards", "1", "2"),
+                recovery=("--sizes", "2x64", "--kills", "1"))
+
+
+class Runner:
+    """Runs commands one at a time, keeps their output under `work`, and remembers each
+    command as a user would type it (without the flags that only say where output goes)."""
+
+    def __init__(self, work: pathlib.Path):
+        self.work = work
+        work.mkdir(parents=True, exist_ok=True)
+
+    def run(self, name: str, shown: list[str], argv: list[str], timeout: float = 1800) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {shlex.join(shown)}", flush=True)
+        with open(self.work / f"{name}.log", "w") as log:
+            result = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        # Scripts with a target exit 1 when it is missed; their figures are still the result.
+        if result.returncode not in (0, 1):
+            raise RuntimeError(f"{shlex.join(shown)} exited with {result.returncode}; see {self.work / name}.log")
+
+    def sim(self, name: str, flags: list[str]) -> dict:
+        """One `diloco sim` run; its JSON report with the command that made it."""
+        shown = ["diloco", "sim", "--config", SIM_CONFIG, *flags]
+        report = self.work / f"{name}.json"
+        self.run(name, shown, [sys.executable, "-m", "services.cli", "sim", "--config", SIM_CONFIG, *flags,
+                               "--quiet", "--run-dir", str(self.work / "runs" / name), "--report", str(report)])
+        return {**json.loads(report.read_text()), "command": shlex.join(shown)}
+
+    def script(self, name: str, script: str, args: tuple[str, ...]) -> dict:
+        """One bench/ script run with --json; its figures with the command that made them."""
+        shown = ["python", script, *args]
+        output = self.work / f"{name}.json"
+        output.unlink(missing_ok=True)
+        self.run(name, shown, [sys.executable, script, *args, "--json", str(output)])
+        return {**json.loads(output.read_text()), "command": shlex.join(shown)}
+
+
+# ---- 1 and 2: quality and bandwidth, from the same runs ------------------------------------
+
+def quality_runs(runner: Runner, profile: Profile) -> list[tuple[dict, dict]]:
+    """(diloco report, dp report) pairs: every diloco configuration, and one learner slowed 2x."""
+    pairs = []
+    for learners in profile.learners:
+        common = ["--learners", str(learners), "--shards", "1", "--steps", str(profile.steps), "--seed", "1"]
+        dp = runner.sim(f"quality-dp-m{learners}", [*common, "--mode", "dp"])
+        for interval in profile.intervals:
+            for codec in profile.codecs:
+                diloco = runner.sim(f"quality-m{learners}-h{interval}-{codec}",
+                                    [*common, "--set", f"sync.interval_steps={interval}", "--set", f"sync.codec={codec}"])
+                pairs.append((diloco, dp))
+    learners, interval, codec = profile.learners[0], profile.intervals[0], profile.codecs[0]
+    dp = next(dp for diloco, dp in pairs if dp["learners"] == learners)
+    slowed = runner.sim(f"quality-m{learners}-h{interval}-{codec}-slow2x",
+                        ["--learners", str(learners), "--shards", "1", "--steps", str(profile.steps), "--seed", "1",
+                         "--set", f"sync.interval_steps={interval}", "--set", f"sync.codec={codec}",
+                         "--slow-learner", "2"])
+    pairs.append((slowed, dp))
+    return pairs
+
+
+def run_figures(report: dict) -> dict:
+    """The figures of one sim run that the tables show."""
+    return {"final_eval_loss": report["final_eval_loss"], "initial_eval_loss": report["initial_eval_loss"],
+            "wall_seconds": report["wall_seconds"], "tokens": report["tokens"], "goodput": report["goodput"],
+            "steps_per_learner": report["inner_steps"] / report["learners"],
+            "bytes": report["bytes_up"] + report["bytes_down"], "state_hashes_agree": report["state_hashes_agree"],
+            "command": report["command"]}
+
+
+def quality_section(pairs: list[tuple[dict, dict]]) -> dict:
+    rows = []
+    for diloco, dp in pairs:
+        vs_dp = diloco["final_eval_loss"] / dp["final_eval_loss"] - 1
+        step_seconds = [l["step_seconds"] for l in diloco["per_learner"].values()]
+        rows.append({"learners": diloco["learners"], "H": diloco["config"]["H"], "P": diloco["config"]["P"],
+                     "codec": diloco["config"]["codec"], "slow_learner": diloco["config"]["slow_learner"],
+                     # Measured: the first learner's mean step time over the others' median.
+                     "slow_learner_step_ratio": step_seconds[0] / statistics.median(step_seconds[1:]),
+                     "diloco": run_figures(diloco), "dp": run_figures(dp),
+                     "loss_vs_dp": vs_dp, "within_target": vs_dp <= QUALITY_TARGET})
+    return {"target_loss_vs_dp": QUALITY_TARGET, "rows": rows}
+
+
+def link_needs(report: dict) -> dict:
+    """Bytes per token and per parameter, and what a 1B / 12B model would need at a 1 s step.
+
+    A diloco learner syncs every parameter once per H steps: bytes per parameter per sync is
+    the run's bytes (up and down, join pulls included) over the parameter-syncs it made. At a
+    1 s step a learner then needs that many bytes per parameter every H seconds on average,
+    and one fragment's worth within tau seconds for the sync to overlap. Data parallel (H=1,
+    one fragment, tau=0) moves its bytes every step, so both needs are the same."""
+    cfg, params = report["config"], report["model_parameters"]
+    syncs_per_parameter = report["inner_steps"] / cfg["H"]  # summed over learners
+    per_parameter_sync = (report["bytes_up"] + report["bytes_down"]) / (syncs_per_parameter * params)
+    needs = {}
+    for model, size in PROJECTED_MODELS.items():
+        bits = per_parameter_sync * size * 8
+        needs[model] = {"average_gbps": bits / cfg["H"] / 1e9,
+                        "within_tau_gbps": bits / cfg["P"] / max(cfg["tau"], 1) / 1e9}
+    return {"bytes_per_token": (report["bytes_up"] + report["bytes_down"]) / report["tokens"],
+            "bytes_per_parameter_per_sync": per_parameter_sync,
+            "up_bytes_per_parameter_per_sync": report["bytes_up"] / (syncs_per_parameter * params),
+            "at_1s_step": needs,
+            "command": report["command"]}
+
+
+def bandwidth_section(pairs: list[tuple[dict, dict]]) -> dict:
+    rows = []
+    for diloco, dp in pairs:
+        if diloco["config"]["slow_learner"] != 1.0:
+            continue
+        ours, theirs = link_needs(diloco), link_needs(dp)
+        rows.append({"learners": diloco["learners"], "H": diloco["config"]["H"], "P": diloco["config"]["P"],
+                     "tau": diloco["config"]["tau"], "codec": diloco["config"]["codec"],
+                     "model_parameters": diloco["model_parameters"], "diloco": ours, "dp": theirs,
+                     "dp_over_diloco": theirs["bytes_per_token"] / ours["bytes_per_token"]})
+    return {"anchor_dp_over_diloco": STREAMING_DILOCO_RATIO, "rows": rows}
+
+
+# ---- 3: goodput under failures -------------------------------------------------------------
+
+def scheduled_down_share(profile: Profile, mtbf: float, seed: int) -> float:
+    """The share of learner time that `diloco sim --seed SEED` keeps learners down, from its
+    failure schedule alone (the sim's Chaos, stepped as the sim polls; nothing is started)."""
+    chaos = Chaos("learner", profile.goodput_learners, mtbf, profile.restart_delay, random.Random(seed), now=0.0)
+    for tick in range(int(profile.goodput_seconds / SIM_POLL_SECONDS)):
+        now = tick * SIM_POLL_SECONDS
+        for index in chaos.due_kills(now):
+            chaos.killed(index, now)
+        for downtime in chaos.due_restarts(now):
+            chaos.restarted(downtime, now)
+    chaos.end(profile.goodput_seconds)
+    return sum(chaos.down_seconds) / (profile.goodput_learners * profile.goodput_seconds)
+
+
+def goodput_section(runner: Runner, profile: Profile) -> dict:
+    """Each learner is SIGKILLed at exponential intervals and restarted after restart_delay:
+    down for delay / (mtbf + delay) of the time on average. A short run holds only a few
+    failures, so one schedule can miss that average by a factor of two: each rate runs with
+    the first seed whose schedule is within a fifth of the target. dp and diloco get the same
+    seed, so the same failure schedule (and the same model initialisation and data order)."""
+    rows = []
+    for share in profile.down_shares:
+        mtbf = profile.restart_delay * (1 - share) / share
+        seed = next(seed for seed in range(1, 1000)
+                    if abs(scheduled_down_share(profile, mtbf, seed) - share) <= share / 5)
+        flags = ["--learners", str(profile.goodput_learners), "--shards", "1", "--steps", "1000000",
+                 "--duration", f"{profile.goodput_seconds:g}", "--chaos-mtbf", f"{mtbf:g}",
+                 "--restart-delay", f"{profile.restart_delay:g}", "--seed", str(seed)]
+        row = {"target_down_share": share, "chaos_mtbf_seconds": mtbf, "seed": seed}
+        for mode in ("diloco", "dp"):
+            report = runner.sim(f"goodput-{mode}-down{round(share * 100)}", [*flags, "--mode", mode])
+            row[mode] = {"goodput": report["goodput"], "down_share": report["badput_seconds"]["down"] / report["provisioned_seconds"],
+                         "badput_share": {k: v / report["provisioned_seconds"] for k, v in report["badput_seconds"].items()},
+                         "restarts": report["restarts"]["learners"], "inner_steps": report["inner_steps"],
+                         "command": report["command"]}
+        rows.append(row)
+    return {"anchor": PAPER_GOODPUT, "learners": profile.goodput_learners, "seconds": profile.goodput_seconds,
+            "restart_delay": profile.restart_delay, "rows": rows}
+
+
+# ---- the machine and the whole run ---------------------------------------------------------
+
+def machine() -> dict:
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor() or "unknown")
+    memory_kb = next(int(line.split()[1]) for line in pathlib.Path("/proc/meminfo").read_text().splitlines()
+                     if line.startswith("MemTotal"))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return {"cpu": cpu, "cores": os.cpu_count(), "ram_gib": round(memory_kb / 2**20, 1), "torch": torch.__version__,
+            "python": platform.python_version(), "os": platform.platform(), "commit": commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a few minutes, for development")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)}")
+    parser.add_argument("--out", default=str(ROOT), help="where BENCHMARKS.md, bench/results.json and bench/plots/ go")
+    parser.add_argument("--work", default=str(ROOT / ".diloco" / "bench"), help="run directories and raw reports")
+    args = parser.parse_args()
+    wanted = args.sections.split(",")
+    if unknown := set(wanted) - set(SECTIONS):
+        parser.error(f"unknown sections: {', '.join(sorted(unknown))}")
+    profile = QUICK if args.quick else FULL
+    runner = Runner(pathlib.Path(args.work))
+    started = time.monotonic()
+    results: dict = {"machine": machine(), "profile": profile.name}
+    if "quality" in wanted or "bandwidth" in wanted:
+        pairs = quality_runs(runner, profile)
+        if "quality" in wanted:
+            results["quality"] = quality_section(pairs)
+        if "bandwidth" in wanted:
+            results["bandwidth"] = bandwidth_section(pairs)
+    if "goodput" in wanted:
+        results["goodput"] = goodput_section(runner, profile)
+    if "overlap" in wanted:
+        results["overlap"] = runner.script("overlap", "bench/overlap.py", profile.overlap)
+    if "transport" in wanted:
+        results["transport"] = runner.script("transport", "bench/syncer_push.py", profile.transport)
+    if "recovery" in wanted:
+        results["recovery"] = runner.script("recovery", "bench/recovery.py", profile.recovery)
+    results["runner"] = {"command": shlex.join(["python", "bench/run_all.py", *sys.argv[1:]]),
+                         "wall_seconds": time.monotonic() - started}
+    out = pathlib.Path(args.out)
+    (out / "bench").mkdir(parents=True, exist_ok=True)
+    (out / "bench" / "results.json").write_text(json.dumps(results, indent=1))
+    render(results, out)
+    print(f"done in {results['runner']['wall_seconds'] / 60:.1f} min: {out / 'BENCHMARKS.md'}, "
+          f"{out / 'bench' / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
