@@ -102,11 +102,17 @@ class Codec(ABC):
         return self._decode(payload, numel, block_size)
 
     def norm_bound(self, payload: bytes | memoryview, numel: int, block_size: int) -> float:
-        """An upper bound of the L2 norm of `decode(payload, ...)`, for a payload of the right
-        length, found without decoding where the layout allows. NaN or Inf when a decoded value
-        could be non-finite (so any `bound <= limit` test fails): a receiver decodes and checks
-        the values only then, and otherwise leaves decoding until it needs them."""
+        """An upper bound of the L2 norm of `decode(payload, ...)` of a payload of the right
+        length, read from its first `scale_bytes(numel, block_size)` bytes alone (`payload`
+        may hold just those). NaN or Inf when a decoded value could be non-finite (so any
+        `bound <= limit` test fails), and when the layout has nothing to bound with: a
+        receiver then decodes and checks the values; otherwise it can leave decoding until
+        it needs the values."""
         return math.inf
+
+    def scale_bytes(self, numel: int, block_size: int) -> int:
+        """How many leading bytes of a payload norm_bound reads."""
+        return 0
 
     def encoded_size(self, numel: int, block_size: int) -> int:
         """The exact length of what `encode` produces for `numel` values."""
@@ -218,6 +224,9 @@ class BlockCodec(Codec):
         scales = _read(payload, torch.float32, count=blocks).double()
         bound = float(torch.linalg.vector_norm(scales)) * math.sqrt(block_size) * self._largest_code
         return bound if bound <= torch.finfo(torch.float32).max else math.inf
+
+    def scale_bytes(self, numel: int, block_size: int) -> int:
+        return 4 * -(-numel // block_size)
 
     @property
     def _largest_code(self) -> float:

@@ -114,6 +114,12 @@ class Reassembler:
 
     def finish(self) -> bytes:
         """The whole payload, once every chunk is in and the checksum matches."""
+        return b"".join(self.finish_chunks())
+
+    def finish_chunks(self) -> tuple[bytes, ...]:
+        """The payload's chunks as they arrived, once every chunk is in and the checksum
+        matches: for a receiver that stores the payload without needing it in one buffer
+        (joining the chunks copies every byte once more)."""
         header = self.header
         if self._next_index != header.chunk_count:
             raise PayloadError(f"received {self._next_index} of {header.chunk_count} chunks")
@@ -123,7 +129,18 @@ class Reassembler:
             raise PayloadError(
                 f"crc32 mismatch: header says {header.crc32:#010x}, payload has {self._crc32:#010x}"
             )
-        return b"".join(self._chunks)
+        return tuple(self._chunks)
+
+
+def leading_bytes(chunks: tuple[bytes, ...], count: int) -> bytes:
+    """The first `count` bytes of a chunked payload (all of it if shorter), copying only those."""
+    head, size = [], 0
+    for chunk in chunks:
+        if size >= count:
+            break
+        head.append(chunk[: count - size])
+        size += len(head[-1])
+    return b"".join(head)
 
 
 def decode_payload(header: pb.PayloadHeader, payload: bytes) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 
 from services.config import Config
 from services.fragments import FragmentPlan, plan_for_config
-from services.payload import PayloadError, Reassembler, decode_payload
+from services.payload import PayloadError, Reassembler, decode_payload, leading_bytes
 from services.wire import pb
 from syncer.counters import Counters
 from syncer.fragment_state import ClosedRound, ContributionKey, FragmentSnapshot, FragmentState, PullPlan
@@ -41,7 +41,7 @@ class LoggedContribution:
     """An admitted contribution as the journal records it: enough to admit it again."""
     round: int
     header: pb.PushHeader
-    payload: bytes  # encoded, as received
+    payload: tuple[bytes, ...]  # encoded, the chunks as received
 
 
 class Journal(Protocol):
@@ -179,14 +179,14 @@ class ShardCore:
                     if staleness > self.cfg.syncer.max_staleness:
                         return self._refuse_stale(state, staleness)
             started = self.clock()
-            payload = _receive(header.payload, requests)
+            chunks = _receive(header.payload, requests)
             transfer_seconds = self.clock() - started
             if header.kind == pb.PUSH_KIND_SEED:
-                values = decode_payload(header.payload, payload)
+                values = decode_payload(header.payload, b"".join(chunks))
                 _finite_norm(state, values)
                 return self._seed(state, header, values)
-            self._check_norm(state, header.payload, payload)
-            return self._contribute(state, header, payload, transfer_seconds)
+            self._check_norm(state, header.payload, chunks)
+            return self._contribute(state, header, chunks, transfer_seconds)
 
     def _check_header(self, header: pb.PushHeader) -> FragmentState:
         self.membership.authenticate(header.learner_id, header.incarnation, self.clock())
@@ -215,21 +215,22 @@ class ShardCore:
         self.counters.add("seeds")
         return PushOutcome(pb.PUSH_RESULT_SEEDED, 0, 0, 0, committed=True)
 
-    def _check_norm(self, state: FragmentState, header: pb.PayloadHeader, payload: bytes) -> None:
+    def _check_norm(self, state: FragmentState, header: pb.PayloadHeader, chunks: tuple[bytes, ...]) -> None:
         """Refuses NaN or Inf values and a norm above syncer.max_update_norm. The codec's bound
         from the block scales clears a well-formed push without decoding it (the push path
         then costs little more than receiving the bytes); only a push it cannot clear is
         decoded here."""
         limit = self.cfg.syncer.max_update_norm
-        if state.codec.norm_bound(payload, header.numel, header.block_size) <= limit:
+        scales = leading_bytes(chunks, state.codec.scale_bytes(header.numel, header.block_size))
+        if state.codec.norm_bound(scales, header.numel, header.block_size) <= limit:
             return
-        norm = _finite_norm(state, decode_payload(header, payload))
+        norm = _finite_norm(state, decode_payload(header, b"".join(chunks)))
         if norm > limit:
             raise Refusal("norm_too_large", "INVALID_ARGUMENT",
                           f"fragment {state.id}: outer gradient norm {norm:.4g} exceeds "
                           f"syncer.max_update_norm={limit:.4g}")
 
-    def _contribute(self, state: FragmentState, header: pb.PushHeader, payload: bytes,
+    def _contribute(self, state: FragmentState, header: pb.PushHeader, chunks: tuple[bytes, ...],
                     transfer_seconds: float) -> PushOutcome:
         with state.lock:
             # The state may have moved on while the payload streamed in: judge again.
@@ -239,8 +240,8 @@ class ShardCore:
             if staleness > self.cfg.syncer.max_staleness:
                 return self._refuse_stale(state, staleness)
             round_number, version = state.round.number, state.version
-            self.journal.append(state.id, LoggedContribution(round_number, header, payload))
-            self._admit(state, header, payload, staleness, transfer_seconds)
+            self.journal.append(state.id, LoggedContribution(round_number, header, chunks))
+            self._admit(state, header, chunks, staleness, transfer_seconds)
             result = "accepted" if staleness == 0 else "stale_merged"
             self.counters.add(f"contributions.{result}")
             self.counters.add("kept_compute_seconds",
@@ -253,13 +254,13 @@ class ShardCore:
         return PushOutcome(pb.PUSH_RESULT_ACCEPTED if staleness == 0 else pb.PUSH_RESULT_STALE_MERGED,
                            version, staleness, round_number, committed)
 
-    def _admit(self, state: FragmentState, header: pb.PushHeader, payload: bytes, staleness: int,
+    def _admit(self, state: FragmentState, header: pb.PushHeader, chunks: tuple[bytes, ...], staleness: int,
                transfer_seconds: float) -> None:
         weight = contribution_weight(header.c_tokens, header.c_steps, staleness,
                                      self.cfg.syncer.stale_weight_decay)
         if header.step_seconds > 0:
             state.grace.step_seconds.observe(header.step_seconds)
-        state.admit(_key(header), header.payload, payload, weight, self.clock(), transfer_seconds)
+        state.admit(_key(header), header.payload, chunks, weight, self.clock(), transfer_seconds)
 
     def _refuse_stale(self, state: FragmentState, staleness: int) -> PushOutcome:
         self.counters.add("contributions.refused_stale")
@@ -359,7 +360,7 @@ class ShardCore:
                     raise ValueError(f"fragment {fid}: journal holds a contribution to round "
                                      f"{contribution.round}, but the open round is {state.round.number}")
                 header = contribution.header
-                self._admit(state, header, bytes(contribution.payload), state.version - header.base_version, 0.0)
+                self._admit(state, header, contribution.payload, state.version - header.base_version, 0.0)
                 self.counters.add("contributions.restored")
 
     # ---- helpers -------------------------------------------------------------------------
@@ -418,8 +419,8 @@ def _key(header: pb.PushHeader) -> ContributionKey:
     return ContributionKey(header.learner_id, header.incarnation, header.base_version)
 
 
-def _receive(header: pb.PayloadHeader, requests: Iterator[pb.PushRequest]) -> bytes:
-    """The payload carried by the chunks that follow the push header, verified."""
+def _receive(header: pb.PayloadHeader, requests: Iterator[pb.PushRequest]) -> tuple[bytes, ...]:
+    """The payload carried by the chunks that follow the push header, verified, as its chunks."""
     try:
         assembler = Reassembler(header)
     except PayloadError as error:
@@ -434,7 +435,7 @@ def _receive(header: pb.PayloadHeader, requests: Iterator[pb.PushRequest]) -> by
     except PayloadError as error:
         raise Refusal("bad_chunks", "INVALID_ARGUMENT", f"bad payload stream: {error}") from None
     try:
-        return assembler.finish()
+        return assembler.finish_chunks()
     except PayloadError as error:
         if chunks == header.chunk_count and received == header.payload_bytes:
             # Every chunk and byte arrived, and they are not what was sent.

@@ -86,7 +86,7 @@ class PullPlan:
 class PendingContribution:
     """An admitted outer gradient as it arrived: decoded only when its round closes."""
     header: pb.PayloadHeader
-    payload: bytes
+    chunks: tuple[bytes, ...]  # the payload as received
     weight: float
 
 
@@ -126,7 +126,7 @@ class OpenRound:
         accumulator = RoundAccumulator(self.numel, self.merge)
         for key in sorted(self.contributions):
             contribution = self.contributions[key]
-            delta = decode_payload(contribution.header, contribution.payload)
+            delta = decode_payload(contribution.header, b"".join(contribution.chunks))
             accumulator.add(delta, contribution.weight, float(torch.linalg.vector_norm(delta)))
         return accumulator.merged()
 
@@ -193,11 +193,11 @@ class FragmentState:
 
     # ---- the open round ------------------------------------------------------------------
 
-    def admit(self, key: ContributionKey, header: pb.PayloadHeader, payload: bytes, weight: float,
+    def admit(self, key: ContributionKey, header: pb.PayloadHeader, chunks: tuple[bytes, ...], weight: float,
               now: float, transfer_seconds: float) -> None:
         """Adds a checked outer gradient (finite, within the norm bound) to the open round."""
         round_ = self.round
-        round_.contributions[key] = PendingContribution(header, payload, weight)
+        round_.contributions[key] = PendingContribution(header, chunks, weight)
         round_.contributors.add(key.learner_id)
         round_.transfer_seconds += transfer_seconds
         if round_.first_at is None:

@@ -73,12 +73,10 @@ class ShardStore:
 
     def append(self, fragment_id: int, contribution: LoggedContribution) -> None:
         header = contribution.header.SerializeToString()
-        body = [_ROUND.pack(contribution.round), _LENGTH.pack(len(header)), header, contribution.payload]
-        record = _frame(body)  # written as it is, without joining the parts into one copy
+        body = [_ROUND.pack(contribution.round), _LENGTH.pack(len(header)), header, *contribution.payload]
+        record = _frame(body)  # written part by part, without joining the parts into one copy
         with self._files(fragment_id) as files:
-            written = os.pwritev(files.log(), record, files.log_end)
-            if written != _frame_size(record):
-                raise OSError(f"short write to {files.folder / 'round.log'}: {written} bytes")
+            written = _write_parts_at(files.log(), record, files.log_end)
             _sync_data(files.log())
             files.log_end += written
 
@@ -177,7 +175,7 @@ class ShardStore:
             (length,) = _LENGTH.unpack_from(body, _ROUND.size)
             start = _ROUND.size + _LENGTH.size
             header = pb.PushHeader.FromString(bytes(body[start:start + length]))
-            contributions.append(LoggedContribution(round_number, header, bytes(body[start + length:])))
+            contributions.append(LoggedContribution(round_number, header, (bytes(body[start + length:]),)))
         return contributions
 
 
@@ -250,8 +248,23 @@ def _frame(parts: list) -> list:
     return [_FRAME.pack(length, crc), *parts]
 
 
-def _frame_size(parts: list) -> int:
-    return sum(memoryview(part).nbytes for part in parts)
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16
+
+
+def _write_parts_at(fd: int, parts: list, offset: int) -> int:
+    """Writes the parts one after another at `offset` with as few system calls as the
+    kernel's iovec limit allows; returns the bytes written."""
+    views = [memoryview(part).cast("B") for part in parts]
+    start = offset
+    while views:
+        written = os.pwritev(fd, views[:_IOV_MAX], offset)
+        offset += written
+        while views and written >= views[0].nbytes:  # drop what is written, keep a partial rest
+            written -= views[0].nbytes
+            views.pop(0)
+        if views and written:
+            views[0] = views[0][written:]
+    return offset - start
 
 
 def _read_frames(path: pathlib.Path) -> tuple[list[memoryview], int]:

@@ -67,14 +67,15 @@ class Shard:
         return self.core.fragments[fid].fragment.numel
 
     def push(self, learner, fid, values, *, base=0, c_steps=10, c_tokens=1000, step_seconds=0.5,
-             kind=pb.PUSH_KIND_OUTER_GRADIENT, incarnation=1):
+             kind=pb.PUSH_KIND_OUTER_GRADIENT, incarnation=1, chunk_bytes=1 << 20):
         codec = get_codec("fp32" if kind == pb.PUSH_KIND_SEED else self.cfg.sync.codec)
         block = self.cfg.sync.codec_block_size
         payload = codec.encode(values, block)
         header = pb.PushHeader(learner_id=learner, incarnation=incarnation, fragment_id=fid, kind=kind,
                                base_version=base, c_steps=c_steps, c_tokens=c_tokens,
-                               step_seconds=step_seconds, payload=describe(codec, values.numel(), payload, block))
-        return self.core.push(push_requests(header, payload))
+                               step_seconds=step_seconds,
+                               payload=describe(codec, values.numel(), payload, block, chunk_bytes))
+        return self.core.push(push_requests(header, payload, chunk_bytes))
 
     def value(self, fid=0):
         return self.core.fragments[fid].committed.value

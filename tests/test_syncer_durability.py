@@ -9,6 +9,7 @@ from services.payload import decode_payload
 
 from syncer.core import ShardCore
 from syncer.refusal import Refusal
+from syncer import store
 from syncer.store import ShardStore, StoreError
 from tests.test_syncer_core import LEARNERS, MANIFEST, Shard, delta, make_config
 
@@ -78,6 +79,20 @@ def test_a_torn_log_record_is_dropped_and_the_log_stays_appendable(tmp_path):
     shard.push("b", 0, delta(2, n))  # lands over the torn record, right after the whole one
     assert log.read_bytes().startswith(intact)
     assert restarted(shard, tmp_path).status().fragments[0].pending_contributions == 2
+
+
+def test_a_push_of_more_chunks_than_one_system_call_takes_is_logged_whole(tmp_path, monkeypatch):
+    """The log writes a record's chunks without joining them, in as many pwritev calls as
+    the kernel's iovec limit needs (1024 on Linux; 7 here, so a push of a few hundred chunks
+    takes many calls); the restored round holds the same bytes."""
+    monkeypatch.setattr(store, "_IOV_MAX", 7)
+    cfg = make_config(quorum=3)
+    shard = Shard(cfg, journal=ShardStore(tmp_path))
+    values = delta(1, shard.numel())
+    shard.push("a", 0, values, chunk_bytes=3)  # fp32 values cut across chunk boundaries
+    core = restarted(shard, tmp_path, rejoin=LEARNERS)
+    (pending,) = core.fragments[0].round.contributions.values()
+    assert b"".join(pending.chunks) == values.numpy().tobytes()
 
 
 def test_records_of_a_round_already_merged_are_skipped(tmp_path):
