@@ -15,6 +15,7 @@ from services.payload import (
     describe,
     encode_payload,
     iter_chunks,
+    leading_bytes,
 )
 from services.wire import pb
 
@@ -199,3 +200,17 @@ def test_decode_payload_refuses_a_payload_of_the_wrong_size():
     message = f"^int4 payload of {len(payload) - 1} bytes does not match numel=5000"
     with pytest.raises(PayloadError, match=message):
         decode_payload(header, payload[:-1])
+
+
+@given(parts=st.lists(st.binary(max_size=9), max_size=8), count=st.integers(0, 80))
+def test_leading_bytes_of_chunks_are_the_joined_payloads_prefix(parts, count):
+    assert leading_bytes(tuple(parts), count) == b"".join(parts)[:count]
+
+
+def test_finish_chunks_hands_back_the_chunks_as_received():
+    header, payload, chunks = int4_payload()
+    assembler = Reassembler(header)
+    for chunk in chunks:
+        assembler.add(chunk)
+    assert assembler.finish_chunks() == tuple(chunk.data for chunk in chunks)
+    assert b"".join(assembler.finish_chunks()) == payload
