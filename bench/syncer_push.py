@@ -20,8 +20,9 @@ Each round has three timed phases:
 The raw baseline streams the same payloads with the same message types and chunking to a
 server per shard that only counts the bytes, and pulls them back from it (it streams the last
 payload pushed for the fragment), started the same way as the shards (their own processes).
-The in-process baseline does one round's arithmetic in this process: decode every
-contribution, radial-directional merge, Nesterov step, int4 encode with error feedback, apply.
+The in-process baseline does one round's arithmetic in this process after every shard round:
+decode every contribution, radial-directional merge, Nesterov step, int4 encode with error
+feedback, apply.
 
 Reported: raw, push-path and pull-path MB/s of compressed bytes (target: push path >= 0.7 x
 raw), and for whole rounds (push + close), contributions merged per second and fp32
@@ -139,8 +140,39 @@ def outer_gradients(pushers: int, fragments: list[tuple[int, int]]) -> list[dict
              for fragment, n in fragments} for i in range(pushers)]
 
 
-def measure_shards(args: argparse.Namespace, num_shards: int) -> dict:
-    """Rounds of M pushers against `num_shards` shard processes and as many raw sinks."""
+class InProcessRound:
+    """One round's arithmetic in this process: what the shards compute, without the wire, the
+    processes or the durable log. Its rounds are timed between the shards' rounds, so that
+    other load on the machine hits both alike."""
+
+    def __init__(self, args: argparse.Namespace):
+        numel = args.params // args.fragments
+        self.fragments = [(fragment, numel) for fragment in range(args.fragments)]
+        self.payloads = outer_gradients(args.pushers, self.fragments)
+        self.optimizer = OuterOptimizer(lr=0.7, momentum=0.9, nesterov=True)
+        self.value = {fragment: torch.zeros(n) for fragment, n in self.fragments}
+        self.momentum = {fragment: torch.zeros(n) for fragment, n in self.fragments}
+        self.feedback = {fragment: ErrorFeedback(INT4, n, BLOCK) for fragment, n in self.fragments}
+        self.seconds: list[float] = []
+        self.run()  # warm-up (allocations), as the shards' first round is
+        self.seconds.clear()
+
+    def run(self) -> None:
+        started = time.perf_counter()
+        for fragment, n in self.fragments:
+            accumulator = RoundAccumulator(n, "rda")
+            for per_pusher in self.payloads:
+                delta = INT4.decode(per_pusher[fragment], n, BLOCK)
+                accumulator.add(delta, 1.0, float(torch.linalg.vector_norm(delta)))
+            self.momentum[fragment], update = self.optimizer.step(self.momentum[fragment], accumulator.merged())
+            _, decoded = self.feedback[fragment].compress(update)
+            apply_update(self.value[fragment], decoded)
+        self.seconds.append(time.perf_counter() - started)
+
+
+def measure_shards(args: argparse.Namespace, num_shards: int, in_process: InProcessRound) -> dict:
+    """Rounds of M pushers against `num_shards` shard processes and as many raw sinks, each
+    followed by an in-process round."""
     work = Path(tempfile.mkdtemp(prefix="bench-syncer-"))  # the config, and the state unless --state-dir
     state_dir = Path(args.state_dir) / f"shards-{num_shards}" if args.state_dir else work / "state"
     learners = [f"pusher-{i}" for i in range(args.pushers)] + ["observer"]
@@ -236,6 +268,7 @@ def measure_shards(args: argparse.Namespace, num_shards: int) -> dict:
             pull.append(in_parallel([lambda i=i: pull_all(i, version, wait=False) for i in range(args.pushers)]))
             for client in observer:  # back for the next round
                 client.join("bench", manifest)
+            in_process.run()
         for shard, client in enumerate(observer):  # every pusher holds the shards' bits, a round further each time
             for fragment in client.status().fragments:
                 assert fragment.version == args.rounds, fragment
@@ -259,31 +292,6 @@ def measure_shards(args: argparse.Namespace, num_shards: int) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def in_process_round_seconds(args: argparse.Namespace) -> float:
-    """One round's arithmetic in this process (median over --rounds): what the shards compute,
-    without the wire, the processes or the durable log."""
-    numel = args.params // args.fragments
-    fragments = [(fragment, numel) for fragment in range(args.fragments)]
-    payloads = outer_gradients(args.pushers, fragments)
-    optimizer = OuterOptimizer(lr=0.7, momentum=0.9, nesterov=True)
-    value = {fragment: torch.zeros(n) for fragment, n in fragments}
-    momentum = {fragment: torch.zeros(n) for fragment, n in fragments}
-    feedback = {fragment: ErrorFeedback(INT4, n, BLOCK) for fragment, n in fragments}
-    seconds = []
-    for _ in range(args.rounds + 1):  # the first round warms up (allocations), as the shards' did
-        started = time.perf_counter()
-        for fragment, n in fragments:
-            accumulator = RoundAccumulator(n, "rda")
-            for per_pusher in payloads:
-                delta = INT4.decode(per_pusher[fragment], n, BLOCK)
-                accumulator.add(delta, 1.0, float(torch.linalg.vector_norm(delta)))
-            momentum[fragment], update = optimizer.step(momentum[fragment], accumulator.merged())
-            _, decoded = feedback[fragment].compress(update)
-            apply_update(value[fragment], decoded)
-        seconds.append(time.perf_counter() - started)
-    return statistics.median(seconds[1:])
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=int, default=64_000_000)
@@ -299,8 +307,9 @@ def main() -> int:
         serve_sink(args.sink)
         return 0
 
-    runs = [measure_shards(args, num_shards) for num_shards in args.shards]
-    in_process_s = in_process_round_seconds(args)
+    in_process = InProcessRound(args)
+    runs = [measure_shards(args, num_shards, in_process) for num_shards in args.shards]
+    in_process_s = statistics.median(in_process.seconds)
     in_process_rate = args.pushers * args.params / in_process_s
     for run in runs:
         print(f"{run['shards']} shard(s):")
