@@ -74,7 +74,7 @@ def quality(section: dict, out: pathlib.Path) -> list[str]:
           pct(r["loss_vs_dp"], signed=True), verdict(r["within_target"]),
           f"{r['diloco']['wall_seconds']:.0f} / {r['dp']['wall_seconds']:.0f}", code(r["diloco"]["command"])]
          for r in rows])
-    lines += [f"dp commands: " + ", ".join(sorted({code(r["dp"]["command"]) for r in rows})), ""]
+    lines += ["dp commands: " + ", ".join(sorted({code(r["dp"]["command"]) for r in rows})), ""]
     fig, ax = plt.subplots(figsize=(10, 4))
     names = [config_name(r).split(",")[0] + (" slow" if r["slow_learner"] != 1.0 else "") for r in rows]
     x = range(len(rows))

@@ -117,7 +117,8 @@ def quality_runs(runner: Runner, profile: Profile) -> list[tuple[dict, dict]]:
     """(diloco report, dp report) pairs: every diloco configuration, and one learner slowed 2x."""
     pairs = []
     for learners in profile.learners:
-        common = ["--learners", str(learners), "--shards", "1", "--steps", str(profile.steps), "--seed", "1"]
+        common = ["--learners", str(learners), "--shards", "1", "--steps", str(profile.steps), "--seed", "1",
+                  "--set", f"syncer.quorum={learners}"]  # K = M, as the demo (dp mode sets its own)
         dp = runner.sim(f"quality-dp-m{learners}", [*common, "--mode", "dp"])
         for interval in profile.intervals:
             for codec in profile.codecs:
@@ -128,6 +129,7 @@ def quality_runs(runner: Runner, profile: Profile) -> list[tuple[dict, dict]]:
     dp = next(dp for diloco, dp in pairs if dp["learners"] == learners)
     slowed = runner.sim(f"quality-m{learners}-h{interval}-{codec}-slow2x",
                         ["--learners", str(learners), "--shards", "1", "--steps", str(profile.steps), "--seed", "1",
+                         "--set", f"syncer.quorum={learners}",
                          "--set", f"sync.interval_steps={interval}", "--set", f"sync.codec={codec}",
                          "--slow-learner", "2"])
     pairs.append((slowed, dp))
@@ -222,7 +224,8 @@ def goodput_section(runner: Runner, profile: Profile) -> dict:
                     if abs(scheduled_down_share(profile, mtbf, seed) - share) <= share / 5)
         flags = ["--learners", str(profile.goodput_learners), "--shards", "1", "--steps", "1000000",
                  "--duration", f"{profile.goodput_seconds:g}", "--chaos-mtbf", f"{mtbf:g}",
-                 "--restart-delay", f"{profile.restart_delay:g}", "--seed", str(seed)]
+                 "--restart-delay", f"{profile.restart_delay:g}", "--seed", str(seed),
+                 "--set", f"syncer.quorum={profile.goodput_learners}"]
         row = {"target_down_share": share, "chaos_mtbf_seconds": mtbf, "seed": seed}
         for mode in ("diloco", "dp"):
             report = runner.sim(f"goodput-{mode}-down{round(share * 100)}", [*flags, "--mode", mode])
