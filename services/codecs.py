@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 
 import numpy as np
 import torch
@@ -228,7 +228,7 @@ class BlockCodec(Codec):
     def scale_bytes(self, numel: int, block_size: int) -> int:
         return 4 * -(-numel // block_size)
 
-    @property
+    @cached_property
     def _largest_code(self) -> float:
         """The largest magnitude any code decodes to before scaling (a two's-complement int4
         nibble reaches -8, one more than encode writes)."""

@@ -105,10 +105,6 @@ class OpenRound:
         self.transfer_seconds = 0.0  # summed over contributions
 
     @property
-    def keys(self) -> frozenset[ContributionKey]:
-        return frozenset(self.contributions)
-
-    @property
     def count(self) -> int:
         return len(self.contributions)
 
@@ -185,7 +181,7 @@ class FragmentState:
             raise Refusal("future_base_version", "FAILED_PRECONDITION",
                           f"base_version {key.base_version} is ahead of fragment {self.id}'s version "
                           f"{committed.version}: pull a snapshot and re-anchor")
-        if key in self.round.keys or key in committed.recent_keys:
+        if key in self.round.contributions or key in committed.recent_keys:
             raise Refusal("duplicate", "ALREADY_EXISTS",
                           f"learner {key.learner_id!r} incarnation {key.incarnation} already "
                           f"contributed to fragment {self.id} from base version {key.base_version}")
@@ -273,7 +269,8 @@ class FragmentState:
         update_record = Encoded(version, describe(self.codec, self.fragment.numel, payload, self.block_size),
                                 payload)
         oldest_mergeable = version - self.rules.max_staleness
-        recent = frozenset(k for k in committed.recent_keys | round_.keys if k.base_version >= oldest_mergeable)
+        recent = frozenset(k for k in committed.recent_keys | round_.contributions.keys()
+                           if k.base_version >= oldest_mergeable)
         return FragmentSnapshot(
             self.id, version, value, momentum, residual,
             (committed.history + (update_record,))[-self.rules.history_versions:],
