@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -53,6 +52,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from services.client import ShardClient, apply_update, state_hash  # noqa: E402
+from services.cluster import free_ports  # noqa: E402
 from services.codecs import ErrorFeedback, get_codec  # noqa: E402
 from services.config import RpcConfig, load_config  # noqa: E402
 from services.payload import iter_chunks  # noqa: E402
@@ -90,12 +90,6 @@ def serve_sink(port: int) -> None:
     pb_grpc.add_SyncerServicer_to_server(Sink(), server.grpc_server)
     server.start(f"127.0.0.1:{port}")
     server.serve_until_signal(drain_seconds=0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_serving(address: str, process: subprocess.Popen, timeout: float = 60) -> None:
@@ -176,10 +170,11 @@ def measure_shards(args: argparse.Namespace, num_shards: int, in_process: InProc
     work = Path(tempfile.mkdtemp(prefix="bench-syncer-"))  # the config, and the state unless --state-dir
     state_dir = Path(args.state_dir) / f"shards-{num_shards}" if args.state_dir else work / "state"
     learners = [f"pusher-{i}" for i in range(args.pushers)] + ["observer"]
+    ports = free_ports(2 * num_shards)  # the shards', then the raw baselines'
     config_path = work / "cluster.yaml"
     config_path.write_text(yaml.safe_dump({
         "run": {"state_dir": str(state_dir)},
-        "shards": [{"address": f"127.0.0.1:{free_port()}", "metrics_port": 0} for _ in range(num_shards)],
+        "shards": [{"address": f"127.0.0.1:{port}", "metrics_port": 0} for port in ports[:num_shards]],
         "learners": [{"id": learner, "region": "bench"} for learner in learners],
         "sync": {"fragments": args.fragments, "interval_steps": max(2, args.fragments), "overlap_steps": 1,
                  "codec": "int4", "codec_block_size": BLOCK},
@@ -193,7 +188,7 @@ def measure_shards(args: argparse.Namespace, num_shards: int, in_process: InProc
     cfg = load_config(config_path)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     shard_addresses = [shard.address for shard in cfg.shards]
-    sink_addresses = [f"127.0.0.1:{free_port()}" for _ in range(num_shards)]
+    sink_addresses = [f"127.0.0.1:{port}" for port in ports[num_shards:]]
     processes = [
         subprocess.Popen([sys.executable, "-m", "services.cli", "--log-level", "WARNING", "syncer",
                           "--config", str(config_path), "--shard-index", str(index), "--listen", address],

@@ -28,10 +28,10 @@ import grpc
 import torch
 
 from services.client import PullResult, ShardClient, TransferObserver, WanLink, state_hash
-from services.tls import Identity
 from services.codecs import ErrorFeedback, get_codec
 from services.config import Config
 from services.fragments import Fragment, FragmentPlan, gather, scatter
+from services.tls import Identity
 from services.wire import pb
 
 log = logging.getLogger(__name__)

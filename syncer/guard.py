@@ -26,7 +26,7 @@ import grpc
 
 from services.config import Config
 from services.rpc import stream_deadline
-from services.tls import learner_of, peer_spiffe_id
+from services.tls import LEARNER_PREFIX, learner_of, peer_spiffe_id
 from services.wire import pb
 from syncer.counters import Counters
 from syncer.refusal import Refusal
@@ -111,7 +111,7 @@ class CallGuard:
         if certified is None:
             return Refusal("unauthenticated", "UNAUTHENTICATED",
                            f"acting as learner {learner_id!r} needs that learner's client certificate "
-                           f"(spiffe://diloco/learner/{learner_id}); this one is {peer or 'without a SPIFFE ID'}")
+                           f"({LEARNER_PREFIX}{learner_id}); this one is {peer or 'without a SPIFFE ID'}")
         if certified != learner_id:
             return Refusal("wrong_learner", "PERMISSION_DENIED",
                            f"the client certificate is learner {certified!r}'s: it may not act as "
