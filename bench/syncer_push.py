@@ -9,9 +9,10 @@ torch, all measured in the same run.
 
 Each round has three timed phases:
 1. push: every pusher streams its int4 outer gradient of every fragment to the shard that owns
-   it. The shard receives, verifies, decodes, checks, logs (fsync) and merges each one before
-   acknowledging it. An idle "observer" learner is joined, so no round can close yet: this is
-   the push path alone.
+   it. The shard receives and verifies each one (checksum; NaN/Inf and the norm bound from the
+   block scales) and logs it (fdatasync) before acknowledging it; contributions are decoded and
+   merged when the round closes. An idle "observer" learner is joined, so no round can close
+   yet: this is the push path alone.
 2. close + pull: the observer leaves; the shards' tickers close every round (merge, Nesterov,
    int4 + error feedback, snapshot with fsync) and the pushers' waiting pulls receive and
    apply the updates.

@@ -32,6 +32,10 @@ class PayloadError(ValueError):
     """Malformed or corrupted payload; the message names what is wrong."""
 
 
+class ChecksumMismatch(PayloadError):
+    """Every chunk and byte the header announced arrived, and they are not what was sent."""
+
+
 def encode_payload(codec: Codec, values: torch.Tensor, block_size: int) -> tuple[pb.PayloadHeader, bytes]:
     payload = codec.encode(values, block_size)
     return describe(codec, values.numel(), payload, block_size), payload
@@ -97,18 +101,19 @@ class Reassembler:
 
     def add(self, chunk: pb.Chunk) -> None:
         index, expected, header = chunk.index, self._next_index, self.header
+        data = chunk.data  # protobuf copies a bytes field at each access: read it once
         if index >= header.chunk_count:
             raise PayloadError(f"chunk {index} beyond chunk_count={header.chunk_count}")
         if index < expected:
             raise PayloadError(f"duplicate chunk {index}")
         if index > expected:
             raise PayloadError(f"chunk {index} arrived, expected {expected} (missing chunk {expected})")
-        end = self._received_bytes + len(chunk.data)
+        end = self._received_bytes + len(data)
         if end > header.payload_bytes:
             limit = header.payload_bytes
             raise PayloadError(f"chunk {index} brings the payload to {end} bytes, beyond payload_bytes={limit}")
-        self._chunks.append(chunk.data)
-        self._crc32 = zlib.crc32(chunk.data, self._crc32)
+        self._chunks.append(data)
+        self._crc32 = zlib.crc32(data, self._crc32)
         self._received_bytes = end
         self._next_index += 1
 
@@ -126,7 +131,7 @@ class Reassembler:
         if self._received_bytes != header.payload_bytes:
             raise PayloadError(f"received {self._received_bytes} of {header.payload_bytes} bytes")
         if self._crc32 != header.crc32:
-            raise PayloadError(
+            raise ChecksumMismatch(
                 f"crc32 mismatch: header says {header.crc32:#010x}, payload has {self._crc32:#010x}"
             )
         return tuple(self._chunks)

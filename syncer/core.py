@@ -23,7 +23,7 @@ import torch
 
 from services.config import Config
 from services.fragments import FragmentPlan, plan_for_config
-from services.payload import PayloadError, Reassembler, decode_payload, leading_bytes
+from services.payload import ChecksumMismatch, PayloadError, Reassembler, decode_payload, leading_bytes
 from services.wire import pb
 from syncer.counters import Counters
 from syncer.fragment_state import ClosedRound, ContributionKey, FragmentSnapshot, FragmentState, PullPlan
@@ -45,12 +45,16 @@ class LoggedContribution:
 
 
 class Journal(Protocol):
-    """Where the core makes its state durable. Each call returns only once what it was given
-    survives a crash; if it raises, the core changes nothing."""
+    """Where the core makes its state durable. fix_manifest and commit return only once what
+    they were given survives a crash; append only writes the record, and sync makes every
+    record appended before it durable (so that the slow part runs outside the fragment's
+    lock). If a call raises, the core changes nothing."""
 
     def fix_manifest(self, manifest: Manifest, plan_digest: str) -> None: ...
 
     def append(self, fragment_id: int, contribution: LoggedContribution) -> None: ...
+
+    def sync(self, fragment_id: int) -> None: ...
 
     def commit(self, snapshot: FragmentSnapshot) -> None: ...
 
@@ -62,6 +66,9 @@ class NullJournal:
         pass
 
     def append(self, fragment_id: int, contribution: LoggedContribution) -> None:
+        pass
+
+    def sync(self, fragment_id: int) -> None:
         pass
 
     def commit(self, snapshot: FragmentSnapshot) -> None:
@@ -251,6 +258,12 @@ class ShardCore:
             except Exception:  # e.g. a full disk: the contribution is safe, the ticker retries the close
                 log.exception("fragment %d: closing round %d failed", state.id, round_number)
                 committed = False
+        # Acknowledged only once its record is durable, but synced outside the lock, so that the
+        # fragment's other pushes are not held up by the disk. Should the round close first, its
+        # snapshot (synced before the new version shows) holds this contribution: the record was
+        # needed only until then. An admitted push whose sync fails is refused here, and merged
+        # all the same; its retry gets ALREADY_EXISTS, which learners take as delivered.
+        self.journal.sync(state.id)
         return PushOutcome(pb.PUSH_RESULT_ACCEPTED if staleness == 0 else pb.PUSH_RESULT_STALE_MERGED,
                            version, staleness, round_number, committed)
 
@@ -425,21 +438,15 @@ def _receive(header: pb.PayloadHeader, requests: Iterator[pb.PushRequest]) -> tu
         assembler = Reassembler(header)
     except PayloadError as error:
         raise Refusal("bad_payload_header", "INVALID_ARGUMENT", str(error)) from None
-    chunks = received = 0
     try:
         for request in requests:
             if request.WhichOneof("item") != "chunk":
                 raise Refusal("bad_stream", "INVALID_ARGUMENT", "a push has one PushHeader, then only chunks")
             assembler.add(request.chunk)
-            chunks, received = chunks + 1, received + len(request.chunk.data)
-    except PayloadError as error:
-        raise Refusal("bad_chunks", "INVALID_ARGUMENT", f"bad payload stream: {error}") from None
-    try:
         return assembler.finish_chunks()
+    except ChecksumMismatch as error:
+        raise Refusal("checksum", "DATA_LOSS", f"payload corrupted: {error}") from None
     except PayloadError as error:
-        if chunks == header.chunk_count and received == header.payload_bytes:
-            # Every chunk and byte arrived, and they are not what was sent.
-            raise Refusal("checksum", "DATA_LOSS", f"payload corrupted: {error}") from None
         raise Refusal("bad_chunks", "INVALID_ARGUMENT", f"bad payload stream: {error}") from None
 
 

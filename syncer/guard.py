@@ -16,11 +16,10 @@ Refusals are syncer.refusal.Refusal, answered and counted like the core's own.
 """
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections import Counter
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 import grpc
 
@@ -30,6 +29,8 @@ from services.tls import LEARNER_PREFIX, learner_of, peer_spiffe_id
 from services.wire import pb
 from syncer.counters import Counters
 from syncer.refusal import Refusal
+
+T = TypeVar("T")
 
 
 class CallGuard:
@@ -59,35 +60,36 @@ class CallGuard:
         if not context.add_callback(lambda: self._close_stream(peer)):
             self._close_stream(peer)  # the call already ended
 
-    def push_requests(self, requests: Iterator[pb.PushRequest],
-                      context: grpc.ServicerContext) -> Iterator[pb.PushRequest]:
-        """The push stream as the core reads it: the header checked against the caller's
-        identity and the limits, then chunks for as long as they keep coming. Raises
-        Refusal from the iteration (the core counts it)."""
-        reader, idle = _StreamReader(requests), self.limits.push_idle_seconds
-        try:
-            first = reader.next(idle)
-            if first is _TIMED_OUT:
-                raise _stalled("before its header", idle)
-            if first is None:
-                return
-            size = 0
-            if first.WhichOneof("item") == "header":
-                self._check_push_header(context, first.header)
-                size = first.header.payload.payload_bytes
-            yield first
-            allowed = stream_deadline(self.rpc, size)
-            ends = time.monotonic() + allowed
-            while (item := reader.next(min(idle, max(0.0, ends - time.monotonic())))) is not None:
-                if item is _TIMED_OUT:
-                    if time.monotonic() < ends:
-                        raise _stalled("between two chunks", idle)
-                    raise Refusal("push_deadline", "DEADLINE_EXCEEDED",
-                                  f"push of {size} bytes took longer than {allowed:.0f}s "
-                                  f"(rpc.deadline_seconds={self.rpc.deadline_seconds:g} per MiB): cut off")
-                yield item
-        finally:
-            reader.close()
+    def run_push(self, push: Callable[[Iterator[pb.PushRequest]], T], requests: Iterator[pb.PushRequest],
+                 context: grpc.ServicerContext) -> T:
+        """push(requests) with the header checked against the caller's identity and the limits,
+        and the stream's pace watched: a push that stalls or outlasts its deadline is refused
+        with DEADLINE_EXCEEDED. The gRPC request iterator blocks with no timeout, so the push
+        runs on a thread of its own while this (the handler's) thread keeps time; a refusal
+        ends the call, which ends that thread's iteration with an error before the core has
+        changed anything. Only the start and the end cross threads, not every chunk."""
+        pace = _PushPace(self, requests, context)
+        result: list = []
+
+        def run() -> None:
+            try:
+                result.append((True, push(pace.requests())))
+            except BaseException as error:  # the handler raises it
+                result.append((False, error))
+
+        worker = threading.Thread(target=run, name="push", daemon=True)
+        worker.start()
+        while True:
+            worker.join(pace.seconds_to_next_check())
+            if result:
+                succeeded, value = result[0]
+                if succeeded:
+                    return value
+                raise value
+            refusal = pace.cut_off_if_late()
+            if refusal is not None:
+                self.counters.add(f"refusals.{refusal.reason}")
+                raise refusal
 
     def _check_push_header(self, context: grpc.ServicerContext, header: pb.PushHeader) -> None:
         refusal = self._learner_refusal(context, header.learner_id)
@@ -134,57 +136,72 @@ class CallGuard:
             raise refusal
 
 
-_TIMED_OUT = object()
-_END = object()
+class _CutOff(Exception):
+    """Ends the iteration of a push the guard refused for its pace (the guard counts it)."""
 
 
-def _stalled(where: str, seconds: float) -> Refusal:
-    return Refusal("push_stalled", "DEADLINE_EXCEEDED",
-                   f"push stalled: no message {where} for {seconds:g}s (limits.push_idle_seconds): cut off")
+class _PushPace:
+    """When a push's last message came, against its limits. The iteration (on the push's
+    thread) and the watch (on the handler's) take turns under one lock, so that once a push
+    is cut off no later message reaches the core, and a push whose stream has ended is never
+    cut off."""
 
+    def __init__(self, guard: CallGuard, requests: Iterator[pb.PushRequest], context: grpc.ServicerContext):
+        self._guard, self._requests, self._context = guard, requests, context
+        self._idle = guard.limits.push_idle_seconds
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
+        self._ends: float | None = None  # the deadline, once the header told the size
+        self._size, self._allowed = 0, 0.0
+        self._streaming = True
+        self._cut_off = False
 
-class _StreamReader:
-    """Reads a request stream on a thread of its own, so that the handler can give up on a
-    peer that stops sending (the gRPC request iterator blocks with no timeout). A small queue
-    keeps gRPC's flow control: the reader runs at most a few messages ahead."""
+    def requests(self) -> Iterator[pb.PushRequest]:
+        first = self._next()
+        if first is None:
+            return
+        if first.WhichOneof("item") == "header":
+            self._guard._check_push_header(self._context, first.header)
+            self._size = first.header.payload.payload_bytes
+        self._allowed = stream_deadline(self._guard.rpc, self._size)
+        with self._lock:
+            self._ends = time.monotonic() + self._allowed
+        yield first
+        while (item := self._next()) is not None:
+            yield item
 
-    def __init__(self, requests: Iterator[pb.PushRequest]):
-        self._queue: queue.Queue = queue.Queue(maxsize=4)
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(requests,), name="push-reader", daemon=True)
-        self._thread.start()
-
-    def _run(self, requests: Iterator[pb.PushRequest]) -> None:
-        try:
-            for item in requests:
-                if not self._put(item):
-                    return
-            self._put(_END)
-        except BaseException as error:  # the client cancelled: the handler raises it
-            self._put(error)
-
-    def _put(self, item: object) -> bool:
-        while not self._closed.is_set():
-            try:
-                self._queue.put(item, timeout=0.2)
-                return True
-            except queue.Full:
-                pass
-        return False
-
-    def next(self, timeout: float) -> object:
-        """The next message, None at the end of the stream, _TIMED_OUT after `timeout` seconds
-        without one."""
-        try:
-            item = self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return _TIMED_OUT
-        if item is _END:
-            return None
-        if isinstance(item, BaseException):
-            raise item
+    def _next(self) -> pb.PushRequest | None:
+        item = next(self._requests, None)
+        with self._lock:
+            if self._cut_off:
+                raise _CutOff()
+            if item is None:
+                self._streaming = False
+            self._last = time.monotonic()
         return item
 
-    def close(self) -> None:
-        """The reader stops at its next message; once the call has ended, gRPC ends the stream."""
-        self._closed.set()
+    def seconds_to_next_check(self) -> float:
+        with self._lock:
+            due = self._last + self._idle
+            if self._ends is not None:
+                due = min(due, self._ends)
+        return max(0.01, due - time.monotonic())
+
+    def cut_off_if_late(self) -> Refusal | None:
+        now = time.monotonic()
+        with self._lock:
+            if not self._streaming:
+                return None  # every message is in: the core decides now
+            if self._ends is not None and now >= self._ends:
+                refusal = Refusal("push_deadline", "DEADLINE_EXCEEDED",
+                                  f"push of {self._size} bytes took longer than {self._allowed:.0f}s "
+                                  f"(rpc.deadline_seconds={self._guard.rpc.deadline_seconds:g} per MiB): cut off")
+            elif now - self._last >= self._idle:
+                where = "before its header" if self._ends is None else "between two chunks"
+                refusal = Refusal("push_stalled", "DEADLINE_EXCEEDED",
+                                  f"push stalled: no message {where} for {self._idle:g}s "
+                                  "(limits.push_idle_seconds): cut off")
+            else:
+                return None
+            self._cut_off = True
+        return refusal

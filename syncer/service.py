@@ -94,7 +94,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     @_answer_refusals
     def PushFragment(self, request_iterator, context):
         self.guard.open_stream(context)
-        outcome = self.core.push(self.guard.push_requests(request_iterator, context))
+        outcome = self.guard.run_push(self.core.push, request_iterator, context)
         if outcome.committed:
             self.versions_changed()
         return pb.PushResponse(result=outcome.result, current_version=outcome.current_version,

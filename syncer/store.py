@@ -73,12 +73,20 @@ class ShardStore:
 
     def append(self, fragment_id: int, contribution: LoggedContribution) -> None:
         header = contribution.header.SerializeToString()
-        body = [_ROUND.pack(contribution.round), _LENGTH.pack(len(header)), header, *contribution.payload]
-        record = _frame(body)  # written part by part, without joining the parts into one copy
+        # Written part by part, without joining the parts into one copy, and without reading the
+        # payload for its checksum again: its crc32 was verified against the header on receipt.
+        record = _frame([_ROUND.pack(contribution.round), _LENGTH.pack(len(header)), header],
+                        contribution.payload, contribution.header.payload.crc32)
         with self._files(fragment_id) as files:
-            written = _write_parts_at(files.log(), record, files.log_end)
-            _sync_data(files.log())
-            files.log_end += written
+            files.log_end += _write_parts_at(files.log(), record, files.log_end)
+
+    def sync(self, fragment_id: int) -> None:
+        with self._files(fragment_id) as files:
+            fd = os.dup(files.log())  # its own descriptor: close() may run while this one syncs
+        try:
+            _sync_data(fd)
+        finally:
+            os.close(fd)
 
     def commit(self, snapshot: FragmentSnapshot) -> None:
         with self._files(snapshot.fragment_id) as files:
@@ -238,14 +246,50 @@ def _snapshot_body(snapshot: FragmentSnapshot) -> list:
     return [_LENGTH.pack(len(meta)), meta, *tensors]
 
 
-def _frame(parts: list) -> list:
-    """length | crc32 | body, as a list of buffers (tensors' memory is not copied)."""
+def _frame(parts: list, payload: tuple[bytes, ...] = (), payload_crc32: int = 0) -> list:
+    """length | crc32 | body, as a list of buffers (tensors' memory is not copied). The body is
+    the parts, then the payload, whose crc32 the caller already knows."""
     length, crc = 0, 0
     for part in parts:
         view = memoryview(part).cast("B")
         length += view.nbytes
         crc = zlib.crc32(view, crc)
-    return [_FRAME.pack(length, crc), *parts]
+    payload_bytes = sum(len(chunk) for chunk in payload)
+    crc = _crc32_combine(crc, payload_crc32, payload_bytes)
+    return [_FRAME.pack(length + payload_bytes, crc), *parts, *payload]
+
+
+_CRC32_POLY = 0xEDB88320  # zlib's, bit-reversed
+
+
+def _crc32_multiply(a: int, b: int) -> int:
+    """a * b modulo the CRC-32 polynomial (zlib's multmodp)."""
+    product, bit = 0, 1 << 31
+    while a:
+        if a & bit:
+            product ^= b
+            a ^= bit
+        bit >>= 1
+        b = (b >> 1) ^ _CRC32_POLY if b & 1 else b >> 1
+    return product
+
+
+_CRC32_X_2N = [1 << 30]  # x^(2^n) modulo the polynomial, n = 0..31
+for _ in range(31):
+    _CRC32_X_2N.append(_crc32_multiply(_CRC32_X_2N[-1], _CRC32_X_2N[-1]))
+
+
+def _crc32_combine(crc_a: int, crc_b: int, length_b: int) -> int:
+    """crc32(a + b) from crc32(a), crc32(b) and len(b), without reading either (zlib's
+    crc32_combine, which Python's zlib module does not expose): shift crc_a by len(b) zero
+    bytes as a multiplication by x^(8 len(b)) modulo the polynomial."""
+    shift, n, bits = 1 << 31, 3, length_b  # x^0; 8 len(b) = len(b) << 3
+    while bits:
+        if bits & 1:
+            shift = _crc32_multiply(_CRC32_X_2N[n & 31], shift)
+        bits >>= 1
+        n += 1
+    return _crc32_multiply(shift, crc_a) ^ crc_b
 
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16

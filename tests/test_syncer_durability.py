@@ -1,8 +1,11 @@
 """The shard's store: a restart restores the committed state and the open round bit for bit,
 and torn or damaged files are detected instead of loaded. (The kill -9 of a real shard
 process is in test_syncer_service.py.)"""
+import zlib
+
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 from services.client import apply_update, state_hash
 from services.payload import decode_payload
@@ -93,6 +96,13 @@ def test_a_push_of_more_chunks_than_one_system_call_takes_is_logged_whole(tmp_pa
     core = restarted(shard, tmp_path, rejoin=LEARNERS)
     (pending,) = core.fragments[0].round.contributions.values()
     assert b"".join(pending.chunks) == values.numpy().tobytes()
+
+
+@given(st.binary(max_size=300), st.binary(max_size=3000))
+def test_a_records_checksum_comes_from_the_payloads_verified_crc32_without_reading_it(head, payload):
+    """The log's frame checksum covers the whole record; the payload's part of it is combined
+    from the crc32 checked on receipt, and must equal zlib's over the bytes."""
+    assert store._crc32_combine(zlib.crc32(head), zlib.crc32(payload), len(payload)) == zlib.crc32(head + payload)
 
 
 def test_records_of_a_round_already_merged_are_skipped(tmp_path):
