@@ -16,6 +16,7 @@ import logging
 import os
 import pathlib
 import tempfile
+import threading
 
 import torch
 from torch import nn
@@ -26,10 +27,11 @@ _MAGIC = b"diloco-learner-checkpoint/1\n"
 _DIGEST_BYTES = 32  # sha256
 
 
-def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    step: int, tokens: int, data_state: dict, extra: dict) -> None:
-    """Atomically replace the checkpoint at `path`. `data_state` and `extra` may hold tensors
-    and plain Python containers, numbers and strings (what torch.load(weights_only=True) reads)."""
+def checkpoint_bytes(*, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, tokens: int,
+                     data_state: dict, extra: dict) -> bytes:
+    """The checkpoint's bytes: a copy of the state as it is now, so training may go on while
+    they are written. `data_state` and `extra` may hold tensors and plain Python containers,
+    numbers and strings (what torch.load(weights_only=True) reads)."""
     buffer = io.BytesIO()
     torch.save({
         "model": model.state_dict(),
@@ -40,8 +42,11 @@ def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: tor
         "rng": torch.get_rng_state(),
         "extra": extra,
     }, buffer)
-    payload = buffer.getvalue()
+    return buffer.getvalue()
 
+
+def write_checkpoint(path: str | os.PathLike, payload: bytes) -> None:
+    """Atomically replace the checkpoint at `path` with checkpoint_bytes' `payload`."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as f:
@@ -59,6 +64,43 @@ def save_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: tor
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def save_checkpoint(path: str | os.PathLike, **state) -> None:
+    """checkpoint_bytes(**state), written to `path` before returning."""
+    write_checkpoint(path, checkpoint_bytes(**state))
+
+
+class CheckpointWriter:
+    """Writes checkpoints to one path on a thread of its own: the training thread only takes
+    the copy (checkpoint_bytes), and the disk write and sync overlap the next steps. One write
+    at a time: a newer checkpoint first waits for the one before it, and a failed write is
+    raised by the next call."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = pathlib.Path(path)
+        self._writing: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def write(self, payload: bytes) -> None:
+        self.wait()
+        self._writing = threading.Thread(target=self._write, args=(payload,), name="checkpoint", daemon=True)
+        self._writing.start()
+
+    def wait(self) -> None:
+        """Returns once the last checkpoint given is on disk."""
+        if self._writing is not None:
+            self._writing.join()
+            self._writing = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _write(self, payload: bytes) -> None:
+        try:
+            write_checkpoint(self.path, payload)
+        except BaseException as error:
+            self._error = error
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict | None:

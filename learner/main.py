@@ -23,12 +23,13 @@ import threading
 import time
 
 import grpc
+import psutil
 import torch
 import torch.distributed as dist
 
 from torch.nn.parallel import DistributedDataParallel
 
-from learner.checkpoint import load_checkpoint
+from learner.checkpoint import CheckpointWriter, load_checkpoint
 from learner.sync import StreamingSync
 from learner.train import Trainer, manifest, named_parameters
 from services.client import ShardClient
@@ -124,7 +125,8 @@ class Island:
 
 
 def run(args: argparse.Namespace) -> int:
-    started = time.monotonic()
+    # Start-up badput counts from the process's start: loading Python, torch and this code too.
+    started = time.monotonic() - (time.time() - psutil.Process().create_time())
     try:
         cfg = load_config(args.config)
         learner = cfg.learner(args.learner_id)
@@ -152,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_for_config(cfg, manifest(trainer.model))
     checkpoint_path = state_dir / "checkpoint.pt"
     checkpoint = load_checkpoint(checkpoint_path) if island.leader else None
+    checkpoints = CheckpointWriter(checkpoint_path)
     extra = checkpoint["extra"] if checkpoint else {}
     if checkpoint:
         trainer.restore(checkpoint)
@@ -167,13 +170,13 @@ def run(args: argparse.Namespace) -> int:
             metrics.steps_lost(max(0, last_step_seen_by_shards(cfg, learner.id, identity) - trainer.step),
                                mean_step_seconds(extra.get("report", {}).get("incarnations", [])))
         sync = StreamingSync(cfg, learner.id, learner.region, params, plan, observer=metrics, identity=identity)
-        sync.start(extra.get("sync"), should_stop=stop.is_set)
+        sync.start(extra.get("sync"), should_stop=stop.is_set, step=trainer.step)
     island.share_start(trainer, params)
     if island.world_size > 1:
         trainer.forward_module = DistributedDataParallel(trainer.model)
     restore_seconds = time.monotonic() - restore_started
     if metrics:
-        metrics.started(startup_seconds, restore_seconds)
+        metrics.started(restore_seconds)
         if sync:
             metrics.watch_sync(sync.held_versions, lambda: sync.stats.blocked_seconds)
 
@@ -181,10 +184,11 @@ def run(args: argparse.Namespace) -> int:
     report.begin_incarnation(sync.incarnation if sync else 0, trainer.step, startup_seconds,
                              restore_seconds, sync.stats.versions_behind_at_join if sync else 0)
     if island.leader:
-        save(trainer, sync, report, checkpoint_path)  # so this incarnation's record survives a kill
+        save(trainer, sync, report, checkpoints)  # so this incarnation's record survives a kill
     try:
-        train(cfg, args, trainer, sync, island, plan, params, report, stop, checkpoint_path, metrics)
+        train(cfg, args, trainer, sync, island, plan, params, report, stop, checkpoints, metrics)
     finally:
+        checkpoints.wait()
         if sync is not None:
             sync.close(leave=True)
         island.close()
@@ -193,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
 
 def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: StreamingSync | None,
           island: Island, plan: FragmentPlan, params: dict[str, torch.Tensor], report: Report,
-          stop: threading.Event, checkpoint_path: pathlib.Path, metrics: LearnerMetrics | None) -> None:
+          stop: threading.Event, checkpoints: CheckpointWriter, metrics: LearnerMetrics | None) -> None:
     budget = cfg.trainer
 
     def budget_left() -> bool:
@@ -221,23 +225,25 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
         if island.leader and trainer.step % budget.eval_every == 0:
             evaluate()
         if island.leader and trainer.step % budget.checkpoint_every == 0:
-            save(trainer, sync, report, checkpoint_path)
+            save(trainer, sync, report, checkpoints)
             report.write("training", trainer, sync, island)  # what it keeps, should it die before the end
     if not island.leader:
         return
     finished = not budget_left()
-    if sync:
+    if sync and not finished:
         sync.flush()  # may wait for late results: still provisioned training time
     if finished and metrics:
         metrics.training_finished()
     if sync:
         if finished:
+            sync.deliver()  # the last contributions are in; their rounds need not wait for us
             sync.leave()
             report.write("catching_up", trainer, sync, island)
         # Hold the run's final global values: until it is quiet (or we are stopped).
         sync.catch_up(args.catch_up_seconds, should_stop=stop.is_set)
     evaluate()
-    save(trainer, sync, report, checkpoint_path)
+    save(trainer, sync, report, checkpoints)
+    checkpoints.wait()  # "done" means on disk
     report.write("done" if finished else "training", trainer, sync, island)
     log.info("learner %s %s at step %d", report.learner_id, "finished" if finished else "stopped",
              trainer.step)
@@ -264,12 +270,12 @@ def mean_step_seconds(incarnations: list[dict]) -> float | None:
     return sum(life.get("compute_seconds", 0.0) for life in incarnations) / steps if steps else None
 
 
-def save(trainer: Trainer, sync: StreamingSync | None, report: Report, path: pathlib.Path) -> None:
+def save(trainer: Trainer, sync: StreamingSync | None, report: Report, checkpoints: CheckpointWriter) -> None:
     report.update(sync)
     extra = {"report": report.persistent()}
     if sync:
         extra["sync"] = sync.state_dict()
-    trainer.save(path, extra=extra)
+    checkpoints.write(trainer.checkpoint(extra))
 
 
 class Report:

@@ -56,6 +56,7 @@ class FragmentSync:
     steps_since_sync: int = 0  # c_steps: inner steps since the last delivered sync
     tokens_since_sync: int = 0  # c_tokens
     in_flight: Future | None = None
+    pushed: threading.Event = field(default_factory=threading.Event)  # the in-flight push was answered
     apply_at: int = -1  # the step after which the in-flight result is applied
     blocked_seconds: float = 0.0  # how long the loop has waited for the in-flight result
 
@@ -116,6 +117,7 @@ class StreamingSync:
         self.fragments: dict[int, FragmentSync] = {}
         self.stats = SyncStats()
         self.step = 0
+        self.sync_offset = 0  # this learner's sync schedule runs at step + sync_offset (see start)
         self.step_seconds = 0.0
         self.tokens_per_second = 0.0
         self._lock = threading.Lock()  # guards link.joined and heartbeat-visible fields
@@ -130,18 +132,20 @@ class StreamingSync:
     # ---- start-up: join, seed, pull every fragment --------------------------------
 
     def start(self, restored: Mapping[str, object] | None = None,
-              should_stop: Callable[[], bool] = lambda: False) -> int:
+              should_stop: Callable[[], bool] = lambda: False, step: int = 0) -> int:
         """Joins every shard (retrying until each answers), seeds fragments nobody has
         seeded, pulls every fragment and moves the model onto the global values.
 
         `restored` is the sync state of a checkpoint (see state_dict); with it the
         learner pulls only the updates it missed. `should_stop` (the process was asked to
-        stop) also ends waits for a round's result. Returns how many versions it was
-        behind, summed over fragments.
+        stop) also ends waits for a round's result. `step` is where training resumes.
+        Returns how many versions it was behind, summed over fragments.
         """
         self._should_stop = should_stop
+        self.step = step
         for link in self.links:
             self._join_with_retry(link, should_stop)
+        self.sync_offset = self._phase_of_the_others()
         behind = 0
         restored_fragments = (restored or {}).get("fragments", {})
         for fragment in self.plan.fragments:
@@ -169,11 +173,29 @@ class StreamingSync:
             else:
                 scatter(fragment, anchor, self.params)
         self.stats.versions_behind_at_join = behind
-        log.info("learner %s (incarnation %d) joined %d shards; %d versions behind",
-                 self.learner_id, self.incarnation, len(self.links), behind)
+        log.info("learner %s (incarnation %d) joined %d shards; %d versions behind; syncing at step + %d",
+                 self.learner_id, self.incarnation, len(self.links), behind, self.sync_offset)
         self._heartbeats = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self._heartbeats.start()
         return behind
+
+    def _phase_of_the_others(self) -> int:
+        """The offset that puts this learner's sync schedule in phase with the live learners
+        already training (0 when there are none). A learner restored from a checkpoint is
+        behind them by some steps; syncing on its own step count, every round of a fragment
+        would wait for it (or it for them) for the rest of the run."""
+        for link in self.links:
+            try:
+                learners = link.client.status(timeout=self.cfg.rpc.deadline_seconds).learners
+            except grpc.RpcError:
+                continue
+            schedule = sorted(
+                l.sync_step + (round(l.seconds_since_heartbeat / l.step_seconds) if l.step_seconds > 0 else 0)
+                for l in learners if l.alive and l.learner_id != self.learner_id and l.last_step > 0)
+            if not schedule:
+                return 0
+            return (schedule[len(schedule) // 2] - self.step) % self.cfg.sync.interval_steps
+        return 0
 
     def _join(self, link: ShardLink) -> None:
         reply = link.client.join(self.region, self.manifest)
@@ -223,7 +245,7 @@ class StreamingSync:
         for state in self.fragments.values():
             state.steps_since_sync += 1
             state.tokens_since_sync += tokens
-        for fragment in self.plan.due_at(step):
+        for fragment in self.plan.due_at(step + self.sync_offset):
             state = self.fragments[fragment.id]
             # Never two syncs of one fragment in flight (only possible if tau >= H, which
             # the config refuses).
@@ -242,10 +264,20 @@ class StreamingSync:
         return max(0.0, self.cfg.sync.max_block_seconds - state.blocked_seconds)
 
     def flush(self) -> None:
-        """Applies every in-flight sync (end of training), waiting as long as it takes."""
+        """Applies every in-flight sync (training stopped before its end), waiting as long as it
+        takes: the checkpoint must hold the results, or a restart would push the same progress
+        again under its new incarnation."""
         for state in self.fragments.values():
             if state.in_flight is not None:
                 self._finish_sync(state, wait_limit=None)
+
+    def deliver(self) -> None:
+        """Budget spent: waits until every in-flight push has been answered, but not for the
+        rounds to close. The shards hold this learner's last contributions durably, the rounds
+        close without it once it has left, and catch_up pulls what they made."""
+        for state in self.fragments.values():
+            if state.in_flight is not None:
+                state.pushed.wait()
 
     def _start_sync(self, state: FragmentSync, apply_at: int) -> None:
         """Snapshots the fragment now; everything else runs on the background thread."""
@@ -255,6 +287,7 @@ class StreamingSync:
                     block_size=self.cfg.sync.codec_block_size, base_version=state.version,
                     c_steps=state.steps_since_sync, c_tokens=state.tokens_since_sync,
                     step_seconds=self.step_seconds)
+        state.pushed.clear()
         state.in_flight = self._pool.submit(self._push_and_pull, self.links[fragment.shard], state,
                                             state.anchor, local, meta)
         state.apply_at = apply_at
@@ -265,6 +298,13 @@ class StreamingSync:
                        local: torch.Tensor, meta: dict) -> SyncOutcome:
         """Runs on the sync thread: compress the outer gradient, push it, pull the result.
         While it runs the training thread leaves `state.feedback` and `anchor` alone."""
+        try:
+            return self._push_then_pull(link, state, anchor, local, meta)
+        finally:
+            state.pushed.set()  # also when the push never went out
+
+    def _push_then_pull(self, link: ShardLink, state: FragmentSync, anchor: torch.Tensor,
+                        local: torch.Tensor, meta: dict) -> SyncOutcome:
         started = time.perf_counter()
         fragment_id, version = meta["fragment_id"], meta["base_version"]
         if not link.joined:
@@ -277,6 +317,7 @@ class StreamingSync:
             return SyncOutcome(None, version)
         try:
             reply = link.client.push(values=payload, **meta)
+            state.pushed.set()
             outcome = SyncOutcome(None, version, reply.result, bytes_up=len(payload))
             if reply.result == pb.PUSH_RESULT_REFUSED_STALE:
                 # Too stale to merge: re-anchor to the current global value.
@@ -390,7 +431,8 @@ class StreamingSync:
                         log.info("rejoined shard %d", link.index)
                     held = {fid: v for fid, v in self.held_versions().items()
                             if self.plan.fragments[fid].shard == link.index}
-                    link.client.heartbeat(self.step, self.step_seconds, self.tokens_per_second, held)
+                    link.client.heartbeat(self.step, self.step_seconds, self.tokens_per_second, held,
+                                          sync_step=self.step + self.sync_offset)
                 except grpc.RpcError as exc:
                     if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                         with self._lock:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from learner.checkpoint import save_checkpoint
+from learner.checkpoint import checkpoint_bytes
 from learner.data import DataSource, build_data
 from learner.model import build_model
 from services.config import Config, InnerOptimizerConfig, TrainerConfig
@@ -123,15 +123,16 @@ class Trainer:
         """Mean loss over the fixed validation set."""
         self.model.eval()  # no dropout
         try:
-            losses = [self.model(x, y)[1].item() for x, y in self.data.validation_batches()]
+            with torch.no_grad():  # no graph to build: it is never backpropagated
+                losses = [self.model(x, y)[1].item() for x, y in self.data.validation_batches()]
         finally:
             self.model.train()
         return sum(losses) / len(losses)
 
-    def save(self, path: str | os.PathLike, extra: dict | None = None) -> None:
-        """Checkpoint the local state; `extra` carries the sync client's state."""
-        save_checkpoint(path, model=self.model, optimizer=self.optimizer, step=self.step,
-                        tokens=self.tokens, data_state=self.data.state_dict(), extra=extra or {})
+    def checkpoint(self, extra: dict | None = None) -> bytes:
+        """The local state as checkpoint bytes; `extra` carries the sync client's state."""
+        return checkpoint_bytes(model=self.model, optimizer=self.optimizer, step=self.step,
+                                tokens=self.tokens, data_state=self.data.state_dict(), extra=extra or {})
 
     def restore(self, checkpoint: dict) -> None:
         """Continue from a checkpoint (as load_checkpoint returns it) exactly where it was taken."""

@@ -145,8 +145,10 @@ class LearnerMetrics:
         self._model_parameters = parameters
         self.model_parameters.set(parameters)
 
-    def started(self, startup_seconds: float, restore_seconds: float) -> None:
-        self._add_badput("startup", startup_seconds)
+    def started(self, restore_seconds: float) -> None:
+        """Joined and restored: start-up is the time from serving /metrics until the restore
+        began (before serving, the process is not up: the rules count that time as down)."""
+        self._add_badput("startup", time.monotonic() - self._serving_since - restore_seconds)
         self._add_badput("restore", restore_seconds)
 
     def watch_sync(self, held_versions: Callable[[], Mapping[int, int]],

@@ -339,7 +339,8 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
     """The run's figures. Goodput = kept training compute / provisioned learner time: a learner
     is provisioned from the start of the run until its budget is spent, and its kept compute
     is its final step count times its mean step time (steps redone after a crash, waits,
-    start-up and down time are the badput)."""
+    start-up and down time are the badput; `other` is the rest of the provisioned time:
+    evaluations, checkpoints, the loop's own bookkeeping)."""
     statuses = [s for s in observer.last_status if s is not None]
     model_numel = sum(f.numel for s in statuses for f in s.fragments)
     badput = {"startup": 0.0, "restore": 0.0, "blocked": 0.0, "lost": 0.0, "down": 0.0}
@@ -396,7 +397,7 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
                           "stale_merged": int(counters.get("contributions.stale_merged", 0)),
                           "refused": int(refused)},
         "goodput": useful / provisioned_total if provisioned_total else 0.0,
-        "badput_seconds": badput,
+        "badput_seconds": {**badput, "other": max(0.0, provisioned_total - useful - sum(badput.values()))},
         "useful_seconds": useful,
         "provisioned_seconds": provisioned_total,
         "initial_eval_loss": min(first_evaluations)[3] if first_evaluations else None,

@@ -116,6 +116,8 @@ class LearnerView:
     staleness: int  # versions behind, summed over this shard's fragments it reported
     seconds_since_heartbeat: float
     tokens_per_second: float
+    sync_step: int
+    step_seconds: float
 
 
 @dataclass(frozen=True)
@@ -156,11 +158,13 @@ class ShardCore:
             return self.plan.digest, [self._view(state) for state in self.fragments.values()]
 
     def heartbeat(self, learner_id: str, incarnation: int, step: int = 0, step_seconds: float = 0.0,
-                  tokens_per_second: float = 0.0, held_versions: dict[int, int] | None = None) -> dict[int, int]:
+                  tokens_per_second: float = 0.0, held_versions: dict[int, int] | None = None,
+                  sync_step: int | None = None) -> dict[int, int]:
         """The current version of every owned fragment."""
         with self._counting():
             self.membership.heartbeat(learner_id, incarnation, self.clock(), step, step_seconds,
-                                      tokens_per_second, held_versions or {})
+                                      tokens_per_second, held_versions or {},
+                                      step if sync_step is None else sync_step)
             return {fid: state.version for fid, state in self.fragments.items()}
 
     def leave(self, learner_id: str, incarnation: int) -> None:
@@ -332,7 +336,7 @@ class ShardCore:
         learners = tuple(
             LearnerView(l.id, l.region, l.incarnation, l.alive, l.step,
                         sum(max(0, versions[f] - v) for f, v in l.held_versions.items() if f in versions),
-                        now - l.last_seen, l.tokens_per_second)
+                        now - l.last_seen, l.tokens_per_second, l.sync_step, l.step_seconds)
             for l in self.membership.learners(now))
         return ShardStatus(self.shard_index, self.plan.digest if self.plan else "",
                            tuple(self._view(state) for state in self.fragments.values()), learners,

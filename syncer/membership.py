@@ -32,6 +32,7 @@ class Learner:
     left: bool = False
     expired: bool = False  # set (and counted) the first time the lease is seen expired
     step: int = 0
+    sync_step: int = 0
     step_seconds: float = 0.0
     tokens_per_second: float = 0.0
     held_versions: dict[int, int] = field(default_factory=dict)  # fragment id -> version held
@@ -82,11 +83,11 @@ class Membership:
             learner.lease_expires = now + self._lease_seconds
 
     def heartbeat(self, learner_id: str, incarnation: int, now: float, step: int, step_seconds: float,
-                  tokens_per_second: float, held_versions: dict[int, int]) -> None:
+                  tokens_per_second: float, held_versions: dict[int, int], sync_step: int) -> None:
         self.authenticate(learner_id, incarnation, now)
         with self._lock:
             learner = self._learners[learner_id]
-            learner.step, learner.step_seconds = step, step_seconds
+            learner.step, learner.step_seconds, learner.sync_step = step, step_seconds, sync_step
             learner.tokens_per_second = tokens_per_second
             learner.held_versions = dict(held_versions)
 

@@ -82,7 +82,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         self.guard.check_learner(context, request.learner_id)
         versions = self.core.heartbeat(request.learner_id, request.incarnation, request.step,
                                        request.step_seconds, request.tokens_per_second,
-                                       dict(request.held_versions))
+                                       dict(request.held_versions), request.sync_step)
         return pb.HeartbeatResponse(lease_seconds=self.core.cfg.syncer.lease_seconds, versions=versions)
 
     @_answer_refusals
@@ -140,7 +140,8 @@ class SyncerServicer(pb_grpc.SyncerServicer):
             learners=[pb.LearnerStatus(
                 learner_id=l.id, region=l.region, incarnation=l.incarnation, alive=l.alive,
                 last_step=l.step, staleness=l.staleness, seconds_since_heartbeat=l.seconds_since_heartbeat,
-                tokens_per_second=l.tokens_per_second) for l in status.learners],
+                tokens_per_second=l.tokens_per_second, sync_step=l.sync_step, step_seconds=l.step_seconds)
+                for l in status.learners],
             counters=wire_counters(status.counters))
 
 

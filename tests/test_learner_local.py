@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.checkpoint import load_checkpoint, save_checkpoint
+from learner.checkpoint import CheckpointWriter, checkpoint_bytes, load_checkpoint, save_checkpoint
 from learner.data import (FILE_SEPARATOR, CorpusShard, build_data, is_validation, load_corpus,
                           read_corpus)
 from learner.model import build_model
@@ -214,7 +214,9 @@ def test_checkpoint_resumes_bit_for_bit(state_dir, tmp_path):
     for _ in range(5):
         uninterrupted.train_step()
     extra = {"anchors": {"3": torch.arange(4.0)}, "versions": [2, 5], "incarnation": "abc"}
-    uninterrupted.save(tmp_path / "learner.ckpt", extra=extra)
+    writer = CheckpointWriter(tmp_path / "learner.ckpt")
+    writer.write(uninterrupted.checkpoint(extra=extra))  # on its own thread
+    writer.wait()
     expected = [uninterrupted.train_step().loss for _ in range(2)]
 
     resumed = Trainer.from_config(cfg, "learner-1")
@@ -226,6 +228,22 @@ def test_checkpoint_resumes_bit_for_bit(state_dir, tmp_path):
         assert torch.equal(param, named_parameters(resumed.model)[name])
     assert torch.equal(checkpoint["extra"]["anchors"]["3"], extra["anchors"]["3"])
     assert checkpoint["extra"]["versions"] == [2, 5] and checkpoint["extra"]["incarnation"] == "abc"
+
+
+def test_the_checkpoint_writer_keeps_order_and_reports_a_failed_write(tmp_path):
+    model = build_model(GPTConfig(**TINY_GPT), seed=0)
+    optimizer = torch.optim.AdamW(model.parameters())
+    writer = CheckpointWriter(tmp_path / "learner.ckpt")
+    for step in range(3):
+        writer.write(checkpoint_bytes(model=model, optimizer=optimizer, step=step, tokens=0, data_state={}, extra={}))
+    writer.wait()
+    assert load_checkpoint(tmp_path / "learner.ckpt")["step"] == 2
+    (tmp_path / "blocked").write_text("a file where the checkpoint's folder should be")
+    failing = CheckpointWriter(tmp_path / "blocked" / "learner.ckpt")
+    failing.write(b"never written")
+    with pytest.raises(OSError):
+        failing.wait()
+    failing.wait()  # raised once
 
 
 def test_damaged_checkpoints_are_refused(state_dir, tmp_path, caplog):

@@ -136,7 +136,7 @@ class JoinResponse(_message.Message):
     def __init__(self, shard_index: _Optional[int] = ..., plan_digest: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentInfo, _Mapping]]] = ..., settings: _Optional[_Union[ClusterSettings, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("learner_id", "incarnation", "step", "step_seconds", "tokens_per_second", "held_versions")
+    __slots__ = ("learner_id", "incarnation", "step", "step_seconds", "tokens_per_second", "held_versions", "sync_step")
     class HeldVersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -150,13 +150,15 @@ class HeartbeatRequest(_message.Message):
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     HELD_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_STEP_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     incarnation: int
     step: int
     step_seconds: float
     tokens_per_second: float
     held_versions: _containers.ScalarMap[int, int]
-    def __init__(self, learner_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., held_versions: _Optional[_Mapping[int, int]] = ...) -> None: ...
+    sync_step: int
+    def __init__(self, learner_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., held_versions: _Optional[_Mapping[int, int]] = ..., sync_step: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_seconds", "versions")
@@ -322,7 +324,7 @@ class FragmentStatus(_message.Message):
     def __init__(self, fragment_id: _Optional[int] = ..., numel: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., state_hash: _Optional[str] = ..., pending_contributions: _Optional[int] = ..., last_round: _Optional[_Union[RoundInfo, _Mapping]] = ...) -> None: ...
 
 class LearnerStatus(_message.Message):
-    __slots__ = ("learner_id", "region", "incarnation", "alive", "last_step", "staleness", "seconds_since_heartbeat", "tokens_per_second")
+    __slots__ = ("learner_id", "region", "incarnation", "alive", "last_step", "staleness", "seconds_since_heartbeat", "tokens_per_second", "sync_step", "step_seconds")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +333,8 @@ class LearnerStatus(_message.Message):
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    SYNC_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     region: str
     incarnation: int
@@ -339,7 +343,9 @@ class LearnerStatus(_message.Message):
     staleness: int
     seconds_since_heartbeat: float
     tokens_per_second: float
-    def __init__(self, learner_id: _Optional[str] = ..., region: _Optional[str] = ..., incarnation: _Optional[int] = ..., alive: _Optional[bool] = ..., last_step: _Optional[int] = ..., staleness: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
+    sync_step: int
+    step_seconds: float
+    def __init__(self, learner_id: _Optional[str] = ..., region: _Optional[str] = ..., incarnation: _Optional[int] = ..., alive: _Optional[bool] = ..., last_step: _Optional[int] = ..., staleness: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., sync_step: _Optional[int] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("shard_index", "plan_digest", "fragments", "learners", "counters")
