@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from concurrent.futures import Future
 from typing import Callable, Iterator, TypeVar
 
 import grpc
@@ -69,27 +70,22 @@ class CallGuard:
         ends the call, which ends that thread's iteration with an error before the core has
         changed anything. Only the start and the end cross threads, not every chunk."""
         pace = _PushPace(self, requests, context)
-        result: list = []
+        outcome: Future = Future()
 
         def run() -> None:
             try:
-                result.append((True, push(pace.requests())))
+                outcome.set_result(push(pace.requests()))
             except BaseException as error:  # the handler raises it
-                result.append((False, error))
+                outcome.set_exception(error)
 
-        worker = threading.Thread(target=run, name="push", daemon=True)
-        worker.start()
+        threading.Thread(target=run, name="push", daemon=True).start()
         while True:
-            worker.join(pace.seconds_to_next_check())
-            if result:
-                succeeded, value = result[0]
-                if succeeded:
-                    return value
-                raise value
-            refusal = pace.cut_off_if_late()
-            if refusal is not None:
-                self.counters.add(f"refusals.{refusal.reason}")
-                raise refusal
+            try:
+                return outcome.result(pace.seconds_to_next_check())
+            except TimeoutError:
+                if outcome.done():
+                    raise  # the push's own error
+            self._counted(pace.cut_off_if_late())
 
     def _check_push_header(self, context: grpc.ServicerContext, header: pb.PushHeader) -> None:
         refusal = self._learner_refusal(context, header.learner_id)
