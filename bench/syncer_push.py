@@ -20,7 +20,8 @@ Each round has three timed phases:
    the client), the pull path alone.
 The raw baseline streams the same payloads with the same message types and chunking to a
 server per shard that only counts the bytes, and pulls them back from it (it streams the last
-payload pushed for the fragment), started the same way as the shards (their own processes).
+payload pushed for the fragment), started the same way as the shards (their own processes,
+the shards' malloc settings).
 The in-process baseline does one round's arithmetic in this process after every shard round:
 decode every contribution, radial-directional merge, Nesterov step, int4 encode with error
 feedback, apply.
@@ -59,6 +60,7 @@ from services.config import RpcConfig, load_config  # noqa: E402
 from services.payload import iter_chunks  # noqa: E402
 from services.rpc import Server  # noqa: E402
 from services.wire import pb, pb_grpc  # noqa: E402
+from syncer.main import keep_freed_memory  # noqa: E402
 from syncer.merge import RoundAccumulator  # noqa: E402
 from syncer.outer import OuterOptimizer  # noqa: E402
 
@@ -87,6 +89,7 @@ class Sink(pb_grpc.SyncerServicer):
 
 
 def serve_sink(port: int) -> None:
+    keep_freed_memory()  # the shard's malloc settings: the ratio is the push path's own work
     server = Server(RpcConfig(), ["diloco.v1.Syncer"])  # the shard's message limits and keepalive
     pb_grpc.add_SyncerServicer_to_server(Sink(), server.grpc_server)
     server.start(f"127.0.0.1:{port}")
