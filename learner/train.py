@@ -118,7 +118,6 @@ class Trainer:
         return StepStats(loss=loss.item(), tokens=x.numel(), seconds=time.perf_counter() - started,
                          lr=lr, grad_norm=grad_norm.item())
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over the fixed validation set."""
         self.model.eval()  # no dropout
