@@ -21,13 +21,15 @@ import threading
 import torch
 from torch import nn
 
+from learner.adamw import AdamW
+
 log = logging.getLogger(__name__)
 
 _MAGIC = b"diloco-learner-checkpoint/1\n"
 _DIGEST_BYTES = 32  # sha256
 
 
-def checkpoint_bytes(*, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, tokens: int,
+def checkpoint_bytes(*, model: nn.Module, optimizer: AdamW, step: int, tokens: int,
                      data_state: dict, extra: dict) -> bytes:
     """The checkpoint's bytes: a copy of the state as it is now, so training may go on while
     they are written. `data_state` and `extra` may hold tensors and plain Python containers,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from learner.adamw import AdamW
 from learner.checkpoint import checkpoint_bytes
 from learner.data import DataSource, build_data
 from learner.model import build_model
@@ -59,14 +60,14 @@ def manifest(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     return [(name, tuple(param.shape)) for name, param in model.named_parameters()]
 
 
-def make_optimizer(model: nn.Module, opt: InnerOptimizerConfig) -> torch.optim.AdamW:
+def make_optimizer(model: nn.Module, opt: InnerOptimizerConfig) -> AdamW:
     # nanoGPT: weight decay on matrices and embeddings (dim >= 2), none on biases and norms.
     params = named_parameters(model).values()
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": opt.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2))
+    return AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2))
 
 
 class Trainer:
@@ -105,7 +106,7 @@ class Trainer:
             group["lr"] = lr
         x, y = self.data.next_batch()
         _, loss = self.forward_module(x, y)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         loss.backward()
         # With clipping off the norm is still measured (max_norm=inf scales by exactly 1).
         max_norm = self.cfg.inner_optimizer.grad_clip or math.inf

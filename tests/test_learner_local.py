@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from learner.adamw import AdamW
 from learner.checkpoint import CheckpointWriter, checkpoint_bytes, load_checkpoint, save_checkpoint
 from learner.data import (FILE_SEPARATOR, CorpusShard, build_data, is_validation, load_corpus,
                           read_corpus)
@@ -173,6 +174,58 @@ def test_trainer_applies_the_schedule_and_decays_only_matrices(state_dir):
     assert all(p.dim() >= 2 for p in decayed["params"]) and all(p.dim() < 2 for p in undecayed["params"])
 
 
+def adamw_pair(seed: int):
+    """The same model twice, one under our AdamW and one under torch.optim.AdamW, with a
+    decayed and an undecayed group and a gradient that changes every step."""
+    pairs = []
+    for _ in range(2):
+        model = build_model(GPTConfig(**TINY_GPT), seed=seed)
+        pairs.append((model, [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]))
+    (ours, our_groups), (theirs, their_groups) = pairs
+    return (ours, AdamW(our_groups, lr=1e-3, betas=(0.9, 0.95))), \
+        (theirs, torch.optim.AdamW(their_groups, lr=1e-3, betas=(0.9, 0.95)))
+
+
+def adamw_steps(model, optimizer, steps: range) -> None:
+    for step in steps:
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-3 * (step + 1) / 5  # the schedule moves lr between steps
+        x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step))
+        model(x, x)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_adamw_matches_torch_optim_adamw_bit_for_bit():
+    (ours, our_optimizer), (theirs, their_optimizer) = adamw_pair(seed=3)
+    adamw_steps(ours, our_optimizer, range(5))
+    adamw_steps(theirs, their_optimizer, range(5))
+    for (name, mine), other in zip(ours.named_parameters(), theirs.parameters()):
+        assert torch.equal(mine, other), name
+    assert not torch.equal(next(ours.parameters()), next(build_model(GPTConfig(**TINY_GPT), seed=3).parameters()))
+
+
+def test_adamw_state_survives_a_checkpoint_and_refuses_another_model(tmp_path):
+    (model, optimizer), _ = adamw_pair(seed=4)
+    adamw_steps(model, optimizer, range(3))
+    save_checkpoint(tmp_path / "ckpt", model=model, optimizer=optimizer, step=3, tokens=0, data_state={}, extra={})
+    (resumed, resumed_optimizer), _ = adamw_pair(seed=4)
+    checkpoint = load_checkpoint(tmp_path / "ckpt")
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_optimizer.load_state_dict(checkpoint["optimizer"])
+    adamw_steps(model, optimizer, range(3, 5))
+    adamw_steps(resumed, resumed_optimizer, range(3, 5))
+    for mine, other in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(mine, other)
+    smaller = build_model(GPTConfig(**{**TINY_GPT, "n_embd": TINY_GPT["n_embd"] // 2}), seed=4)
+    other = AdamW([{"params": [p for p in smaller.parameters() if p.dim() >= 2]},
+                   {"params": [p for p in smaller.parameters() if p.dim() < 2]}], lr=1e-3)
+    with pytest.raises(ValueError, match="shape"):
+        other.load_state_dict(checkpoint["optimizer"])
+    assert other.state == {}  # refused whole: nothing half-loaded
+
+
 def test_grad_clipping_bounds_the_norm(state_dir):
     def grad_norm(model):
         return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
@@ -232,7 +285,7 @@ def test_checkpoint_resumes_bit_for_bit(state_dir, tmp_path):
 
 def test_the_checkpoint_writer_keeps_order_and_reports_a_failed_write(tmp_path):
     model = build_model(GPTConfig(**TINY_GPT), seed=0)
-    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer = AdamW([{"params": model.parameters()}], lr=1e-3)
     writer = CheckpointWriter(tmp_path / "learner.ckpt")
     for step in range(3):
         writer.write(checkpoint_bytes(model=model, optimizer=optimizer, step=step, tokens=0, data_state={}, extra={}))
@@ -250,7 +303,7 @@ def test_damaged_checkpoints_are_refused(state_dir, tmp_path, caplog):
     model = build_model(GPTConfig(**TINY_GPT), seed=0)
     path = tmp_path / "learner.ckpt"
     assert load_checkpoint(path) is None  # none yet: a first start
-    save_checkpoint(path, model=model, optimizer=torch.optim.AdamW(model.parameters()), step=1,
+    save_checkpoint(path, model=model, optimizer=AdamW([{"params": model.parameters()}], lr=1e-3), step=1,
                     tokens=2, data_state={}, extra={})
     assert load_checkpoint(path)["step"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["learner.ckpt"]  # no temporary file left
