@@ -255,9 +255,11 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
             for i, proc in enumerate(cluster.learners):
                 if proc.name in finished_at or i in learner_chaos.down:
                     continue
-                phase = _read_json(cluster.learner_report_path(proc.name)).get("phase")
-                if phase in ("catching_up", "done"):  # budget spent: now only following the run
-                    finished_at[proc.name] = now
+                report = _read_json(cluster.learner_report_path(proc.name))
+                if report.get("phase") in ("catching_up", "done"):  # budget spent: now only following the run
+                    # Provisioned until the learner finished, not until this loop noticed.
+                    lives = report.get("incarnations") or [{}]
+                    finished_at[proc.name] = lives[-1].get("training_finished_at", now)
                     learner_chaos.retire(i)
                 elif proc.returncode is not None:  # crashed by itself: restart like chaos would
                     log.warning("learner %s exited with %s; restarting", proc.name, proc.returncode)
