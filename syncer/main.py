@@ -42,8 +42,8 @@ def keep_freed_memory() -> None:
     Pushes are received on many threads, each allocating from a heap of its own arena; the
     trim threshold does not stop glibc from unmapping such a heap once it is all free, only
     the top pad does. Without it each push faulted its megabytes in afresh: in
-    bench/syncer_push.py, 55 to 77 thousand page faults per round's push window against 9 to
-    11 thousand with it, and a third less CPU."""
+    bench/syncer_push.py, 55 to 77 thousand page faults per round's push window against 8 to
+    12 thousand with it (after the first round), and a third less CPU."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc: its allocator keeps its own counsel
