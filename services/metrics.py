@@ -52,7 +52,7 @@ LEARNER_BADPUT = ("startup", "restore", "blocked", "lost")
 # label name, and the label values exported as 0 before they first happen, so that rates and
 # dashboards have a series from the start. Refusal reasons are open-ended.
 SYNCER_COUNTER_FAMILIES: dict[str, tuple[str | None, tuple[str, ...]]] = {
-    "contributions": ("result", ("accepted", "stale_merged", "refused_stale", "restored")),
+    "contributions": ("result", ("accepted", "stale_merged", "refused_stale", "refused", "restored")),
     "refusals": ("reason", ()),
     "rounds": ("reason", ("all", "quorum_grace")),
     "learners": ("event", ("joined", "rejoined", "left", "expired")),

@@ -380,8 +380,9 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
                                    "restarts": max(0, len(lives) - 1), "phase": report.get("phase"),
                                    "evaluations": report.get("evaluations", [])}
     counters = observer.counters()
-    refused = counters.get("contributions.refused_stale", 0) + sum(
-        v for k, v in counters.items() if k.startswith("refusals."))
+    # Refused contributions: too stale, or refused for any other reason once the header said
+    # outer gradient (refusals.* also counts lost seeding races, heartbeats, bad joins).
+    refused = counters.get("contributions.refused_stale", 0) + counters.get("contributions.refused", 0)
     # The run's first evaluation is of the seeded, untrained model; a learner that joins
     # later starts from an already trained global model.
     first_evaluations = [r["evaluations"][0] for r in reports.values() if r.get("evaluations")]

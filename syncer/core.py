@@ -183,21 +183,31 @@ class ShardCore:
             if first is None or first.WhichOneof("item") != "header":
                 raise Refusal("bad_stream", "INVALID_ARGUMENT", "a push starts with a PushHeader")
             header = first.header
-            state = self._check_header(header)
-            if header.kind == pb.PUSH_KIND_OUTER_GRADIENT:
-                with state.lock:
-                    staleness = state.staleness(_key(header))
-                    if staleness > self.cfg.syncer.max_staleness:
-                        return self._refuse_stale(state, staleness)
-            started = self.clock()
-            chunks = _receive(header.payload, requests)
-            transfer_seconds = self.clock() - started
-            if header.kind == pb.PUSH_KIND_SEED:
-                values = decode_payload(header.payload, b"".join(chunks))
-                _finite_norm(state, values)
-                return self._seed(state, header, values)
-            self._check_norm(state, header.payload, chunks)
-            return self._contribute(state, header, chunks, transfer_seconds)
+            try:
+                return self._push(header, requests)
+            except Refusal as refusal:
+                # A contribution refused. Not one: a seed that lost the race to seed its
+                # fragment, or the retry of a contribution already merged (a duplicate).
+                if header.kind == pb.PUSH_KIND_OUTER_GRADIENT and refusal.reason != "duplicate":
+                    self.counters.add("contributions.refused")
+                raise
+
+    def _push(self, header: pb.PushHeader, requests: Iterator[pb.PushRequest]) -> PushOutcome:
+        state = self._check_header(header)
+        if header.kind == pb.PUSH_KIND_OUTER_GRADIENT:
+            with state.lock:
+                staleness = state.staleness(_key(header))
+                if staleness > self.cfg.syncer.max_staleness:
+                    return self._refuse_stale(state, staleness)
+        started = self.clock()
+        chunks = _receive(header.payload, requests)
+        transfer_seconds = self.clock() - started
+        if header.kind == pb.PUSH_KIND_SEED:
+            values = decode_payload(header.payload, b"".join(chunks))
+            _finite_norm(state, values)
+            return self._seed(state, header, values)
+        self._check_norm(state, header.payload, chunks)
+        return self._contribute(state, header, chunks, transfer_seconds)
 
     def _check_header(self, header: pb.PushHeader) -> FragmentState:
         self.membership.authenticate(header.learner_id, header.incarnation, self.clock())

@@ -5,7 +5,8 @@ simulator; the metrics exporter turns `family.label` into `diloco_syncer_<family
 {label}`. They count since the process started, like any Prometheus counter: a restarted shard
 starts from zero (what survives a restart is the state itself, see store.py).
 
-Families: contributions.<result> (accepted, stale_merged, refused_stale, restored), seeds,
+Families: contributions.<result> (accepted, stale_merged, refused_stale, refused: any other
+refusal of an outer gradient once its header is read but a duplicate's, restored), seeds,
 refusals.<reason>, rounds.<close reason>, learners.<event> (joined, rejoined, left, expired),
 kept_compute_seconds.
 """

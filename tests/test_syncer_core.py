@@ -355,6 +355,8 @@ def test_duplicates_are_refused_in_the_open_round_and_after_the_merge():
         shard.push("b", 0, delta(3, n))
     shard.core.join("b", 2, "r", MANIFEST)  # a new process may contribute from the same base
     assert shard.push("b", 0, delta(4, n), incarnation=2).result == pb.PUSH_RESULT_STALE_MERGED
+    # A retried push that was merged already is no refused contribution.
+    assert "contributions.refused" not in shard.core.counters.snapshot()
 
 
 def test_the_first_seed_wins_and_unseeded_fragments_take_no_gradients():
@@ -373,4 +375,6 @@ def test_the_first_seed_wins_and_unseeded_fragments_take_no_gradients():
     with refused("ALREADY_EXISTS", "already_seeded"):
         shard.push("c", 0, second, kind=pb.PUSH_KIND_SEED)
     assert torch.equal(shard.value(), first) and shard.version() == 0
+    # The outer gradient pushed before any seed was a refused contribution; the seeds were not.
+    assert shard.core.counters.snapshot()["contributions.refused"] == 1
     assert shard.core.status().fragments[0].state_hash == state_hash(first)
