@@ -57,7 +57,7 @@ class AdamW:
 
     def state_dict(self) -> dict:
         """The state as torch.optim lays it out: parameters by their index across the groups
-        (the tensors themselves, not copies; checkpoint_bytes serialises them at once)."""
+        (the tensors themselves, not copies; checkpoint_state copies them)."""
         index = {p: i for i, p in enumerate(self._params())}
         return {
             "state": {index[p]: dict(state) for p, state in self.state.items()},

@@ -21,9 +21,9 @@ import signal
 import sys
 import threading
 import time
+from typing import Callable
 
 import grpc
-import psutil
 import torch
 import torch.distributed as dist
 
@@ -121,12 +121,15 @@ class Island:
 
     def close(self) -> None:
         if self.world_size > 1:
+            # Rank 0 is still catching up when the others finish training; a rank that tore the
+            # group down meanwhile was seen to abort in gloo (SIGABRT, once in a suite run).
+            dist.barrier()
             dist.destroy_process_group()
 
 
 def run(args: argparse.Namespace) -> int:
     # Start-up badput counts from the process's start: loading Python, torch and this code too.
-    started = time.monotonic() - (time.time() - psutil.Process().create_time())
+    started = process_started()
     try:
         cfg = load_config(args.config)
         learner = cfg.learner(args.learner_id)
@@ -183,8 +186,8 @@ def run(args: argparse.Namespace) -> int:
     report = Report(state_dir / "report.json", learner.id, learner.region, extra.get("report"))
     report.begin_incarnation(sync.incarnation if sync else 0, trainer.step, startup_seconds,
                              restore_seconds, sync.stats.versions_behind_at_join if sync else 0)
-    if island.leader:
-        save(trainer, sync, report, checkpoints)  # so this incarnation's record survives a kill
+    if island.leader:  # so this incarnation's record survives a kill
+        timed("checkpoint", lambda: save(trainer, sync, report, checkpoints), report, metrics)
     try:
         train(cfg, args, trainer, sync, island, plan, params, report, stop, checkpoints, metrics)
     finally:
@@ -208,7 +211,7 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
         report.evaluation(trainer.step, trainer.tokens * island.world_size, trainer.evaluate())
 
     if island.leader and not report.evaluations:
-        evaluate()  # the starting point of the loss curve
+        timed("evaluation", evaluate, report, metrics)  # the starting point of the loss curve
     while budget_left() and not island.stopping(stop):
         step = trainer.step
         step_started = time.perf_counter()
@@ -223,9 +226,9 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
         if args.verify_island and applied:
             island.verify_identical(params)
         if island.leader and trainer.step % budget.eval_every == 0:
-            evaluate()
+            timed("evaluation", evaluate, report, metrics)
         if island.leader and trainer.step % budget.checkpoint_every == 0:
-            save(trainer, sync, report, checkpoints)
+            timed("checkpoint", lambda: save(trainer, sync, report, checkpoints), report, metrics)
             report.write("training", trainer, sync, island)  # what it keeps, should it die before the end
     if not island.leader:
         return
@@ -249,6 +252,16 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
              trainer.step)
 
 
+def process_started() -> float:
+    """When this process started, on time.monotonic's clock. /proc/self/stat's start time is in
+    clock ticks since boot, the clock CLOCK_BOOTTIME reads. (psutil's create_time adds the boot
+    time of /proc/stat, which is whole seconds: a start-up measured with it was up to 1 s long.)"""
+    fields = pathlib.Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    start_ticks = int(fields[19])  # field 22, starttime; the split began at field 3
+    age = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    return time.monotonic() - age
+
+
 def last_step_seen_by_shards(cfg: Config, learner_id: str, identity: Identity | None) -> int:
     """The step this learner's previous incarnation last reported in a heartbeat, as far as any
     shard remembers it (0 when none does: first start, or the shards restarted too). It lags the
@@ -268,6 +281,17 @@ def mean_step_seconds(incarnations: list[dict]) -> float | None:
     """Mean compute seconds per step of the lives a checkpoint recorded (None: no step recorded)."""
     steps = sum(life.get("steps", 0) for life in incarnations)
     return sum(life.get("compute_seconds", 0.0) for life in incarnations) / steps if steps else None
+
+
+def timed(category: str, work: Callable[[], None], report: Report, metrics: LearnerMetrics | None) -> None:
+    """Runs `work` (an evaluation or a checkpoint while training) and counts its time as that
+    badput category."""
+    started = time.perf_counter()
+    work()
+    seconds = time.perf_counter() - started
+    report.spent(category, seconds)
+    if metrics:
+        metrics.spent(category, seconds)
 
 
 def save(trainer: Trainer, sync: StreamingSync | None, report: Report, checkpoints: CheckpointWriter) -> None:
@@ -301,8 +325,12 @@ class Report:
         self.current = {"incarnation": incarnation, "started": time.time(), "restored_step": restored_step,
                         "startup_seconds": startup, "restore_seconds": restore,
                         "versions_behind_at_join": behind, "steps": 0, "compute_seconds": 0.0,
-                        "loop_seconds": 0.0}
+                        "loop_seconds": 0.0, "evaluation_seconds": 0.0, "checkpoint_seconds": 0.0}
         self.incarnations.append(self.current)
+
+    def spent(self, category: str, seconds: float) -> None:
+        """Training-time work besides steps: category "evaluation" or "checkpoint"."""
+        self.current[f"{category}_seconds"] += seconds
 
     def step(self, compute_seconds: float, loop_seconds: float) -> None:
         self.current["steps"] += 1
@@ -321,7 +349,7 @@ class Report:
                 blocked_seconds=stats.blocked_seconds, bytes_up=stats.bytes_up, bytes_down=stats.bytes_down,
                 transfer_seconds=stats.transfer_seconds, syncs_started=stats.syncs_started,
                 syncs_applied=stats.syncs_applied, syncs_skipped=stats.syncs_skipped,
-                syncs_late=stats.syncs_late, refused_stale=stats.refused_stale)
+                syncs_late=stats.syncs_late, held_steps=stats.held_steps, refused_stale=stats.refused_stale)
 
     def write(self, phase: str, trainer: Trainer, sync: StreamingSync | None, island: Island) -> None:
         """phase: "training", "catching_up" (budget spent) or "done"."""

@@ -1,15 +1,22 @@
 """Streaming fragment sync: the learner's side of the outer loop.
 
 After every inner step the training loop calls `after_step(step, tokens, seconds)`.
-Fragment p starts syncing after step t when `t % H == t_p`: its outer gradient
-`anchor_p - theta_p` is compressed (with error feedback) and pushed, and the new
+Fragment p starts syncing after step t when `(t + sync_offset) % H == t_p`: its outer
+gradient `anchor_p - theta_p` is compressed (with error feedback) and pushed, and the new
 global value is pulled, all on a background thread while training goes on. tau
 steps later the result is applied:
 `theta_p <- alpha*theta_p + (1-alpha)*g_p`, `anchor_p <- g_p`. The loop blocks
 only when the result is late, and that wait is measured as badput. It blocks for at most
 `sync.max_block_seconds` per sync, then trains on and applies the result after the first
-step that finds it in: a round waits for its contributors, and learners that each wait
-for a round the other has yet to contribute to would otherwise wait for ever.
+step that finds it in, keeping the steps trained past the apply step: a round waits for
+its contributors, and learners that each wait for a round the other has yet to
+contribute to would otherwise wait for ever.
+
+A result is late because the others reached the round after this learner did. Rather than
+wait at every round, a learner that found a result late lets its sync schedule stand still
+for as many steps as it was ahead (`held_steps`), training on, so that its syncs fall back
+into phase with theirs. Learners start seconds apart and their step times wander; without
+this only waiting brings them back into phase.
 
 A shard that cannot be reached never stops training: the sync is skipped (the
 next outer gradient still carries all local progress, since it is taken against
@@ -59,6 +66,18 @@ class FragmentSync:
     pushed: threading.Event = field(default_factory=threading.Event)  # the in-flight push was answered
     apply_at: int = -1  # the step after which the in-flight result is applied
     blocked_seconds: float = 0.0  # how long the loop has waited for the in-flight result
+    late: LateResult | None = None  # set once the in-flight result missed its apply step
+    held_at_start: int = 0  # SyncStats.held_steps when the in-flight sync started
+
+
+@dataclass
+class LateResult:
+    """The fragment and its counters as they were after the apply step of a result that was
+    not in by then: the steps trained since are kept on top of the result (_merge_into_model)
+    and carried by the next outer gradient."""
+    local_at_apply: torch.Tensor
+    steps_at_apply: int
+    tokens_at_apply: int
 
 
 @dataclass
@@ -79,6 +98,7 @@ class SyncStats:
     syncs_applied: int = 0
     syncs_skipped: int = 0  # shard unreachable: progress kept for the next sync
     syncs_late: int = 0  # applied after the loop stopped waiting for them
+    held_steps: int = 0  # steps the sync schedule stood still to fall back into phase
     refused_stale: int = 0
     blocked_seconds: float = 0.0
     bytes_up: int = 0
@@ -118,6 +138,7 @@ class StreamingSync:
         self.stats = SyncStats()
         self.step = 0
         self.sync_offset = 0  # this learner's sync schedule runs at step + sync_offset (see start)
+        self._hold = 0  # steps the schedule is yet to stand still (see _finish_sync)
         self.step_seconds = 0.0
         self.tokens_per_second = 0.0
         self._lock = threading.Lock()  # guards link.joined and heartbeat-visible fields
@@ -245,12 +266,17 @@ class StreamingSync:
         for state in self.fragments.values():
             state.steps_since_sync += 1
             state.tokens_since_sync += tokens
-        for fragment in self.plan.due_at(step + self.sync_offset):
-            state = self.fragments[fragment.id]
-            # Never two syncs of one fragment in flight (only possible if tau >= H, which
-            # the config refuses).
-            if state.in_flight is None:
-                self._start_sync(state, apply_at=step + self.cfg.sync.overlap_steps)
+        if self._hold:  # the schedule stands still this step: no sync falls due
+            self._hold -= 1
+            self.sync_offset -= 1
+            self.stats.held_steps += 1
+        else:
+            for fragment in self.plan.due_at(step + self.sync_offset):
+                state = self.fragments[fragment.id]
+                # Never two syncs of one fragment in flight (only possible if tau >= H, which
+                # the config refuses).
+                if state.in_flight is None:
+                    self._start_sync(state, apply_at=step + self.cfg.sync.overlap_steps)
         applied = []
         for state in self.fragments.values():
             if state.in_flight is not None and state.apply_at <= step:
@@ -292,6 +318,7 @@ class StreamingSync:
                                             state.anchor, local, meta)
         state.apply_at = apply_at
         state.blocked_seconds = 0.0
+        state.held_at_start = self.stats.held_steps
         self.stats.syncs_started += 1
 
     def _push_and_pull(self, link: ShardLink, state: FragmentSync, anchor: torch.Tensor,
@@ -363,20 +390,22 @@ class StreamingSync:
         long as it takes). Returns whether a new global value was applied; False also while
         the result is still out (it stays in flight)."""
         future = state.in_flight
-        if not future.done():
-            if wait_limit == 0:
-                return False
+        if not future.done() and wait_limit != 0:
             started = time.perf_counter()
             wait([future], timeout=wait_limit)
             waited = time.perf_counter() - started
             state.blocked_seconds += waited
             self.stats.blocked_seconds += waited
-            if not future.done():
-                log.info("fragment %d: result still out after %.1fs; training on", state.fragment.id,
+        if not future.done():
+            if state.late is None:
+                log.debug("fragment %d: result still out after %.2fs; training on", state.fragment.id,
                          state.blocked_seconds)
-                return False
+                state.late = LateResult(gather(state.fragment, self.params), state.steps_since_sync,
+                                        state.tokens_since_sync)
+            return False
         outcome: SyncOutcome = future.result()
-        if self.step - 1 > state.apply_at:
+        late_steps = self.step - 1 - state.apply_at
+        if late_steps > 0:
             self.stats.syncs_late += 1
         state.in_flight = None
         self.stats.bytes_up += outcome.bytes_up
@@ -384,23 +413,49 @@ class StreamingSync:
         self.stats.transfer_seconds += outcome.seconds
         name = pb.PushResult.Name(outcome.push_result)
         self.stats.push_results[name] = self.stats.push_results.get(name, 0) + 1
+        late, state.late = state.late, None
         if outcome.anchor is None:
             self.stats.syncs_skipped += 1
             return False
         if outcome.push_result == pb.PUSH_RESULT_REFUSED_STALE:
             self.stats.refused_stale += 1
             state.feedback.residual.zero_()  # what it held was built on a stale anchor
-        self._merge_into_model(state.fragment, outcome.anchor)
+        # How far ahead of the round's last contributor this learner was: the steps it trained
+        # past the apply step plus the steps it could have trained while it waited.
+        waited_steps = round(state.blocked_seconds / self.step_seconds) if self.step_seconds > 0 else 0
+        if late_steps + waited_steps > 0:
+            self._fall_back_into_phase(late_steps + waited_steps - (self.stats.held_steps - state.held_at_start))
+        self._merge_into_model(state.fragment, outcome.anchor, late.local_at_apply if late else None)
         state.anchor, state.version = outcome.anchor, outcome.version
-        state.steps_since_sync = state.tokens_since_sync = 0
+        state.steps_since_sync -= late.steps_at_apply if late else state.steps_since_sync
+        state.tokens_since_sync -= late.tokens_at_apply if late else state.tokens_since_sync
         self.stats.syncs_applied += 1
         return True
 
-    def _merge_into_model(self, fragment: Fragment, global_value: torch.Tensor) -> None:
+    def _fall_back_into_phase(self, lead_steps: int) -> None:
+        """A round's result came `lead_steps` steps (beyond tau, net of the steps held since its
+        sync started) after this learner needed it: the others reached the round that much
+        later, and every sync of this learner would keep finding its result late, waiting or
+        training on without it. Instead, its schedule stands still that many steps while it
+        trains on: its next syncs start when theirs do. At most H / 2P steps at a time, so that
+        one very late round (a member that died holds it for its lease) cannot stop this
+        learner syncing."""
+        cap = self.cfg.sync.interval_steps // (2 * self.cfg.sync.fragments)
+        self._hold = max(self._hold, min(lead_steps, cap))
+
+    def _merge_into_model(self, fragment: Fragment, global_value: torch.Tensor,
+                          local_at_apply: torch.Tensor | None = None) -> None:
+        """theta_p <- alpha*theta_p + (1-alpha)*g_p. A late result (`local_at_apply` given) is
+        merged with the fragment as it was at its apply step, and the steps trained since are
+        added back: applying late then discards no more local progress than applying on time,
+        and the next outer gradient carries those steps."""
         alpha = self.cfg.sync.mix_alpha
         local = gather(fragment, self.params)
-        scatter(fragment, global_value if alpha == 0 else alpha * local + (1 - alpha) * global_value,
-                self.params)
+        at_apply = local if local_at_apply is None else local_at_apply
+        merged = global_value if alpha == 0 else alpha * at_apply + (1 - alpha) * global_value
+        if local_at_apply is not None:
+            merged = merged + (local - local_at_apply)
+        scatter(fragment, merged, self.params)
 
     # ---- heartbeats, leave, final state ---------------------------------------------
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from learner.adamw import AdamW
-from learner.checkpoint import checkpoint_bytes
+from learner.checkpoint import checkpoint_state
 from learner.data import DataSource, build_data
 from learner.model import build_model
 from services.config import Config, InnerOptimizerConfig, TrainerConfig
@@ -129,9 +129,9 @@ class Trainer:
             self.model.train()
         return sum(losses) / len(losses)
 
-    def checkpoint(self, extra: dict | None = None) -> bytes:
-        """The local state as checkpoint bytes; `extra` carries the sync client's state."""
-        return checkpoint_bytes(model=self.model, optimizer=self.optimizer, step=self.step,
+    def checkpoint(self, extra: dict | None = None) -> dict:
+        """A copy of the local state for CheckpointWriter; `extra` carries the sync client's state."""
+        return checkpoint_state(model=self.model, optimizer=self.optimizer, step=self.step,
                                 tokens=self.tokens, data_state=self.data.state_dict(), extra=extra or {})
 
     def restore(self, checkpoint: dict) -> None:

@@ -13,9 +13,10 @@ Goodput (DESIGN.md §5) as a learner measures it, all in seconds:
   goodput      compute seconds of inner steps
   badput       startup (serving -> checkpoint loaded), restore (join + pull), blocked (waiting
                for a fragment past tau), lost (steps a restarted learner redoes, counted by the
-               new process; stale-refused contributions)
+               new process; stale-refused contributions), evaluation and checkpoint (the
+               training loop's evaluations and checkpoint copies)
 The rules add `down` (from `up`) and `overhead` (provisioned time in none of the above:
-evaluation, checkpoints, sync bookkeeping on the training thread).
+sync bookkeeping on the training thread, the loop itself).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
                 30.0, 60.0)
 
 # Badput categories a learner measures itself; `down` and `overhead` come from the rules.
-LEARNER_BADPUT = ("startup", "restore", "blocked", "lost")
+LEARNER_BADPUT = ("startup", "restore", "blocked", "lost", "evaluation", "checkpoint")
 
 # The families of syncer/counters.py (`family.label` -> diloco_syncer_<family>_total{label}):
 # label name, and the label values exported as 0 before they first happen, so that rates and
@@ -173,6 +174,10 @@ class LearnerMetrics:
         self.tokens.inc(tokens)
         self.step_seconds.observe(compute_seconds)
         self.step.set(step)
+
+    def spent(self, category: str, seconds: float) -> None:
+        """Training-time work besides steps: category "evaluation" or "checkpoint"."""
+        self._add_badput(category, seconds)
 
     def training_finished(self) -> None:
         with self._lock:

@@ -341,11 +341,12 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
     """The run's figures. Goodput = kept training compute / provisioned learner time: a learner
     is provisioned from the start of the run until its budget is spent, and its kept compute
     is its final step count times its mean step time (steps redone after a crash, waits,
-    start-up and down time are the badput; `other` is the rest of the provisioned time:
-    evaluations, checkpoints, the loop's own bookkeeping)."""
+    start-up, down time, evaluations and checkpoint copies are the badput; `other` is the
+    rest of the provisioned time: the loop's own bookkeeping, starting and applying syncs)."""
     statuses = [s for s in observer.last_status if s is not None]
     model_numel = sum(f.numel for s in statuses for f in s.fragments)
-    badput = {"startup": 0.0, "restore": 0.0, "blocked": 0.0, "lost": 0.0, "down": 0.0}
+    badput = {"startup": 0.0, "restore": 0.0, "blocked": 0.0, "lost": 0.0, "down": 0.0,
+              "evaluation": 0.0, "checkpoint": 0.0}
     useful = provisioned_total = 0.0
     links, per_learner = {}, {}
     totals = {"tokens": 0, "inner_steps": 0, "bytes_up": 0, "bytes_down": 0}
@@ -365,6 +366,8 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         badput["restore"] += total("restore_seconds")
         badput["blocked"] += total("blocked_seconds")
         badput["down"] += learner_chaos.down_seconds[index]
+        badput["evaluation"] += total("evaluation_seconds")
+        badput["checkpoint"] += total("checkpoint_seconds")
         # Work lost: steps a killed process ran past the checkpoint its successor restored.
         kills = [e for e in learner_chaos.events if e["event"] == "kill" and e["index"] == index]
         for kill, successor in zip(kills, lives[1:]):

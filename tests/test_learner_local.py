@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from learner.adamw import AdamW
-from learner.checkpoint import CheckpointWriter, checkpoint_bytes, load_checkpoint, save_checkpoint
+from learner.checkpoint import CheckpointWriter, checkpoint_state, load_checkpoint, save_checkpoint
 from learner.data import (FILE_SEPARATOR, CorpusShard, build_data, is_validation, load_corpus,
                           read_corpus)
 from learner.model import build_model
@@ -268,9 +268,10 @@ def test_checkpoint_resumes_bit_for_bit(state_dir, tmp_path):
         uninterrupted.train_step()
     extra = {"anchors": {"3": torch.arange(4.0)}, "versions": [2, 5], "incarnation": "abc"}
     writer = CheckpointWriter(tmp_path / "learner.ckpt")
-    writer.write(uninterrupted.checkpoint(extra=extra))  # on its own thread
+    writer.write(uninterrupted.checkpoint(extra=extra))  # a copy: serialised and written on its own thread
+    expected = [uninterrupted.train_step().loss for _ in range(2)]  # while training goes on
+    extra["versions"].append(6)
     writer.wait()
-    expected = [uninterrupted.train_step().loss for _ in range(2)]
 
     resumed = Trainer.from_config(cfg, "learner-1")
     checkpoint = load_checkpoint(tmp_path / "learner.ckpt")
@@ -281,6 +282,7 @@ def test_checkpoint_resumes_bit_for_bit(state_dir, tmp_path):
         assert torch.equal(param, named_parameters(resumed.model)[name])
     assert torch.equal(checkpoint["extra"]["anchors"]["3"], extra["anchors"]["3"])
     assert checkpoint["extra"]["versions"] == [2, 5] and checkpoint["extra"]["incarnation"] == "abc"
+    assert checkpoint["step"] == 5
 
 
 def test_the_checkpoint_writer_keeps_order_and_reports_a_failed_write(tmp_path):
@@ -288,12 +290,12 @@ def test_the_checkpoint_writer_keeps_order_and_reports_a_failed_write(tmp_path):
     optimizer = AdamW([{"params": model.parameters()}], lr=1e-3)
     writer = CheckpointWriter(tmp_path / "learner.ckpt")
     for step in range(3):
-        writer.write(checkpoint_bytes(model=model, optimizer=optimizer, step=step, tokens=0, data_state={}, extra={}))
+        writer.write(checkpoint_state(model=model, optimizer=optimizer, step=step, tokens=0, data_state={}, extra={}))
     writer.wait()
     assert load_checkpoint(tmp_path / "learner.ckpt")["step"] == 2
     (tmp_path / "blocked").write_text("a file where the checkpoint's folder should be")
     failing = CheckpointWriter(tmp_path / "blocked" / "learner.ckpt")
-    failing.write(b"never written")
+    failing.write({"step": 0})
     with pytest.raises(OSError):
         failing.wait()
     failing.wait()  # raised once
@@ -373,3 +375,72 @@ def test_learner_command_refuses_an_unknown_id_or_a_wrong_region():
                                  "--learner-id", learner_id, "--region", region],
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+# --- sync: applying a round's result ------------------------------------------------------
+
+def _sync_with_a_held_result(tmp_path, monkeypatch):
+    """A StreamingSync of one fragment (H 4, tau 1, never blocking) whose push + pull is
+    replaced by one that returns the global value 100 once `release` is set."""
+    import threading
+    from learner.sync import FragmentSync, StreamingSync, SyncOutcome
+    from services.codecs import ErrorFeedback, get_codec
+    from services.fragments import plan_for_config
+    from services.wire import pb
+    from tests.cluster_config import tiny_cluster
+
+    cfg = tiny_cluster(tmp_path, shards=1, learners=1, tls={"mode": "plaintext"},
+                       sync={"fragments": 1, "interval_steps": 4, "overlap_steps": 1, "codec": "fp32",
+                             "max_block_seconds": 0.0})
+    params = {"w": torch.zeros(8)}
+    plan = plan_for_config(cfg, [("w", (8,))])
+    sync = StreamingSync(cfg, cfg.learners[0].id, cfg.learners[0].region, params, plan, identity=None)
+    fragment = plan.fragments[0]
+    sync.fragments[0] = FragmentSync(fragment, torch.zeros(8), 0,
+                                     ErrorFeedback(get_codec("fp32"), 8, cfg.sync.codec_block_size))
+    release = threading.Event()
+    monkeypatch.setattr(sync, "_push_and_pull", lambda *_: (release.wait(10),
+                        SyncOutcome(torch.full((8,), 100.0), 1, pb.PUSH_RESULT_ACCEPTED))[1])
+    return sync, params, release
+
+
+def _train_until_applied(sync, params, release, release_after_step: int) -> int:
+    """Inner steps that each add 1 to every weight; returns the step that applied the result."""
+    for step in range(20):
+        params["w"] += 1
+        if sync.after_step(step, tokens=10, step_seconds=0.01):
+            return step
+        if step == release_after_step:
+            release.set()
+            sync.fragments[0].in_flight.result(timeout=10)
+    raise AssertionError("the result was never applied")
+
+
+def test_a_result_in_on_time_replaces_the_fragment(tmp_path, monkeypatch):
+    sync, params, release = _sync_with_a_held_result(tmp_path, monkeypatch)
+    started = sync.plan.fragments[0].offset_step
+    applied = _train_until_applied(sync, params, release, release_after_step=started)
+    assert applied == started + 1  # tau steps after the sync started
+    assert torch.equal(params["w"], torch.full((8,), 100.0))  # alpha 0: the global value
+    assert sync.fragments[0].steps_since_sync == 0 and sync.stats.syncs_late == 0
+    sync.close(leave=False)
+
+
+def test_a_late_result_keeps_the_steps_trained_past_its_apply_step(tmp_path, monkeypatch):
+    sync, params, release = _sync_with_a_held_result(tmp_path, monkeypatch)
+    started = sync.plan.fragments[0].offset_step
+    applied = _train_until_applied(sync, params, release, release_after_step=started + 2)
+    assert applied == started + 3 and sync.stats.syncs_late == 1 and sync.stats.blocked_seconds == 0
+    # Applied on time it would have replaced the fragment after step started + 1; the two
+    # steps since are added back, and the next outer gradient counts them.
+    assert torch.equal(params["w"], torch.full((8,), 102.0))
+    assert sync.fragments[0].steps_since_sync == 2 and sync.fragments[0].tokens_since_sync == 20
+    assert torch.equal(sync.fragments[0].anchor, torch.full((8,), 100.0))
+    # The others reached the round two steps after this learner needed it: its schedule stands
+    # still two steps, so its next sync starts H + 2 steps after the last, in phase with theirs.
+    step = applied
+    while sync.stats.syncs_started < 2:
+        step += 1
+        sync.after_step(step, tokens=10, step_seconds=0.01)
+    assert step == started + sync.cfg.sync.interval_steps + 2 and sync.stats.held_steps == 2
+    sync.close(leave=False)

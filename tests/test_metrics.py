@@ -119,8 +119,11 @@ def test_learners_export_goodput_badput_steps_bytes_latency_and_staleness(cluste
         families = scrape(learner.metrics_port)
         check_families(families, LEARNER_METRICS, learner.id)
         badput = families["diloco_learner_badput_seconds"]
-        assert {s.labels["category"] for s in badput.samples} == {"startup", "restore", "blocked", "lost"}
+        assert {s.labels["category"] for s in badput.samples} == {"startup", "restore", "blocked", "lost",
+                                                                   "evaluation", "checkpoint"}
         assert sample_value(badput, category="startup") > 0
+        # Every start evaluates the model it begins from and checkpoints at once.
+        assert sample_value(badput, category="evaluation") > 0 and sample_value(badput, category="checkpoint") > 0
         assert sample_value(families["diloco_learner_goodput_seconds"]) > 0
         assert sample_value(families["diloco_learner_provisioned_seconds"]) > \
             sample_value(families["diloco_learner_goodput_seconds"])

@@ -177,7 +177,7 @@ def test_real_prometheus_on_a_sim_records_goodput_and_answers_every_dashboard_qu
                 40, "the learners were not scraped 15 times")
             shares = prometheus.query('run_category:diloco_learner_badput:ratio_rate5m{run="test"}')
             assert {s["metric"]["category"] for s in shares} == \
-                {"startup", "restore", "blocked", "lost", "down", "overhead"}
+                {"startup", "restore", "blocked", "lost", "evaluation", "checkpoint", "down", "overhead"}
             total = sum(float(s["value"][1]) for s in shares) + prometheus.value("run:diloco_learner_goodput:ratio_rate5m")
             assert total == pytest.approx(1.0, abs=0.05)
     finally:

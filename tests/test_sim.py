@@ -46,6 +46,7 @@ def test_sim_with_learner_and_shard_chaos_keeps_training_and_agrees(tmp_path):
     assert report["final_eval_loss"] < 0.8 * report["initial_eval_loss"]
     assert 0 < report["goodput"] < 1
     assert report["badput_seconds"]["down"] > 0
+    assert report["badput_seconds"]["evaluation"] > 0 and report["badput_seconds"]["checkpoint"] > 0
     assert report["contributions"]["accepted"] + report["contributions"]["stale_merged"] > 0
     assert report["dp_equivalent_bytes"] > 10 * (report["bytes_up"] + report["bytes_down"])
     assert all(link["bytes_per_second"] > 0 for link in report["links"].values())
