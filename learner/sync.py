@@ -538,9 +538,10 @@ class StreamingSync:
         return {fid: (s.version, state_hash(s.anchor)) for fid, s in self.fragments.items()}
 
     def state_dict(self) -> dict:
-        """What a checkpoint needs to resume syncing without a full pull."""
+        """What a checkpoint needs to resume syncing without a full pull (the tensors
+        themselves, not copies; checkpoint_state copies them)."""
         return {"incarnation": self.incarnation, "fragments": {
-            fid: {"version": s.version, "anchor": s.anchor.clone(), "residual": s.feedback.residual.clone()}
+            fid: {"version": s.version, "anchor": s.anchor, "residual": s.feedback.residual}
             for fid, s in self.fragments.items()}}
 
     def close(self, leave: bool = True) -> None:
