@@ -23,6 +23,7 @@ import logging
 import pathlib
 import random
 import shutil
+import signal
 import sys
 import time
 from collections import Counter
@@ -219,6 +220,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"invalid: {error}", file=sys.stderr)
         return 2
     cluster = LocalCluster(cfg, run_dir)
+    # SIGTERM (kill, timeout, a CI runner) ends the run as Ctrl-C does: the finally below
+    # stops every process it started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     write_file_sd(cfg, args.prometheus_targets or run_dir / "prometheus-targets.json")
     try:
         report = simulate(cfg, cluster, args)
@@ -294,18 +298,22 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
         if progress:
             progress.close()
     wall = time.time() - started
-    learner_chaos.end(started + wall)
     for downtime in list(shard_chaos.down.values()):  # every shard serves the final pulls
         cluster.restart_shard(downtime.proc_index)
         shard_chaos.restarted(downtime, time.time())
     # Rounds still in their grace window close, then every learner pulls the final values
     # (SIGTERM ends a learner's catch-up with one last pull) and writes its report.
     time.sleep(cfg.syncer.grace.seconds + 1.0)
+    # A learner that has not finished (a --duration run) trains, or is down, until it is
+    # told to stop: its provisioned time ends then, not at the wall time, or the steps it
+    # trains meanwhile would count as goodput outside any provisioned time.
+    stopping = time.time()
+    learner_chaos.end(stopping)
     cluster.stop_learners()
     observer.poll(require_all=True)
     reports = {p.name: _read_json(cluster.learner_report_path(p.name)) for p in cluster.learners}
-    for proc in cluster.learners:  # provisioned until the end for those that did not finish
-        finished_at.setdefault(proc.name, started + wall)
+    for proc in cluster.learners:
+        finished_at.setdefault(proc.name, stopping)
     report = summarise(cfg, args, reports, observer, learner_chaos, shard_chaos,
                        {name: at - started for name, at in finished_at.items()}, wall, timeline)
     observer.close()

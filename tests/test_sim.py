@@ -3,8 +3,12 @@ and the data-parallel baseline in the same harness."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import pathlib
 import random
+import signal
 import subprocess
 import sys
 
@@ -12,6 +16,7 @@ import pytest
 
 from services.config import ConfigError, dump_config
 from tests.cluster_config import tiny_cluster
+from tests.test_learner_cluster import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -22,16 +27,18 @@ REPORT_KEYS = {
 }
 
 
-def run_sim(tmp_path, *flags: str) -> dict:
+def sim_command(tmp_path, *flags: str) -> list[str]:
     base = tmp_path / "base.yaml"
     base.write_text(dump_config(tiny_cluster(tmp_path / "unused", shards=2, learners=3)))
-    report = tmp_path / "report.json"
-    command = [sys.executable, "-m", "services.cli", "sim", "--config", str(base), "--quiet",
-               "--run-dir", str(tmp_path / "run"), "--report", str(report), *flags]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    return [sys.executable, "-m", "services.cli", "sim", "--config", str(base), "--quiet",
+            "--run-dir", str(tmp_path / "run"), "--report", str(tmp_path / "report.json"), *flags]
+
+
+def run_sim(tmp_path, *flags: str) -> dict:
+    result = subprocess.run(sim_command(tmp_path, *flags), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "state hashes agree" in result.stdout  # the summary table
-    return json.loads(report.read_text())
+    return json.loads((tmp_path / "report.json").read_text())
 
 
 def test_sim_with_learner_and_shard_chaos_keeps_training_and_agrees(tmp_path):
@@ -68,6 +75,43 @@ def test_sim_wan_cap_limits_each_learners_link(tmp_path):
     report = run_sim(tmp_path, "--learners", "2", "--shards", "1", "--steps", "60", "--wan-mbps", "2")
     for link in report["links"].values():
         assert 0 < link["bytes_per_second"] <= 2e6 / 8 * 1.2, link
+
+
+def test_sim_duration_run_keeps_the_steps_after_the_time_is_up_inside_provisioned_time(tmp_path):
+    # When --duration is up the learners still train until they are told to stop (after the
+    # last rounds' grace): those steps are goodput, so that time is provisioned too.
+    report = run_sim(tmp_path, "--learners", "2", "--shards", "1", "--steps", "100000", "--duration", "6")
+    provisioned = report["provisioned_seconds"]
+    assert provisioned > 2 * 6
+    measured = {key: seconds for key, seconds in report["badput_seconds"].items() if key != "other"}
+    assert report["goodput"] * provisioned + sum(measured.values()) <= provisioned
+
+
+def test_sim_stops_every_process_it_started_on_sigterm(tmp_path):
+    run_dir = str(tmp_path / "run")
+    sim = subprocess.Popen(sim_command(tmp_path, "--learners", "2", "--shards", "1", "--steps", "100000"),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: list(pathlib.Path(run_dir).glob("state/learner-*/report.json")), 120,
+                   "a learner to write its first report")
+        sim.send_signal(signal.SIGTERM)
+        assert sim.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        sim.kill()
+    # Every shard and learner of the run has the run directory in its command line.
+    left = {int(path.parent.name): cmdline for path in pathlib.Path("/proc").glob("[0-9]*/cmdline")
+            if run_dir in (cmdline := read_cmdline(path))}
+    for pid in left:  # not to leave them running after a failure
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left
+
+
+def read_cmdline(path: pathlib.Path) -> str:
+    try:
+        return path.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:  # the process ended meanwhile
+        return ""
 
 
 def test_sim_overrides_config_keys_and_slows_the_first_learner(tmp_path):
