@@ -94,7 +94,7 @@ def bandwidth(section: dict, out: pathlib.Path) -> list[str]:
              f"The Gbit/s a learner would need at a 1 s step for {' and '.join(models)} parameters with the same H, P, "
              f"tau and codec come from the measured bytes per parameter per sync: on average over H steps, and to move "
              f"one fragment within tau steps (dp: every step, the same). The downlink is larger than the uplink: "
-             f"a learner pulls every round's update since its anchor, and with K=1 and learners out of lockstep a "
+             f"a learner pulls every round's update since its anchor, and with learners out of lockstep a "
              f"sync period holds about one (partial) round per learner; the join snapshots count too.", ""]
     header = ["configuration", "B/token diloco", "B/token dp", "dp / diloco", "vs 400x anchor", "B/param/sync up + down"]
     for model in models:
@@ -122,7 +122,8 @@ def bandwidth(section: dict, out: pathlib.Path) -> list[str]:
 def goodput(section: dict, out: pathlib.Path) -> list[str]:
     rows = section["rows"]
     anchor = section["anchor"]
-    lines = [f"M={section['learners']} learners, {section['seconds']:g} s per run; every learner is SIGKILLed at "
+    lines = [f"The demo's cluster and model ({code(section['config'])}), M={section['learners']} learners, "
+             f"{section['seconds']:g} s per run; every learner is SIGKILLed at "
              f"exponentially distributed intervals and restarted {section['restart_delay']:g} s later, so that it is "
              f"down for the target share of the time (diloco and dp get the same seed, so the same schedule). "
              f"Goodput = kept training compute / provisioned learner time; badput shares are of provisioned time. "
