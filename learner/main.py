@@ -248,6 +248,7 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
     finished = not budget_left()
     if sync and not finished:
         sync.flush()  # may wait for late results: still provisioned training time
+    report.training_ended()
     if finished and metrics:
         metrics.training_finished()
     if sync:
@@ -350,6 +351,11 @@ class Report:
         self.current["compute_seconds"] += compute_seconds
         self.current["loop_seconds"] += loop_seconds
 
+    def training_ended(self) -> None:
+        """Training ended: its budget is spent, or it was stopped and its syncs are flushed.
+        The learner's provisioned time ends here; catching up and the last evaluation follow."""
+        self.current["training_ended_at"] = time.time()
+
     def evaluation(self, step: int, tokens: int, loss: float) -> None:
         self.evaluations.append([time.time(), step, tokens, loss])
         log.info("learner %s step %d: validation loss %.4f", self.learner_id, step, loss)
@@ -367,8 +373,6 @@ class Report:
     def write(self, phase: str, trainer: Trainer, sync: StreamingSync | None, island: Island) -> None:
         """phase: "training", "catching_up" (budget spent) or "done"."""
         self.update(sync)
-        if phase == "catching_up":
-            self.current["training_finished_at"] = time.time()
         body = {"learner_id": self.learner_id, "region": self.region, "phase": phase,
                 "steps": trainer.step, "tokens": trainer.tokens * island.world_size, "world_size": island.world_size,
                 "island_checks": island.verified,

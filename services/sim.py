@@ -263,7 +263,7 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
                 if report.get("phase") in ("catching_up", "done"):  # budget spent: now only following the run
                     # Provisioned until the learner finished, not until this loop noticed.
                     lives = report.get("incarnations") or [{}]
-                    finished_at[proc.name] = lives[-1].get("training_finished_at", now)
+                    finished_at[proc.name] = lives[-1].get("training_ended_at", now)
                     learner_chaos.retire(i)
                 elif proc.returncode is not None:  # crashed by itself: restart like chaos would
                     log.warning("learner %s exited with %s; restarting", proc.name, proc.returncode)
@@ -305,15 +305,17 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
     # (SIGTERM ends a learner's catch-up with one last pull) and writes its report.
     time.sleep(cfg.syncer.grace.seconds + 1.0)
     # A learner that has not finished (a --duration run) trains, or is down, until it is
-    # told to stop: its provisioned time ends then, not at the wall time, or the steps it
-    # trains meanwhile would count as goodput outside any provisioned time.
+    # told to stop, and then waits for its syncs in flight: its provisioned time ends when it
+    # has (as it recorded), not at the wall time, or the steps it trains meanwhile would count
+    # as goodput, and the waits as badput, outside any provisioned time.
     stopping = time.time()
     learner_chaos.end(stopping)
     cluster.stop_learners()
     observer.poll(require_all=True)
     reports = {p.name: _read_json(cluster.learner_report_path(p.name)) for p in cluster.learners}
     for proc in cluster.learners:
-        finished_at.setdefault(proc.name, stopping)
+        lives = reports[proc.name].get("incarnations") or [{}]
+        finished_at.setdefault(proc.name, max(stopping, lives[-1].get("training_ended_at", stopping)))
     report = summarise(cfg, args, reports, observer, learner_chaos, shard_chaos,
                        {name: at - started for name, at in finished_at.items()}, wall, timeline)
     observer.close()

@@ -79,12 +79,14 @@ def test_sim_wan_cap_limits_each_learners_link(tmp_path):
 
 def test_sim_duration_run_keeps_the_steps_after_the_time_is_up_inside_provisioned_time(tmp_path):
     # When --duration is up the learners still train until they are told to stop (after the
-    # last rounds' grace): those steps are goodput, so that time is provisioned too.
+    # last rounds' grace), then wait for their syncs in flight: those steps are goodput and
+    # those waits badput, so that time is provisioned too.
     report = run_sim(tmp_path, "--learners", "2", "--shards", "1", "--steps", "100000", "--duration", "6")
     provisioned = report["provisioned_seconds"]
     assert provisioned > 2 * 6
     measured = {key: seconds for key, seconds in report["badput_seconds"].items() if key != "other"}
-    assert report["goodput"] * provisioned + sum(measured.values()) <= provisioned
+    # Start-up counts from the process's start time, which /proc gives in 10 ms clock ticks.
+    assert report["goodput"] * provisioned + sum(measured.values()) <= provisioned + 2 * 0.01
 
 
 def test_sim_stops_every_process_it_started_on_sigterm(tmp_path):
