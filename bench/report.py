@@ -67,11 +67,16 @@ def quality(section: dict, out: pathlib.Path) -> list[str]:
              f"({first['steps_per_learner']:.0f} inner steps per learner, {first['tokens']:,} tokens for "
              f"M={rows[0]['learners']}; so H=100 syncs each fragment only {first['steps_per_learner'] / 100:.0f} "
              f"times). Target: diloco within "
-             f"{pct(section['target_loss_vs_dp'])} of data parallel. dp is `diloco sim --mode dp` with the same flags.", ""]
+             f"{pct(section['target_loss_vs_dp'])} of data parallel. dp is `diloco sim --mode dp` with the same flags. "
+             f"The slow-learner run has the run's token budget instead (`trainer.max_run_tokens`): every learner "
+             f"trains until the shards have merged that many tokens, so the fast ones train more steps; it ends a "
+             f"little over the budget, and its dp run trains the tokens it ended with.", ""]
     lines += table(
-        ["configuration", "diloco loss", "dp loss", "diloco vs dp", "target", "wall s diloco / dp", "command (diloco)"],
+        ["configuration", "diloco loss", "dp loss", "diloco vs dp", "target", "tokens diloco / dp",
+         "wall s diloco / dp", "command (diloco)"],
         [[config_name(r), f"{r['diloco']['final_eval_loss']:.4f}", f"{r['dp']['final_eval_loss']:.4f}",
           pct(r["loss_vs_dp"], signed=True), verdict(r["within_target"]),
+          f"{r['diloco']['tokens']:,} / {r['dp']['tokens']:,}",
           f"{r['diloco']['wall_seconds']:.0f} / {r['dp']['wall_seconds']:.0f}", code(r["diloco"]["command"])]
          for r in rows])
     lines += ["dp commands: " + ", ".join(sorted({code(r["dp"]["command"]) for r in rows})), ""]

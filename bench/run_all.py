@@ -38,6 +38,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from bench.report import render  # noqa: E402
+from services.config import load_config  # noqa: E402
 from services.sim import Chaos  # noqa: E402
 
 SECTIONS = ("quality", "bandwidth", "goodput", "overlap", "transport", "recovery")
@@ -129,13 +130,21 @@ def quality_runs(runner: Runner, profile: Profile) -> list[tuple[dict, dict]]:
                 diloco = runner.sim(f"quality-m{learners}-h{interval}-{codec}",
                                     [*common, "--set", f"sync.interval_steps={interval}", "--set", f"sync.codec={codec}"])
                 pairs.append((diloco, dp))
+    # One learner 2x slower, on the run's token budget: every learner trains what it can until
+    # the run has its tokens, and dp trains the same tokens the diloco run ended with (it
+    # overshoots the budget by the steps trained while the shards' count catches up).
     learners, interval, codec = profile.learners[0], profile.intervals[0], profile.codecs[0]
-    dp = next(dp for diloco, dp in pairs if dp["learners"] == learners)
+    cfg = load_config(ROOT / SIM_CONFIG)
+    tokens_per_step = cfg.trainer.batch_size * cfg.model.seq_len
     slowed = runner.sim(f"quality-m{learners}-h{interval}-{codec}-slow2x",
-                        ["--learners", str(learners), "--shards", "1", "--steps", str(profile.steps), "--seed", "1",
-                         "--set", f"syncer.quorum={learners}",
-                         "--set", f"sync.interval_steps={interval}", "--set", f"sync.codec={codec}",
-                         "--slow-learner", "2"])
+                        ["--learners", str(learners), "--shards", "1", "--steps", "1000000", "--seed", "1",
+                         "--set", f"syncer.quorum={learners}", "--set", f"sync.interval_steps={interval}",
+                         "--set", f"sync.codec={codec}", "--slow-learner", "2",
+                         "--set", f"trainer.max_run_tokens={learners * profile.steps * tokens_per_step}"])
+    dp_steps = round(slowed["tokens"] / (learners * tokens_per_step))
+    dp = runner.sim(f"quality-dp-m{learners}-{dp_steps}-steps",
+                    ["--learners", str(learners), "--shards", "1", "--steps", str(dp_steps), "--seed", "1",
+                     "--mode", "dp"])
     pairs.append((slowed, dp))
     return pairs
 

@@ -111,11 +111,11 @@ class Island:
             raise RuntimeError(f"island ranks hold different parameters (rank {self.rank})")
         self.verified += 1
 
-    def stopping(self, stop: threading.Event) -> bool:
+    def stopping(self, should_stop: Callable[[], bool]) -> bool:
         """Every rank of an island stops at the same step: rank 0 decides."""
         if self.world_size == 1:
-            return stop.is_set()
-        flag = torch.tensor([1 if stop.is_set() else 0], dtype=torch.uint8)
+            return should_stop()
+        flag = torch.tensor([1 if self.leader and should_stop() else 0], dtype=torch.uint8)
         dist.broadcast(flag, src=0)
         return bool(flag.item())
 
@@ -185,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
             metrics.steps_lost(max(0, last_step_seen_by_shards(cfg, learner.id, identity) - trainer.step),
                                mean_step_seconds(extra.get("report", {}).get("incarnations", [])))
         sync = StreamingSync(cfg, learner.id, learner.region, params, plan, observer=metrics, identity=identity)
-        sync.start(extra.get("sync"), should_stop=stop.is_set, step=trainer.step)
+        sync.start(extra.get("sync"), should_stop=stop.is_set, step=trainer.step,
+                   tokens=trainer.tokens * island.world_size)
     island.share_start(trainer, params)
     if island.world_size > 1:
         trainer.forward_module = DistributedDataParallel(trainer.model)
@@ -217,15 +218,19 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
     budget = cfg.trainer
 
     def budget_left() -> bool:
+        """This learner's step and token budgets, and the run's token budget (on rank 0 only:
+        ranks learn when to stop from island.stopping)."""
         tokens = trainer.tokens * island.world_size
-        return trainer.step < budget.max_steps and (budget.max_tokens is None or tokens < budget.max_tokens)
+        run_tokens_left = budget.max_run_tokens is None or sync is None or sync.run_tokens() < budget.max_run_tokens
+        return trainer.step < budget.max_steps and (budget.max_tokens is None or tokens < budget.max_tokens) \
+            and run_tokens_left
 
     def evaluate() -> None:
         report.evaluation(trainer.step, trainer.tokens * island.world_size, trainer.evaluate())
 
     if island.leader and not report.evaluations:
         timed("evaluation", evaluate, report, metrics)  # the starting point of the loss curve
-    while budget_left() and not island.stopping(stop):
+    while not island.stopping(lambda: stop.is_set() or not budget_left()):
         step = trainer.step
         step_started = time.perf_counter()
         stats = trainer.train_step()

@@ -141,6 +141,8 @@ class StreamingSync:
         self._hold = 0  # steps the schedule is yet to stand still (see _finish_sync)
         self.step_seconds = 0.0
         self.tokens_per_second = 0.0
+        self.tokens = 0  # trained by this learner (every rank of its island)
+        self._heard_run_tokens = (0, 0.0, 0.0)  # (the run's tokens, per second, when) from the last heartbeat
         self._lock = threading.Lock()  # guards link.joined and heartbeat-visible fields
         self._stop = threading.Event()
         self._should_stop: Callable[[], bool] = lambda: False  # set by start()
@@ -153,17 +155,18 @@ class StreamingSync:
     # ---- start-up: join, seed, pull every fragment --------------------------------
 
     def start(self, restored: Mapping[str, object] | None = None,
-              should_stop: Callable[[], bool] = lambda: False, step: int = 0) -> int:
+              should_stop: Callable[[], bool] = lambda: False, step: int = 0, tokens: int = 0) -> int:
         """Joins every shard (retrying until each answers), seeds fragments nobody has
         seeded, pulls every fragment and moves the model onto the global values.
 
         `restored` is the sync state of a checkpoint (see state_dict); with it the
         learner pulls only the updates it missed. `should_stop` (the process was asked to
-        stop) also ends waits for a round's result. `step` is where training resumes.
+        stop) also ends waits for a round's result. `step` and `tokens` are where training
+        resumes.
         Returns how many versions it was behind, summed over fragments.
         """
         self._should_stop = should_stop
-        self.step = step
+        self.step, self.tokens = step, tokens
         for link in self.links:
             self._join_with_retry(link, should_stop)
         self.sync_offset = self._phase_of_the_others()
@@ -261,6 +264,7 @@ class StreamingSync:
         at this step (their outer gradient includes it) and applies those started tau steps
         ago (tau = 0: at once, waiting for the result). Returns the fragment ids applied."""
         self.step = step + 1
+        self.tokens += tokens
         self.step_seconds = step_seconds
         self.tokens_per_second = tokens / step_seconds if step_seconds > 0 else 0.0
         for state in self.fragments.values():
@@ -283,6 +287,11 @@ class StreamingSync:
                 if self._finish_sync(state, self._wait_limit(state)):
                     applied.append(state.fragment.id)
         return applied
+
+    def run_tokens(self) -> int:
+        """The whole run's tokens now: the last heartbeat's count, grown at the run's rate since."""
+        tokens, per_second, heard_at = self._heard_run_tokens
+        return round(tokens + per_second * (time.monotonic() - heard_at)) if heard_at else 0
 
     def _wait_limit(self, state: FragmentSync) -> float | None:
         if self.cfg.sync.overlap_steps == 0:
@@ -486,8 +495,9 @@ class StreamingSync:
                         log.info("rejoined shard %d", link.index)
                     held = {fid: v for fid, v in self.held_versions().items()
                             if self.plan.fragments[fid].shard == link.index}
-                    link.client.heartbeat(self.step, self.step_seconds, self.tokens_per_second, held,
-                                          sync_step=self.step + self.sync_offset)
+                    reply = link.client.heartbeat(self.step, self.step_seconds, self.tokens_per_second, held,
+                                                  sync_step=self.step + self.sync_offset, tokens=self.tokens)
+                    self._heard_run_tokens = (reply.run_tokens, reply.run_tokens_per_second, time.monotonic())
                 except grpc.RpcError as exc:
                     if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                         with self._lock:

@@ -104,6 +104,7 @@ class FragmentView:
     state_hash: str
     pending_contributions: int
     last_round: ClosedRound | None
+    merged_tokens: int
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ class LearnerView:
     tokens_per_second: float
     sync_step: int
     step_seconds: float
+    tokens: int
 
 
 @dataclass(frozen=True)
@@ -159,13 +161,26 @@ class ShardCore:
 
     def heartbeat(self, learner_id: str, incarnation: int, step: int = 0, step_seconds: float = 0.0,
                   tokens_per_second: float = 0.0, held_versions: dict[int, int] | None = None,
-                  sync_step: int | None = None) -> dict[int, int]:
+                  sync_step: int | None = None, tokens: int = 0) -> dict[int, int]:
         """The current version of every owned fragment."""
         with self._counting():
             self.membership.heartbeat(learner_id, incarnation, self.clock(), step, step_seconds,
                                       tokens_per_second, held_versions or {},
-                                      step if sync_step is None else sync_step)
+                                      step if sync_step is None else sync_step, tokens)
             return {fid: state.version for fid, state in self.fragments.items()}
+
+    def run_tokens(self) -> tuple[int, float]:
+        """(the whole run's tokens, the live learners' tokens per second), for learners to stop
+        on trainer.max_run_tokens. Heartbeats give every learner's count, live or gone; a live
+        one's has grown at its rate since. The table is lost with a restart, so the count is
+        never less than a fragment's merged tokens, which are durable but lag by the steps
+        since each learner's last contribution to it."""
+        now = self.clock()
+        learners = self.membership.learners(now)
+        heard = sum(l.tokens + (l.tokens_per_second * (now - l.tokens_at) if l.alive and l.tokens_at else 0.0)
+                    for l in learners)
+        merged = max((s.committed.merged_tokens for s in self.fragments.values() if s.committed), default=0)
+        return max(round(heard), merged), sum(l.tokens_per_second for l in learners if l.alive)
 
     def leave(self, learner_id: str, incarnation: int) -> None:
         with self._counting():
@@ -287,7 +302,7 @@ class ShardCore:
                                      self.cfg.syncer.stale_weight_decay)
         if header.step_seconds > 0:
             state.grace.step_seconds.observe(header.step_seconds)
-        state.admit(_key(header), header.payload, chunks, weight, self.clock(), transfer_seconds)
+        state.admit(_key(header), header.payload, chunks, weight, header.c_tokens, self.clock(), transfer_seconds)
 
     def _refuse_stale(self, state: FragmentState, staleness: int) -> PushOutcome:
         self.counters.add("contributions.refused_stale")
@@ -346,7 +361,7 @@ class ShardCore:
         learners = tuple(
             LearnerView(l.id, l.region, l.incarnation, l.alive, l.step,
                         sum(max(0, versions[f] - v) for f, v in l.held_versions.items() if f in versions),
-                        now - l.last_seen, l.tokens_per_second, l.sync_step, l.step_seconds)
+                        now - l.last_seen, l.tokens_per_second, l.sync_step, l.step_seconds, l.tokens)
             for l in self.membership.learners(now))
         return ShardStatus(self.shard_index, self.plan.digest if self.plan else "",
                            tuple(self._view(state) for state in self.fragments.values()), learners,
@@ -430,7 +445,7 @@ class ShardCore:
             fragment.id, fragment.numel, fragment.offset_step, tuple(s.name for s in fragment.tensors),
             committed is not None, committed.version if committed else 0,
             committed.state_hash if committed else "", state.round.count,
-            committed.last_round if committed else None)
+            committed.last_round if committed else None, committed.merged_tokens if committed else 0)
 
     @contextlib.contextmanager
     def _counting(self) -> Iterator[None]:

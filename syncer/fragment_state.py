@@ -67,6 +67,7 @@ class FragmentSnapshot:
     history: tuple[Encoded, ...]  # the updates to versions version-len+1 .. version
     state_hash: str
     merged_contributions: int  # since the seed
+    merged_tokens: int  # their c_tokens: the run's tokens, up to this version
     recent_keys: frozenset[ContributionKey]  # merged, and not yet too stale to be sent again
     last_round: ClosedRound | None
     # Delayed Nesterov: the share-scaled outer gradients of the sync period in progress, and
@@ -88,6 +89,7 @@ class PendingContribution:
     header: pb.PayloadHeader
     chunks: tuple[bytes, ...]  # the payload as received
     weight: float
+    tokens: int  # c_tokens
 
 
 class OpenRound:
@@ -190,10 +192,10 @@ class FragmentState:
     # ---- the open round ------------------------------------------------------------------
 
     def admit(self, key: ContributionKey, header: pb.PayloadHeader, chunks: tuple[bytes, ...], weight: float,
-              now: float, transfer_seconds: float) -> None:
+              tokens: int, now: float, transfer_seconds: float) -> None:
         """Adds a checked outer gradient (finite, within the norm bound) to the open round."""
         round_ = self.round
-        round_.contributions[key] = PendingContribution(header, chunks, weight)
+        round_.contributions[key] = PendingContribution(header, chunks, weight, tokens)
         round_.contributors.add(key.learner_id)
         round_.transfer_seconds += transfer_seconds
         if round_.first_at is None:
@@ -228,7 +230,7 @@ class FragmentState:
 
     def seeded(self, values: torch.Tensor) -> FragmentSnapshot:
         zeros = torch.zeros(self.fragment.numel)
-        return FragmentSnapshot(self.id, 0, values, zeros, zeros.clone(), (), state_hash(values), 0,
+        return FragmentSnapshot(self.id, 0, values, zeros, zeros.clone(), (), state_hash(values), 0, 0,
                                 frozenset(), None, zeros.clone(), 0.0)
 
     def closing(self, reason: str, live_ids: frozenset[str], now: float, unix_now: float) -> FragmentSnapshot:
@@ -274,7 +276,8 @@ class FragmentState:
         return FragmentSnapshot(
             self.id, version, value, momentum, residual,
             (committed.history + (update_record,))[-self.rules.history_versions:],
-            state_hash(value), committed.merged_contributions + round_.count, recent,
+            state_hash(value), committed.merged_contributions + round_.count,
+            committed.merged_tokens + sum(c.tokens for c in round_.contributions.values()), recent,
             ClosedRound(round_.number, reason, len(round_.contributors), unix_now, now - round_.first_at),
             period_sum, period_share)
 

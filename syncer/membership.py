@@ -35,6 +35,8 @@ class Learner:
     sync_step: int = 0
     step_seconds: float = 0.0
     tokens_per_second: float = 0.0
+    tokens: int = 0  # trained, as last reported
+    tokens_at: float = 0.0  # when (a push renews last_seen, not this)
     held_versions: dict[int, int] = field(default_factory=dict)  # fragment id -> version held
 
     @property
@@ -83,12 +85,12 @@ class Membership:
             learner.lease_expires = now + self._lease_seconds
 
     def heartbeat(self, learner_id: str, incarnation: int, now: float, step: int, step_seconds: float,
-                  tokens_per_second: float, held_versions: dict[int, int], sync_step: int) -> None:
+                  tokens_per_second: float, held_versions: dict[int, int], sync_step: int, tokens: int) -> None:
         self.authenticate(learner_id, incarnation, now)
         with self._lock:
             learner = self._learners[learner_id]
             learner.step, learner.step_seconds, learner.sync_step = step, step_seconds, sync_step
-            learner.tokens_per_second = tokens_per_second
+            learner.tokens_per_second, learner.tokens, learner.tokens_at = tokens_per_second, tokens, now
             learner.held_versions = dict(held_versions)
 
     def leave(self, learner_id: str, incarnation: int, now: float) -> None:

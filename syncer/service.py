@@ -82,8 +82,10 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         self.guard.check_learner(context, request.learner_id)
         versions = self.core.heartbeat(request.learner_id, request.incarnation, request.step,
                                        request.step_seconds, request.tokens_per_second,
-                                       dict(request.held_versions), request.sync_step)
-        return pb.HeartbeatResponse(lease_seconds=self.core.cfg.syncer.lease_seconds, versions=versions)
+                                       dict(request.held_versions), request.sync_step, request.tokens)
+        run_tokens, run_tokens_per_second = self.core.run_tokens()
+        return pb.HeartbeatResponse(lease_seconds=self.core.cfg.syncer.lease_seconds, versions=versions,
+                                    run_tokens=run_tokens, run_tokens_per_second=run_tokens_per_second)
 
     @_answer_refusals
     def Leave(self, request, context):
@@ -131,6 +133,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
             fragments=[pb.FragmentStatus(
                 fragment_id=f.id, numel=f.numel, initialized=f.initialized, version=f.version,
                 state_hash=f.state_hash, pending_contributions=f.pending_contributions,
+                merged_tokens=f.merged_tokens,
                 last_round=pb.RoundInfo(
                     round=f.last_round.round, close_reason=f.last_round.close_reason,
                     contributors=f.last_round.contributors,
@@ -140,7 +143,8 @@ class SyncerServicer(pb_grpc.SyncerServicer):
             learners=[pb.LearnerStatus(
                 learner_id=l.id, region=l.region, incarnation=l.incarnation, alive=l.alive,
                 last_step=l.step, staleness=l.staleness, seconds_since_heartbeat=l.seconds_since_heartbeat,
-                tokens_per_second=l.tokens_per_second, sync_step=l.sync_step, step_seconds=l.step_seconds)
+                tokens_per_second=l.tokens_per_second, sync_step=l.sync_step, step_seconds=l.step_seconds,
+                tokens=l.tokens)
                 for l in status.learners],
             counters=wire_counters(status.counters))
 

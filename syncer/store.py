@@ -43,7 +43,7 @@ from syncer.fragment_state import ClosedRound, ContributionKey, Encoded, Fragmen
 _FRAME = struct.Struct("<QI")  # body length, crc32 of body
 _LENGTH = struct.Struct("<I")  # of an embedded message
 _ROUND = struct.Struct("<Q")
-_SNAPSHOT_FORMAT = "diloco.syncer-snapshot/2"
+_SNAPSHOT_FORMAT = "diloco.syncer-snapshot/3"
 
 
 class StoreError(RuntimeError):
@@ -168,7 +168,7 @@ class ShardStore:
         last_round = meta["last_round"]
         return FragmentSnapshot(
             fragment_id, meta["version"], value, momentum, residual, history, meta["state_hash"],
-            meta["merged_contributions"], frozenset(ContributionKey(*key) for key in meta["recent_keys"]),
+            meta["merged_contributions"], meta["merged_tokens"], frozenset(ContributionKey(*key) for key in meta["recent_keys"]),
             ClosedRound(**last_round) if last_round else None, period_sum, meta["period_share"])
 
     def _load_log(self, fragment_id: int, path: pathlib.Path) -> list[LoggedContribution]:
@@ -236,6 +236,7 @@ def _snapshot_body(snapshot: FragmentSnapshot) -> list:
         "numel": snapshot.value.numel(),
         "state_hash": snapshot.state_hash,
         "merged_contributions": snapshot.merged_contributions,
+        "merged_tokens": snapshot.merged_tokens,
         "recent_keys": sorted(list(key) for key in snapshot.recent_keys),
         "last_round": last_round.__dict__ if last_round else None,
         "history": [update.version for update in snapshot.history],

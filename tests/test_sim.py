@@ -71,6 +71,20 @@ def test_sim_dp_mode_syncs_every_step_uncompressed(tmp_path):
     assert report["bytes_up"] + report["bytes_down"] >= 0.9 * report["dp_equivalent_bytes"]
 
 
+def test_sim_run_token_budget_ends_a_slow_and_a_fast_learner_together(tmp_path):
+    # Without a run budget each learner trains its own max_steps, and the slow one trains on
+    # alone after the fast one finished. With it both stop when the run has its tokens.
+    tokens_per_step = 8 * 32  # tiny_cluster: batch_size x seq_len
+    budget = 600 * tokens_per_step
+    report = run_sim(tmp_path, "--learners", "2", "--shards", "1", "--steps", "100000", "--slow-learner", "3",
+                     "--set", "sync.max_block_seconds=0", "--set", f"trainer.max_run_tokens={budget}")
+    slow, fast = report["per_learner"].values()  # --slow-learner slows the first
+    assert slow["phase"] == fast["phase"] == "done"
+    assert slow["steps"] < 0.6 * fast["steps"]
+    assert 0.85 * budget <= report["tokens"] <= 1.1 * budget
+    assert report["state_hashes_agree"] is True
+
+
 def test_sim_wan_cap_limits_each_learners_link(tmp_path):
     report = run_sim(tmp_path, "--learners", "2", "--shards", "1", "--steps", "60", "--wan-mbps", "2")
     for link in report["links"].values():

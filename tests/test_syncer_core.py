@@ -109,6 +109,18 @@ def test_round_closes_at_once_when_every_live_learner_contributed():
     assert shard.core.counters.snapshot()["rounds.all"] == 1
 
 
+def test_run_tokens_count_every_learner_live_or_gone():
+    shard = Shard(make_config(quorum=3, lease_seconds=10.0))
+    core = shard.core
+    core.heartbeat("a", 1, tokens=1000, tokens_per_second=100.0)
+    core.heartbeat("b", 1, tokens=500, tokens_per_second=50.0)
+    assert core.run_tokens() == (1500, 150.0)  # c joined, never reported
+    shard.clock.advance(2.0)  # live learners have trained on at their rate since
+    assert core.run_tokens() == (1500 + 2 * 150, 150.0)
+    core.leave("b", 1)  # gone: its tokens still count, no longer growing
+    assert core.run_tokens() == (1000 + 2 * 100 + 500, 100.0)
+
+
 def test_quorum_closes_only_after_the_grace_window():
     shard = Shard(make_config(quorum=2, grace={"mode": "fixed", "seconds": 1.0}))
     shard.push("a", 0, delta(1, shard.numel()))

@@ -30,7 +30,8 @@ def restarted(shard: Shard, directory, rejoin=()) -> ShardCore:
 
 
 def views(core: ShardCore):
-    return [(f.id, f.version, f.state_hash, f.pending_contributions, f.last_round) for f in core.status().fragments]
+    return [(f.id, f.version, f.state_hash, f.pending_contributions, f.last_round, f.merged_tokens)
+            for f in core.status().fragments]
 
 
 def test_restart_restores_committed_state_and_open_round_bit_for_bit(tmp_path):
@@ -45,13 +46,16 @@ def test_restart_restores_committed_state_and_open_round_bit_for_bit(tmp_path):
     for s in (shard, twin):  # two of three, one of them stale: the round stays open
         s.push("a", 0, delta(100, n), base=3)
         s.core.join("b", 2, "r", MANIFEST)  # b restarted and still holds version 2
-        s.push("b", 0, delta(101, n), base=2, incarnation=2)
+        s.push("b", 0, delta(101, n), base=2, incarnation=2, c_tokens=7)
     before = views(shard.core)
     assert before[0][1:4] == (3, twin.core.status().fragments[0].state_hash, 2)
+    assert before[0][5] == 9 * 1000  # the merged contributions' c_tokens
 
     original = shard.core.fragments[0].committed
     core = restarted(shard, tmp_path, rejoin=LEARNERS)  # the old process is simply gone: no close, no flush
     assert views(core) == before
+    # The rejoined learners have not reported their tokens yet: the run's count is the merged one.
+    assert core.run_tokens() == (9 * 1000, 0.0)
     restored = core.fragments[0].committed
     for name in ("value", "momentum", "residual"):
         assert torch.equal(getattr(restored, name), getattr(original, name)), name
@@ -63,9 +67,11 @@ def test_restart_restores_committed_state_and_open_round_bit_for_bit(tmp_path):
     with pytest.raises(Refusal, match="already contributed"):
         shard.push("a", 0, delta(100, n), base=3)
     for s in (shard, twin):
-        s.push("c", 0, delta(102, n), base=3)
+        s.push("c", 0, delta(102, n), base=3, c_tokens=30)
     assert core.status().fragments[0].version == 4
     assert core.status().fragments[0].state_hash == twin.core.status().fragments[0].state_hash
+    # The run's token count: the restored round's contributions kept their c_tokens.
+    assert core.status().fragments[0].merged_tokens == 9 * 1000 + 1000 + 7 + 30
 
 
 def test_a_torn_log_record_is_dropped_and_the_log_stays_appendable(tmp_path):

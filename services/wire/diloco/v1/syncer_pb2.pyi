@@ -136,7 +136,7 @@ class JoinResponse(_message.Message):
     def __init__(self, shard_index: _Optional[int] = ..., plan_digest: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentInfo, _Mapping]]] = ..., settings: _Optional[_Union[ClusterSettings, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("learner_id", "incarnation", "step", "step_seconds", "tokens_per_second", "held_versions", "sync_step")
+    __slots__ = ("learner_id", "incarnation", "step", "step_seconds", "tokens_per_second", "held_versions", "sync_step", "tokens")
     class HeldVersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,7 @@ class HeartbeatRequest(_message.Message):
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     HELD_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     SYNC_STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     incarnation: int
     step: int
@@ -158,10 +159,11 @@ class HeartbeatRequest(_message.Message):
     tokens_per_second: float
     held_versions: _containers.ScalarMap[int, int]
     sync_step: int
-    def __init__(self, learner_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., held_versions: _Optional[_Mapping[int, int]] = ..., sync_step: _Optional[int] = ...) -> None: ...
+    tokens: int
+    def __init__(self, learner_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., held_versions: _Optional[_Mapping[int, int]] = ..., sync_step: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("lease_seconds", "versions")
+    __slots__ = ("lease_seconds", "versions", "run_tokens", "run_tokens_per_second")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -171,9 +173,13 @@ class HeartbeatResponse(_message.Message):
         def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    RUN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUN_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     lease_seconds: float
     versions: _containers.ScalarMap[int, int]
-    def __init__(self, lease_seconds: _Optional[float] = ..., versions: _Optional[_Mapping[int, int]] = ...) -> None: ...
+    run_tokens: int
+    run_tokens_per_second: float
+    def __init__(self, lease_seconds: _Optional[float] = ..., versions: _Optional[_Mapping[int, int]] = ..., run_tokens: _Optional[int] = ..., run_tokens_per_second: _Optional[float] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("learner_id", "incarnation")
@@ -306,7 +312,7 @@ class RoundInfo(_message.Message):
     def __init__(self, round: _Optional[int] = ..., close_reason: _Optional[str] = ..., contributors: _Optional[int] = ..., closed_unix_seconds: _Optional[float] = ..., duration_seconds: _Optional[float] = ...) -> None: ...
 
 class FragmentStatus(_message.Message):
-    __slots__ = ("fragment_id", "numel", "initialized", "version", "state_hash", "pending_contributions", "last_round")
+    __slots__ = ("fragment_id", "numel", "initialized", "version", "state_hash", "pending_contributions", "last_round", "merged_tokens")
     FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +320,7 @@ class FragmentStatus(_message.Message):
     STATE_HASH_FIELD_NUMBER: _ClassVar[int]
     PENDING_CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     LAST_ROUND_FIELD_NUMBER: _ClassVar[int]
+    MERGED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     fragment_id: int
     numel: int
     initialized: bool
@@ -321,10 +328,11 @@ class FragmentStatus(_message.Message):
     state_hash: str
     pending_contributions: int
     last_round: RoundInfo
-    def __init__(self, fragment_id: _Optional[int] = ..., numel: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., state_hash: _Optional[str] = ..., pending_contributions: _Optional[int] = ..., last_round: _Optional[_Union[RoundInfo, _Mapping]] = ...) -> None: ...
+    merged_tokens: int
+    def __init__(self, fragment_id: _Optional[int] = ..., numel: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., state_hash: _Optional[str] = ..., pending_contributions: _Optional[int] = ..., last_round: _Optional[_Union[RoundInfo, _Mapping]] = ..., merged_tokens: _Optional[int] = ...) -> None: ...
 
 class LearnerStatus(_message.Message):
-    __slots__ = ("learner_id", "region", "incarnation", "alive", "last_step", "staleness", "seconds_since_heartbeat", "tokens_per_second", "sync_step", "step_seconds")
+    __slots__ = ("learner_id", "region", "incarnation", "alive", "last_step", "staleness", "seconds_since_heartbeat", "tokens_per_second", "sync_step", "step_seconds", "tokens")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +343,7 @@ class LearnerStatus(_message.Message):
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     SYNC_STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     region: str
     incarnation: int
@@ -345,7 +354,8 @@ class LearnerStatus(_message.Message):
     tokens_per_second: float
     sync_step: int
     step_seconds: float
-    def __init__(self, learner_id: _Optional[str] = ..., region: _Optional[str] = ..., incarnation: _Optional[int] = ..., alive: _Optional[bool] = ..., last_step: _Optional[int] = ..., staleness: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., sync_step: _Optional[int] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+    tokens: int
+    def __init__(self, learner_id: _Optional[str] = ..., region: _Optional[str] = ..., incarnation: _Optional[int] = ..., alive: _Optional[bool] = ..., last_step: _Optional[int] = ..., staleness: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., sync_step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("shard_index", "plan_digest", "fragments", "learners", "counters")
