@@ -69,8 +69,8 @@ def quality(section: dict, out: pathlib.Path) -> list[str]:
              f"times). Target: diloco within "
              f"{pct(section['target_loss_vs_dp'])} of data parallel. dp is `diloco sim --mode dp` with the same flags. "
              f"The slow-learner run has the run's token budget instead (`trainer.max_run_tokens`): every learner "
-             f"trains until the shards have merged that many tokens, so the fast ones train more steps; it ends a "
-             f"little over the budget, and its dp run trains the tokens it ended with.", ""]
+             f"trains until the run's tokens, as the shards count them, reach it, so the fast ones train more steps; "
+             f"it ends within a few percent of the budget, and its dp run trains the tokens it ended with.", ""]
     lines += table(
         ["configuration", "diloco loss", "dp loss", "diloco vs dp", "target", "tokens diloco / dp",
          "wall s diloco / dp", "command (diloco)"],

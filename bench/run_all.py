@@ -131,8 +131,8 @@ def quality_runs(runner: Runner, profile: Profile) -> list[tuple[dict, dict]]:
                                     [*common, "--set", f"sync.interval_steps={interval}", "--set", f"sync.codec={codec}"])
                 pairs.append((diloco, dp))
     # One learner 2x slower, on the run's token budget: every learner trains what it can until
-    # the run has its tokens, and dp trains the same tokens the diloco run ended with (it
-    # overshoots the budget by the steps trained while the shards' count catches up).
+    # the run has its tokens, and dp trains the same tokens the diloco run ended with (a few
+    # percent off the budget: the shards' count is estimated between heartbeats).
     learners, interval, codec = profile.learners[0], profile.intervals[0], profile.codecs[0]
     cfg = load_config(ROOT / SIM_CONFIG)
     tokens_per_step = cfg.trainer.batch_size * cfg.model.seq_len

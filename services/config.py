@@ -118,8 +118,8 @@ class TrainerConfig(_Section):
     batch_size: PositiveInt = 8
     max_steps: PositiveInt = 1000  # inner-step budget of each learner
     max_tokens: PositiveInt | None = None  # token budget; whichever budget ends first
-    # The whole run's token budget, over all learners: each stops once the shards have merged
-    # this many tokens. Learners of different speeds then end together, each having trained
+    # The whole run's token budget, over all learners: each stops once the run's tokens, as the
+    # shards count them from heartbeats (docs/protocol.md), reach it. Learners of different speeds then end together, each having trained
     # what it could, instead of the slow ones training on alone after the fast ones finished.
     max_run_tokens: PositiveInt | None = None
     inner_optimizer: InnerOptimizerConfig = InnerOptimizerConfig()
