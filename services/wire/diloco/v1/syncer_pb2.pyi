@@ -21,6 +21,7 @@ class PushKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PUSH_KIND_UNSPECIFIED: _ClassVar[PushKind]
     PUSH_KIND_OUTER_GRADIENT: _ClassVar[PushKind]
     PUSH_KIND_SEED: _ClassVar[PushKind]
+    PUSH_KIND_RESTORE: _ClassVar[PushKind]
 
 class PushResult(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -29,6 +30,7 @@ class PushResult(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PUSH_RESULT_STALE_MERGED: _ClassVar[PushResult]
     PUSH_RESULT_REFUSED_STALE: _ClassVar[PushResult]
     PUSH_RESULT_SEEDED: _ClassVar[PushResult]
+    PUSH_RESULT_RESTORED: _ClassVar[PushResult]
 
 class PayloadKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -44,11 +46,13 @@ CODEC_FP4_E3M0: Codec
 PUSH_KIND_UNSPECIFIED: PushKind
 PUSH_KIND_OUTER_GRADIENT: PushKind
 PUSH_KIND_SEED: PushKind
+PUSH_KIND_RESTORE: PushKind
 PUSH_RESULT_UNSPECIFIED: PushResult
 PUSH_RESULT_ACCEPTED: PushResult
 PUSH_RESULT_STALE_MERGED: PushResult
 PUSH_RESULT_REFUSED_STALE: PushResult
 PUSH_RESULT_SEEDED: PushResult
+PUSH_RESULT_RESTORED: PushResult
 PAYLOAD_KIND_UNSPECIFIED: PayloadKind
 PAYLOAD_KIND_UPDATE: PayloadKind
 PAYLOAD_KIND_SNAPSHOT: PayloadKind
@@ -194,7 +198,7 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("learner_id", "incarnation", "fragment_id", "kind", "base_version", "c_steps", "c_tokens", "step_seconds", "payload")
+    __slots__ = ("learner_id", "incarnation", "fragment_id", "kind", "base_version", "c_steps", "c_tokens", "step_seconds", "payload", "state_hash")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +208,7 @@ class PushHeader(_message.Message):
     C_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    STATE_HASH_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     incarnation: int
     fragment_id: int
@@ -213,7 +218,8 @@ class PushHeader(_message.Message):
     c_tokens: int
     step_seconds: float
     payload: PayloadHeader
-    def __init__(self, learner_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., fragment_id: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., base_version: _Optional[int] = ..., c_steps: _Optional[int] = ..., c_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., payload: _Optional[_Union[PayloadHeader, _Mapping]] = ...) -> None: ...
+    state_hash: str
+    def __init__(self, learner_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., fragment_id: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., base_version: _Optional[int] = ..., c_steps: _Optional[int] = ..., c_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., payload: _Optional[_Union[PayloadHeader, _Mapping]] = ..., state_hash: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("index", "data")
