@@ -146,7 +146,9 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                 tokens_per_second=l.tokens_per_second, sync_step=l.sync_step, step_seconds=l.step_seconds,
                 tokens=l.tokens)
                 for l in status.learners],
-            counters=wire_counters(status.counters))
+            counters=wire_counters(status.counters),
+            manifest=pb.ParameterManifest(tensors=[pb.TensorSpec(name=name, shape=list(shape))
+                                                   for name, shape in self.core.manifest or ()]))
 
 
 def wire_counters(counters: dict[str, float]) -> dict[str, int]:

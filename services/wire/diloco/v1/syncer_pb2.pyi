@@ -364,7 +364,7 @@ class LearnerStatus(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., region: _Optional[str] = ..., incarnation: _Optional[int] = ..., alive: _Optional[bool] = ..., last_step: _Optional[int] = ..., staleness: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., sync_step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("shard_index", "plan_digest", "fragments", "learners", "counters")
+    __slots__ = ("shard_index", "plan_digest", "fragments", "learners", "counters", "manifest")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -377,9 +377,11 @@ class StatusResponse(_message.Message):
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     LEARNERS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     plan_digest: str
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentStatus]
     learners: _containers.RepeatedCompositeFieldContainer[LearnerStatus]
     counters: _containers.ScalarMap[str, int]
-    def __init__(self, shard_index: _Optional[int] = ..., plan_digest: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    manifest: ParameterManifest
+    def __init__(self, shard_index: _Optional[int] = ..., plan_digest: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., manifest: _Optional[_Union[ParameterManifest, _Mapping]] = ...) -> None: ...

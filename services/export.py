@@ -1,0 +1,162 @@
+"""`diloco export --config C --out DIR`: the run's product, the global model, from its shards.
+
+Every fragment's global value is pulled as a snapshot from the shard that owns it (read-only
+calls, Status and PullFragment, under the operator's certificate), checked against the state
+hash the shard sent with it, and cut back into the parameters of the run's manifest by the
+same fragment plan the learners use. DIR receives
+
+    model.safetensors   every parameter by name, fp32 (safetensors: no pickle)
+    export.json         run name, plan digest, per fragment its shard, version, state hash and
+                        merged tokens
+
+Everything is fetched and checked before anything is written, and each file is written under
+a temporary name and renamed, so a failed export leaves DIR as it was.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import grpc
+import torch
+from safetensors.torch import save_file
+
+from services.client import ShardClient, state_hash
+from services.config import Config, ConfigError, load_config
+from services.fragments import plan_for_config, scatter
+from services.tls import OPERATOR, Identity, load_identity
+from services.wire import pb
+
+MODEL_FILE = "model.safetensors"
+INFO_FILE = "export.json"
+
+
+class ExportError(RuntimeError):
+    """Why the global model could not be exported; the message names the shard or fragment."""
+
+
+@dataclass(frozen=True)
+class ExportedFragment:
+    fragment_id: int
+    shard: int
+    version: int
+    state_hash: str
+    merged_tokens: int
+
+
+@dataclass(frozen=True)
+class GlobalModel:
+    run: str
+    plan_digest: str
+    fragments: tuple[ExportedFragment, ...]
+    tensors: dict[str, torch.Tensor]  # by parameter name, in manifest order
+
+    def info(self) -> dict:
+        return {"run": self.run, "plan_digest": self.plan_digest,
+                "parameters": sum(t.numel() for t in self.tensors.values()),
+                "merged_tokens": max((f.merged_tokens for f in self.fragments), default=0),
+                "fragments": [asdict(f) for f in self.fragments]}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="cluster YAML file: pull from every shard it lists")
+    parser.add_argument("--out", required=True, help="folder to write model.safetensors and export.json to")
+    parser.add_argument("--tls-dir", help="folder with the ca.crt, tls.crt and tls.key to present "
+                        "(default: <tls.dir>/operator)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.config)
+        identity = load_identity(cfg, OPERATOR, args.tls_dir)
+    except ConfigError as error:
+        print(f"invalid: {error}", file=sys.stderr)
+        return 2
+    try:
+        model = fetch_global_model(cfg, identity)
+    except ExportError as error:
+        print(f"export failed: {error}", file=sys.stderr)
+        return 1
+    out = pathlib.Path(args.out)
+    write_export(model, out)
+    versions = [f.version for f in model.fragments]
+    print(f"exported {model.info()['parameters']} parameters of run {model.run!r} to {out / MODEL_FILE} "
+          f"(fragment versions {min(versions)}..{max(versions)})")
+    return 0
+
+
+def fetch_global_model(cfg: Config, identity: Identity | None) -> GlobalModel:
+    """Pulls every fragment's current global value and reassembles the model's parameters."""
+    clients = [ShardClient(shard.address, cfg.rpc, identity=identity) for shard in cfg.shards]
+    try:
+        statuses = [_status(cfg, index, client) for index, client in enumerate(clients)]
+        runs = {(tuple((t.name, tuple(t.shape)) for t in s.manifest.tensors), s.plan_digest) for s in statuses}
+        if len(runs) != 1:
+            raise ExportError("the shards disagree on the model manifest or fragment plan: they are not one run")
+        ((manifest, digest),) = runs
+        plan = plan_for_config(cfg, manifest)
+        if plan.digest != digest:
+            raise ExportError(f"the shards use fragment plan {digest[:12]}, this config makes "
+                              f"{plan.digest[:12]}: sync settings or shards differ from the run's")
+        merged_tokens = {f.fragment_id: f.merged_tokens for s in statuses for f in s.fragments}
+        tensors = {name: torch.empty(shape, dtype=torch.float32) for name, shape in manifest}
+        fragments = []
+        for fragment in plan.fragments:
+            value, version, value_hash = _pull_fragment(clients[fragment.shard], fragment.id, fragment.shard)
+            scatter(fragment, value, tensors)
+            fragments.append(ExportedFragment(fragment.id, fragment.shard, version, value_hash,
+                                              merged_tokens.get(fragment.id, 0)))
+        return GlobalModel(cfg.run.name, digest, tuple(fragments), tensors)
+    finally:
+        for client in clients:
+            client.close()
+
+
+def _status(cfg: Config, index: int, client: ShardClient) -> pb.StatusResponse:
+    try:
+        status = client.status()
+    except grpc.RpcError as error:
+        raise ExportError(f"shard {index} ({cfg.shards[index].address}) did not answer: "
+                          f"{error.code().name} {error.details() or ''}".rstrip()) from None
+    if not status.plan_digest:
+        raise ExportError(f"shard {index} ({cfg.shards[index].address}) has no model yet: no learner has joined")
+    return status
+
+
+def _pull_fragment(client: ShardClient, fragment_id: int, shard: int) -> tuple[torch.Tensor, int, str]:
+    """(value, version, state hash) of the fragment's global value, its hash checked."""
+    try:
+        result = client.pull(fragment_id, None)
+    except grpc.RpcError as error:
+        raise ExportError(f"fragment {fragment_id}: shard {shard} ({client.address}) did not answer: "
+                          f"{error.code().name} {error.details() or ''}".rstrip()) from None
+    value = result.apply(None)
+    if value is None:
+        raise ExportError(f"fragment {fragment_id}: shard {shard} sent no value (not seeded yet)")
+    digest = state_hash(value)
+    if digest != result.state_hash:
+        raise ExportError(f"fragment {fragment_id} from shard {shard}: the values hash to {digest[:12]}, "
+                          f"the shard says {result.state_hash[:12]} at version {result.version}")
+    return value, result.version, digest
+
+
+def write_export(model: GlobalModel, out: pathlib.Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    _replace(out / MODEL_FILE, lambda path: save_file(model.tensors, str(path), metadata={
+        "run": model.run, "plan_digest": model.plan_digest}))
+    _replace(out / INFO_FILE, lambda path: path.write_text(json.dumps(model.info(), indent=2) + "\n"))
+
+
+def _replace(path: pathlib.Path, write: Callable[[pathlib.Path], object]) -> None:
+    """Writes through `write(temporary path)`, then renames over `path`."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)

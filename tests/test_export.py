@@ -1,0 +1,101 @@
+"""`diloco export` against real shards over gRPC: the run's global model as safetensors, bit for
+bit the shards' values; a shard that does not answer or a value that does not match its hash
+is refused by name, and nothing is written."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from services.cli import main
+from services.client import ShardClient, state_hash
+from services.config import dump_config
+from services.fragments import plan_for_config, scatter
+from services.tls import certs_dir, issue_cluster_certs, learner_name, load_identity
+from services.wire import pb
+from syncer.service import start_shard
+from tests.cluster_config import tiny_cluster
+
+MANIFEST = [("embed", (64, 8)), ("block.w", (32, 8)), ("block.b", (32,)), ("head", (8,))]
+
+
+@pytest.fixture
+def run(tmp_path):
+    """Two shards of one run: a learner seeded every fragment with its own values and pushed one
+    outer gradient to fragment 0, so its round closed (version 1)."""
+    cfg = tiny_cluster(tmp_path / "state", shards=2, learners=1)
+    config_path = tmp_path / "cluster.yaml"
+    config_path.write_text(dump_config(cfg))
+    issue_cluster_certs(cfg, certs_dir(cfg))
+    handles = [start_shard(cfg, i, listen=shard.address, state_dir=tmp_path / "state")
+               for i, shard in enumerate(cfg.shards)]
+    learner = cfg.learners[0]
+    identity = load_identity(cfg, learner_name(learner.id))
+    try:
+        clients = [ShardClient(shard.address, cfg.rpc, learner.id, 1, identity=identity) for shard in cfg.shards]
+        for client in clients:
+            for info in client.join(learner.region, MANIFEST).fragments:
+                client.push(info.fragment_id, torch.randn(info.numel), codec="fp32", block_size=128,
+                            kind=pb.PUSH_KIND_SEED)
+        plan = plan_for_config(cfg, MANIFEST)
+        first = plan.fragments[0]
+        owner = clients[first.shard]
+        owner.push(first.id, torch.full((first.numel,), 0.01), codec="int4", block_size=128, base_version=0,
+                   c_steps=5, c_tokens=5 * 8 * 32, step_seconds=0.02)
+        owner.pull(first.id, 0, min_version=1, max_wait_seconds=5)
+        for client in clients:
+            client.close()
+        yield cfg, config_path, handles, plan
+    finally:
+        for handle in handles:
+            handle.stop()
+
+
+def _shard_values(handles, plan) -> dict[str, torch.Tensor]:
+    tensors = {name: torch.empty(shape) for name, shape in MANIFEST}
+    for fragment in plan.fragments:
+        scatter(fragment, handles[fragment.shard].core.fragments[fragment.id].committed.value, tensors)
+    return tensors
+
+
+def test_export_writes_the_shards_global_values_bit_for_bit(run, tmp_path, capsys):
+    cfg, config_path, handles, plan = run
+    out = tmp_path / "export"
+    assert main(["export", "--config", str(config_path), "--out", str(out)]) == 0
+    exported = load_file(out / "model.safetensors")
+    expected = _shard_values(handles, plan)
+    assert sorted(exported) == sorted(name for name, _ in MANIFEST)
+    for name, tensor in expected.items():
+        assert torch.equal(exported[name], tensor), name
+    info = json.loads((out / "export.json").read_text())
+    assert info["run"] == cfg.run.name and info["plan_digest"] == plan.digest
+    assert info["parameters"] == sum(t.numel() for t in expected.values())
+    by_id = {f["fragment_id"]: f for f in info["fragments"]}
+    for fragment in plan.fragments:
+        committed = handles[fragment.shard].core.fragments[fragment.id].committed
+        assert by_id[fragment.id]["version"] == committed.version
+        assert by_id[fragment.id]["state_hash"] == committed.state_hash == state_hash(committed.value)
+    assert by_id[plan.fragments[0].id]["version"] == 1
+    assert "exported 808 parameters" in capsys.readouterr().out
+
+
+def test_export_refuses_a_shard_that_does_not_answer_and_writes_nothing(run, tmp_path, capsys):
+    cfg, config_path, handles, _ = run
+    handles[1].stop()
+    out = tmp_path / "export"
+    assert main(["export", "--config", str(config_path), "--out", str(out)]) == 1
+    assert f"shard 1 ({cfg.shards[1].address}) did not answer: UNAVAILABLE" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_export_refuses_a_value_that_does_not_match_its_state_hash(run, tmp_path, capsys):
+    _, config_path, handles, plan = run
+    damaged = plan.fragments[2]
+    handles[damaged.shard].core.fragments[damaged.id].committed.value[3] += 1.0  # memory the hash no longer covers
+    out = tmp_path / "export"
+    out.mkdir()
+    assert main(["export", "--config", str(config_path), "--out", str(out)]) == 1
+    assert f"fragment {damaged.id} from shard {damaged.shard}: the values hash to" in capsys.readouterr().err
+    assert list(out.iterdir()) == []
