@@ -1,4 +1,5 @@
-"""The learner's model: a small byte-level GPT in the style of nanoGPT, or the user's own.
+"""The learner's model: a small byte-level GPT in the style of nanoGPT (or, with
+`model.family: llama`, the Llama-style decoder of learner/llama.py), or the user's own.
 
     model = build_model(cfg.model, seed=cfg.run.seed)
     logits, loss = model(idx, targets)   # idx, targets: (batch, time) int64 bytes
@@ -130,12 +131,15 @@ def _init_weights(module: nn.Module) -> None:
 
 
 def build_model(model_cfg: GPTConfig | str, seed: int) -> nn.Module:
-    """The built-in GPT for a GPTConfig, or the module a "pkg.module:factory" string names.
+    """The built-in model of a GPTConfig's family (GPT, or Llama-style: learner/llama.py), or the module a "pkg.module:factory" string names.
     Same seed, same initial weights."""
     # Seeding here, not only inside the factory, also makes a user factory that ignores its
     # seed argument build the same weights in every process.
     torch.manual_seed(seed)
     if not isinstance(model_cfg, str):
+        if model_cfg.family == "llama":
+            from learner.llama import Llama  # here: learner.llama imports this module
+            return Llama(model_cfg)
         return GPT(model_cfg)
     model = load_factory(model_cfg, "model")(seed=seed)
     if not isinstance(model, nn.Module):

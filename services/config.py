@@ -131,7 +131,9 @@ class TrainerConfig(_Section):
 
 
 class GPTConfig(_Section):
-    """The built-in byte-level GPT."""
+    """The built-in byte-level models: GPT (learner/model.py) or a Llama-style decoder
+    (learner/llama.py: RMSNorm, rotary positions, SwiGLU)."""
+    family: Literal["gpt", "llama"] = "gpt"
     n_layer: PositiveInt = 2
     n_head: PositiveInt = 4
     n_embd: PositiveInt = 128
