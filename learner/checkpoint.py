@@ -2,22 +2,23 @@
 state (dropout), and whatever the sync client keeps in `extra` (anchors, versions,
 error-feedback residuals).
 
-The file is torch.save's bytes behind a header holding their SHA-256. torch.load happily
-loads a file whose middle was damaged, so the digest is what refuses a torn or corrupted
-checkpoint. A checkpoint is written to a temporary file beside the target, synced, and
-renamed over it: a crash leaves the previous checkpoint or the new one, never half of one.
+The file is exactly what torch.save writes, so a user opens it with
+`torch.load(path, weights_only=True)`. torch.load happily loads a file whose middle was
+damaged; the zip archive torch.save writes holds a CRC-32 of every record, and checking
+those (zipfile's testzip) is what refuses a torn or corrupted checkpoint. A checkpoint is
+written to a temporary file beside the target, synced, and renamed over it: a crash leaves the
+previous checkpoint or the new one, never half of one.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import io
 import logging
 import os
 import pathlib
 import tempfile
 import threading
+import zipfile
 
 import torch
 from torch import nn
@@ -25,10 +26,6 @@ from torch import nn
 from learner.adamw import AdamW
 
 log = logging.getLogger(__name__)
-
-_MAGIC = b"diloco-learner-checkpoint/1\n"
-_DIGEST_BYTES = 32  # sha256
-
 
 def checkpoint_state(*, model: nn.Module, optimizer: AdamW, step: int, tokens: int,
                      data_state: dict, extra: dict) -> dict:
@@ -49,14 +46,11 @@ def checkpoint_state(*, model: nn.Module, optimizer: AdamW, step: int, tokens: i
 
 def write_checkpoint(path: str | os.PathLike, state: dict) -> None:
     """Atomically replace the checkpoint at `path` with `state` (checkpoint_state's copy)."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = buffer.getvalue()
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as f:
         try:
-            f.write(_MAGIC + hashlib.sha256(payload).digest() + payload)
+            torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         except BaseException:
@@ -112,17 +106,16 @@ def load_checkpoint(path: str | os.PathLike) -> dict | None:
     """The checkpoint at `path` (keys model, optimizer, step, tokens, data, rng, extra), or None
     when there is none or it is damaged; a damaged one is logged as a warning and left in place."""
     path = pathlib.Path(path)
+    if not path.exists():
+        return None
     try:
-        blob = path.read_bytes()
-    except FileNotFoundError:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+    except zipfile.BadZipFile:
+        log.warning("ignoring checkpoint %s: not a whole checkpoint (torn, or not one at all; %d bytes)",
+                    path, path.stat().st_size)
         return None
-    header = len(_MAGIC) + _DIGEST_BYTES
-    if len(blob) < header or not blob.startswith(_MAGIC):
-        log.warning("ignoring checkpoint %s: not a learner checkpoint", path)
+    if damaged is not None:
+        log.warning("ignoring checkpoint %s: checksum mismatch in %s (corrupted file)", path, damaged)
         return None
-    digest, payload = blob[len(_MAGIC) : header], blob[header:]
-    if hashlib.sha256(payload).digest() != digest:
-        log.warning("ignoring checkpoint %s: checksum mismatch (torn or corrupted file, %d bytes)",
-                    path, len(blob))
-        return None
-    return torch.load(io.BytesIO(payload), weights_only=True)
+    return torch.load(path, weights_only=True)
