@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "learner": ("learner.main", "run one learner island"),
     "sim": ("services.sim", "run a whole multi-region cluster as local processes"),
     "export": ("services.export", "write the run's global model from its shards as safetensors"),
+    "evaluate": ("learner.evaluate", "the validation loss of a model file (the run's global model)"),
     "status": ("services.status", "show a cluster's learners and fragments from its shards"),
     "config": ("services.config_cli", "validate a config file and print what it describes"),
     "certs": ("services.tls", "make a CA and a certificate for every shard, learner and operator of a config"),

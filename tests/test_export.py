@@ -1,14 +1,15 @@
 """`diloco export` against real shards over gRPC: the run's global model as safetensors, bit for
 bit the shards' values; a shard that does not answer or a value that does not match its hash
-is refused by name, and nothing is written."""
+is refused by name, and nothing is written. `diloco evaluate` gives a weights file's loss."""
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
+from learner.train import Trainer, named_parameters
 from services.cli import main
 from services.client import ShardClient, state_hash
 from services.config import dump_config
@@ -99,3 +100,20 @@ def test_export_refuses_a_value_that_does_not_match_its_state_hash(run, tmp_path
     assert main(["export", "--config", str(config_path), "--out", str(out)]) == 1
     assert f"fragment {damaged.id} from shard {damaged.shard}: the values hash to" in capsys.readouterr().err
     assert list(out.iterdir()) == []
+
+
+def test_evaluate_gives_the_loss_of_the_model_in_a_weights_file(tmp_path, capsys):
+    cfg = tiny_cluster(tmp_path / "state", shards=1, learners=1)
+    config_path = tmp_path / "cluster.yaml"
+    config_path.write_text(dump_config(cfg))
+    trainer = Trainer.from_config(cfg, cfg.learners[0].id)
+    for _ in range(5):
+        trainer.train_step()
+    weights = tmp_path / "model.safetensors"
+    save_file({name: p.detach().clone() for name, p in named_parameters(trainer.model).items()}, str(weights))
+    assert main(["evaluate", "--config", str(config_path), "--weights", str(weights), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"eval_loss": trainer.evaluate()}
+
+    save_file({"head": torch.zeros(3)}, str(weights))
+    assert main(["evaluate", "--config", str(config_path), "--weights", str(weights)]) == 1
+    assert "the weights do not fit the config's model: missing ['blocks.0" in capsys.readouterr().err

@@ -1,0 +1,56 @@
+"""`diloco evaluate --config C --weights model.safetensors`: the validation loss of a model file,
+on the fixed validation set every learner evaluates on.
+
+Used on what `diloco export` writes, this is the loss of the model a run produced (the global
+model), not of any learner's local copy of it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from learner.train import Trainer, named_parameters
+from services.config import ConfigError, load_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="the run's cluster YAML file (model and data)")
+    parser.add_argument("--weights", required=True, help="a model.safetensors from `diloco export`")
+    parser.add_argument("--json", action="store_true", help="print {\"eval_loss\": ...} instead of a sentence")
+
+
+def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copies `tensors` into the model's parameters by name; every parameter, nothing else."""
+    params = named_parameters(model)
+    if set(tensors) != set(params):
+        missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+        raise ValueError(f"the weights do not fit the config's model: missing {missing[:5]}, "
+                         f"unknown {extra[:5]}")
+    with torch.no_grad():
+        for name, param in params.items():
+            if tensors[name].shape != param.shape:
+                raise ValueError(f"{name}: the weights have shape {list(tensors[name].shape)}, "
+                                 f"the model {list(param.shape)}")
+            param.copy_(tensors[name])
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as error:
+        print(f"invalid: {error}", file=sys.stderr)
+        return 2
+    trainer = Trainer.from_config(cfg, cfg.learners[0].id)  # every learner has the same validation set
+    try:
+        load_weights(trainer.model, load_file(args.weights))
+    except (OSError, ValueError, SafetensorError) as error:
+        print(f"{args.weights}: {error}", file=sys.stderr)
+        return 1
+    loss = trainer.evaluate()
+    print(json.dumps({"eval_loss": loss}) if args.json else f"validation loss {loss:.4f}")
+    return 0
