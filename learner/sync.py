@@ -352,19 +352,7 @@ class StreamingSync:
             log.error("fragment %d: not pushing: %s", fragment_id, exc)
             return SyncOutcome(None, version)
         try:
-            reply = link.client.push(values=payload, **meta)
-            state.pushed.set()
-            outcome = SyncOutcome(None, version, reply.result, bytes_up=len(payload))
-            if reply.result == pb.PUSH_RESULT_REFUSED_STALE:
-                # Too stale to merge: re-anchor to the current global value.
-                result = link.client.pull(fragment_id, version)
-            else:
-                result = self._pull_round_result(link, fragment_id, version, reply.current_version + 1)
-                if result is None:
-                    return outcome
-            outcome.anchor = result.apply(anchor.clone())
-            outcome.version = result.version if result.version is not None else version
-            outcome.bytes_down = result.payload_bytes
+            push_result, round_version = self._deliver(link, payload, meta)
         except grpc.RpcError as exc:
             # Lost push: undo the residual update so nothing is counted twice; the next
             # outer gradient still holds this progress.
@@ -372,26 +360,71 @@ class StreamingSync:
             if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
                 with self._lock:
                     link.joined = False  # the shard forgot us (restart): heartbeat rejoins
-            log.warning("fragment %d: sync with shard %d failed: %s %s", fragment_id, link.index,
+            log.warning("fragment %d: push to shard %d failed: %s %s", fragment_id, link.index,
                         exc.code().name, exc.details())
             return SyncOutcome(None, version)
+        # Delivered: the shard holds this contribution, so the residual stays as compressed
+        # and the round's result is what comes next, however long the shard takes to give it.
+        state.pushed.set()
+        outcome = SyncOutcome(None, version, push_result, bytes_up=len(payload))
+        try:
+            if push_result == pb.PUSH_RESULT_REFUSED_STALE:
+                # Too stale to merge: re-anchor to the current global value.
+                result = self._retry(link, self._stopping, lambda: link.client.pull(fragment_id, version))
+            else:
+                result = self._pull_round_result(link, fragment_id, version, round_version)
+        except grpc.RpcError as exc:
+            log.warning("fragment %d: pull from shard %d failed: %s %s", fragment_id, link.index,
+                        exc.code().name, exc.details())
+            return outcome
+        if result is None:
+            return outcome
+        outcome.anchor = result.apply(anchor.clone())
+        outcome.version = result.version if result.version is not None else version
+        outcome.bytes_down = result.payload_bytes
         outcome.seconds = time.perf_counter() - started
         return outcome
 
+    def _deliver(self, link: ShardLink, payload: bytes, meta: dict) -> tuple[int, int]:
+        """Pushes an outer gradient: (the shard's answer, the version of the round that holds
+        it). ALREADY_EXISTS is an answer too: an earlier attempt of this push (its reply lost
+        to a shard restart) is held by the shard, so it is delivered, in the round after its
+        base version at the earliest."""
+        try:
+            reply = link.client.push(values=payload, **meta)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
+                raise
+            log.info("fragment %d: shard %d already holds this contribution: %s", meta["fragment_id"],
+                     link.index, exc.details())
+            return pb.PUSH_RESULT_ACCEPTED, meta["base_version"] + 1
+        return reply.result, reply.current_version + 1
+
+    def _stopping(self) -> bool:
+        """Shutting down, or asked to stop: waits for a shard must end."""
+        return self._stop.is_set() or self._should_stop()
+
     def _pull_round_result(self, link: ShardLink, fragment_id: int, version: int,
                            round_version: int) -> PullResult | None:
-        """Pulls until the round holding our accepted contribution has closed. The
-        contribution is already merged (or durable in the open round), so taking an older
-        value now would push the same progress twice next time: wait for it instead (the
-        training thread only blocks if this outlasts the overlap window)."""
+        """Pulls until the round holding our delivered contribution has closed, across shard
+        restarts (the round is durable on the shard). The contribution is already merged (or
+        durable in the open round), so taking an older value now would push the same progress
+        twice next time: wait for it instead (the training thread only blocks if this outlasts
+        the overlap window). None once stopping."""
         while True:
-            result = link.client.pull(fragment_id, version, min_version=round_version,
-                                      max_wait_seconds=self.cfg.syncer.lease_seconds)
+            try:
+                result = self._retry(link, self._stopping, lambda: link.client.pull(
+                    fragment_id, version, min_version=round_version,
+                    max_wait_seconds=self.cfg.syncer.lease_seconds))
+            except grpc.RpcError as exc:
+                if exc.code() in UNREACHABLE:  # stopping while the shard is down
+                    return None
+                raise
             if result.version is not None and result.version >= round_version:
                 return result
             # Shutting down; or asked to stop while a round cannot close (synchronous rounds
             # wait for a learner that is down): the training thread must not block on it.
-            if self._stop.is_set() or self._should_stop():
+            if self._stopping():
                 return None
 
     def _finish_sync(self, state: FragmentSync, wait_limit: float | None) -> bool:

@@ -1,0 +1,130 @@
+"""The learner's sync through faults, against real `diloco syncer` processes: a shard killed
+while a round holds the learner's contribution, a shard that stops answering, a shard that
+lost its state, and settings or answers that do not match the learner's."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from learner.sync import StreamingSync
+from services.client import ShardClient, state_hash
+from services.cluster import LocalCluster
+from services.fragments import plan_for_config
+from tests.cluster_config import tiny_cluster
+
+pytestmark = pytest.mark.slow
+
+MANIFEST = [("w", (256,))]
+TIMEOUT = 30.0  # seconds any one wait of a test may take
+
+
+def wait_until(condition, what: str, timeout: float = TIMEOUT, poll: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def fault_config(tmp_path, **sections):
+    """One learner "us-east-0" syncing one 256-value fragment in fp32 every 4 steps, in
+    plaintext; a second config learner ("us-west-0") that only joins holds rounds open."""
+    sections.setdefault("syncer", {})
+    return tiny_cluster(tmp_path / "state", shards=1, learners=2, tls={"mode": "plaintext"},
+                        sync={"fragments": 1, "interval_steps": 4, "overlap_steps": 1, "codec": "fp32",
+                              "max_block_seconds": 0.05, **sections.pop("sync", {})},
+                        syncer={"quorum": 2, "lease_seconds": 30.0, "max_staleness": 16,
+                                "grace": {"mode": "fixed", "seconds": 0.2}, **sections.pop("syncer")},
+                        **sections)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    clusters: list[LocalCluster] = []
+
+    def start(cfg) -> LocalCluster:
+        clusters.append(LocalCluster(cfg, tmp_path / f"run-{len(clusters)}"))
+        clusters[-1].start_shards()
+        return clusters[-1]
+
+    yield start
+    for c in clusters:
+        c.stop(timeout=10)
+
+
+@pytest.fixture
+def learners():
+    started: list[StreamingSync] = []
+
+    def start(cfg, params) -> StreamingSync:
+        learner = cfg.learners[0]
+        sync = StreamingSync(cfg, learner.id, learner.region, params, plan_for_config(cfg, MANIFEST),
+                             identity=None)
+        started.append(sync)
+        sync.start()
+        return sync
+
+    yield start
+    for sync in started:
+        sync.close(leave=False)
+
+
+def shard_status(cfg, index: int = 0):
+    with ShardClient(cfg.shards[index].address, cfg.rpc, identity=None) as client:
+        return client.status(timeout=5)
+
+
+def fragment_status(cfg, index: int = 0):
+    return shard_status(cfg, index).fragments[0]
+
+
+def hold_rounds_open(cfg) -> None:
+    """The config's second learner joins and never pushes: with quorum 2 a round holding only
+    the first learner's contribution stays open for the second one's lease (30 s)."""
+    other = cfg.learners[1]
+    with ShardClient(cfg.shards[0].address, cfg.rpc, other.id, time.time_ns(), identity=None) as client:
+        client.join(other.region, MANIFEST)
+
+
+def train(sync: StreamingSync, params, until, what: str, first_step: int = 0) -> int:
+    """Inner steps that nudge every weight, until `until()`; returns the next step."""
+    step = first_step
+    deadline = time.monotonic() + TIMEOUT
+    while not until():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        params["w"] += 0.01 * torch.randn(256, generator=torch.Generator().manual_seed(step))
+        sync.after_step(step, tokens=256, step_seconds=0.01)
+        step += 1
+        time.sleep(0.01)
+    return step
+
+
+def assert_holds_the_shards_bits(sync: StreamingSync, cfg) -> None:
+    sync.catch_up(quiet_seconds=0.5)
+    shard = fragment_status(cfg)
+    assert sync.fragment_hashes() == {0: (shard.version, shard.state_hash)}
+
+
+def test_a_push_accepted_before_a_shard_kill_is_delivered_and_the_fragment_keeps_advancing(
+        tmp_path, cluster, learners):
+    cfg = fault_config(tmp_path)
+    shards = cluster(cfg)
+    hold_rounds_open(cfg)
+    params = {"w": torch.zeros(256)}
+    sync = learners(cfg, params)
+    # The learner's first contribution waits in round 1 for the other learner.
+    step = train(sync, params, lambda: fragment_status(cfg).pending_contributions == 1,
+                 "the learner's push to be held in an open round")
+    shards.shards[0].kill()
+    time.sleep(0.5)  # the learner's pull for the round's result fails meanwhile
+    shards.restart_shard(0)
+    # Restarted, the shard has forgotten the other learner: the round closes on the learner's
+    # own contribution (replayed from the shard's log), and every later round too.
+    train(sync, params, lambda: sync.fragments[0].version >= 3,
+          "the fragment to advance past the restart", first_step=step)
+    assert sync.stats.syncs_applied >= 3
+    assert_holds_the_shards_bits(sync, cfg)
