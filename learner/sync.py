@@ -150,7 +150,7 @@ class StreamingSync:
         # One thread per fragment: a sync waiting for its round must never keep another
         # fragment's push from going out (that push may be what closes the round).
         self._pool = ThreadPoolExecutor(max_workers=len(plan.fragments), thread_name_prefix="sync")
-        self._heartbeats: threading.Thread | None = None
+        self._heartbeats: list[threading.Thread] = []
 
     # ---- start-up: join, seed, pull every fragment --------------------------------
 
@@ -199,8 +199,12 @@ class StreamingSync:
         self.stats.versions_behind_at_join = behind
         log.info("learner %s (incarnation %d) joined %d shards; %d versions behind; syncing at step + %d",
                  self.learner_id, self.incarnation, len(self.links), behind, self.sync_offset)
-        self._heartbeats = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
-        self._heartbeats.start()
+        # One heartbeat thread per shard: a shard that does not answer must not keep the
+        # others from hearing this learner before its lease on them runs out.
+        self._heartbeats = [threading.Thread(target=self._heartbeat_loop, args=(link,), daemon=True,
+                                             name=f"heartbeat-{link.index}") for link in self.links]
+        for thread in self._heartbeats:
+            thread.start()
         return behind
 
     def _phase_of_the_others(self) -> int:
@@ -508,8 +512,8 @@ class StreamingSync:
         """Budget spent: stop counting towards any round (a synchronous round would wait for
         this learner forever) but keep pulling the global values."""
         self._left.set()
-        if self._heartbeats is not None:  # it must not rejoin behind our back
-            self._heartbeats.join()
+        for thread in self._heartbeats:  # they must not rejoin behind our back
+            thread.join()
         for link in self.links:
             if link.joined:
                 try:
@@ -518,26 +522,28 @@ class StreamingSync:
                     log.warning("leave shard %d: %s", link.index, exc.code().name)
             link.joined = False
 
-    def _heartbeat_loop(self) -> None:
+    def _heartbeat_loop(self, link: ShardLink) -> None:
+        """Heartbeats one shard, rejoining it when it forgot this learner. Each call's deadline
+        is half a lease: a shard that hangs is given up on in time to try again."""
         interval = self.cfg.trainer.heartbeat_seconds
+        deadline = min(self.cfg.rpc.deadline_seconds, self.cfg.syncer.lease_seconds / 2)
         while not self._stop.wait(interval) and not self._left.is_set():
-            for link in self.links:
-                try:
-                    if not link.joined:
-                        self._join(link)
-                        log.info("rejoined shard %d", link.index)
-                    held = {fid: v for fid, v in self.held_versions().items()
-                            if self.plan.fragments[fid].shard == link.index}
-                    reply = link.client.heartbeat(self.step, self.step_seconds, self.tokens_per_second, held,
-                                                  sync_step=self.step + self.sync_offset, tokens=self.tokens)
-                    self._heard_run_tokens = (reply.run_tokens, reply.run_tokens_per_second, time.monotonic())
-                except grpc.RpcError as exc:
-                    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                        with self._lock:
-                            link.joined = False
-                    elif exc.code() not in UNREACHABLE:
-                        log.warning("heartbeat to shard %d: %s %s", link.index,
-                                    exc.code().name, exc.details())
+            try:
+                if not link.joined:
+                    self._join(link)
+                    log.info("rejoined shard %d", link.index)
+                held = {fid: v for fid, v in self.held_versions().items()
+                        if self.plan.fragments[fid].shard == link.index}
+                reply = link.client.heartbeat(self.step, self.step_seconds, self.tokens_per_second, held,
+                                              sync_step=self.step + self.sync_offset, tokens=self.tokens,
+                                              timeout=deadline)
+                self._heard_run_tokens = (reply.run_tokens, reply.run_tokens_per_second, time.monotonic())
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    with self._lock:
+                        link.joined = False
+                elif exc.code() not in UNREACHABLE:
+                    log.warning("heartbeat to shard %d: %s %s", link.index, exc.code().name, exc.details())
 
     def catch_up(self, quiet_seconds: float, should_stop: Callable[[], bool] = lambda: False) -> None:
         """After training: keep pulling until no fragment changed for `quiet_seconds` or
@@ -589,8 +595,8 @@ class StreamingSync:
 
     def close(self, leave: bool = True) -> None:
         self._stop.set()
-        if self._heartbeats is not None:
-            self._heartbeats.join(timeout=5)
+        for thread in self._heartbeats:
+            thread.join(timeout=5)
         self._pool.shutdown(wait=True, cancel_futures=True)
         if leave:
             self.leave()

@@ -3,6 +3,8 @@ while a round holds the learner's contribution, a shard that stops answering, a 
 lost its state, and settings or answers that do not match the learner's."""
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -16,7 +18,7 @@ from tests.cluster_config import tiny_cluster
 
 pytestmark = pytest.mark.slow
 
-MANIFEST = [("w", (256,))]
+MANIFEST = [("a", (128,)), ("b", (128,))]
 TIMEOUT = 30.0  # seconds any one wait of a test may take
 
 
@@ -30,12 +32,13 @@ def wait_until(condition, what: str, timeout: float = TIMEOUT, poll: float = 0.0
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def fault_config(tmp_path, **sections):
-    """One learner "us-east-0" syncing one 256-value fragment in fp32 every 4 steps, in
-    plaintext; a second config learner ("us-west-0") that only joins holds rounds open."""
+def fault_config(tmp_path, shards: int = 1, **sections):
+    """One learner "us-east-0" syncing the MANIFEST's model, one fragment per shard, in fp32
+    every 4 steps, in plaintext; a second config learner ("us-west-0") that only joins holds
+    rounds open."""
     sections.setdefault("syncer", {})
-    return tiny_cluster(tmp_path / "state", shards=1, learners=2, tls={"mode": "plaintext"},
-                        sync={"fragments": 1, "interval_steps": 4, "overlap_steps": 1, "codec": "fp32",
+    return tiny_cluster(tmp_path / "state", shards=shards, learners=2, tls={"mode": "plaintext"},
+                        sync={"fragments": shards, "interval_steps": 4, "overlap_steps": 1, "codec": "fp32",
                               "max_block_seconds": 0.05, **sections.pop("sync", {})},
                         syncer={"quorum": 2, "lease_seconds": 30.0, "max_staleness": 16,
                                 "grace": {"mode": "fixed", "seconds": 0.2}, **sections.pop("syncer")},
@@ -60,7 +63,7 @@ def cluster(tmp_path):
 def learners():
     started: list[StreamingSync] = []
 
-    def start(cfg, params) -> StreamingSync:
+    def start(cfg, params: dict[str, torch.Tensor]) -> StreamingSync:
         learner = cfg.learners[0]
         sync = StreamingSync(cfg, learner.id, learner.region, params, plan_for_config(cfg, MANIFEST),
                              identity=None)
@@ -71,6 +74,10 @@ def learners():
     yield start
     for sync in started:
         sync.close(leave=False)
+
+
+def model() -> dict[str, torch.Tensor]:
+    return {name: torch.zeros(shape) for name, shape in MANIFEST}
 
 
 def shard_status(cfg, index: int = 0):
@@ -96,7 +103,8 @@ def train(sync: StreamingSync, params, until, what: str, first_step: int = 0) ->
     deadline = time.monotonic() + TIMEOUT
     while not until():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        params["w"] += 0.01 * torch.randn(256, generator=torch.Generator().manual_seed(step))
+        for i, value in enumerate(params.values()):
+            value += 0.01 * torch.randn(value.numel(), generator=torch.Generator().manual_seed(step + i))
         sync.after_step(step, tokens=256, step_seconds=0.01)
         step += 1
         time.sleep(0.01)
@@ -105,8 +113,9 @@ def train(sync: StreamingSync, params, until, what: str, first_step: int = 0) ->
 
 def assert_holds_the_shards_bits(sync: StreamingSync, cfg) -> None:
     sync.catch_up(quiet_seconds=0.5)
-    shard = fragment_status(cfg)
-    assert sync.fragment_hashes() == {0: (shard.version, shard.state_hash)}
+    shards = {f.fragment_id: (f.version, f.state_hash)
+              for i in range(len(cfg.shards)) for f in shard_status(cfg, i).fragments}
+    assert sync.fragment_hashes() == shards
 
 
 def test_a_push_accepted_before_a_shard_kill_is_delivered_and_the_fragment_keeps_advancing(
@@ -114,7 +123,7 @@ def test_a_push_accepted_before_a_shard_kill_is_delivered_and_the_fragment_keeps
     cfg = fault_config(tmp_path)
     shards = cluster(cfg)
     hold_rounds_open(cfg)
-    params = {"w": torch.zeros(256)}
+    params = model()
     sync = learners(cfg, params)
     # The learner's first contribution waits in round 1 for the other learner.
     step = train(sync, params, lambda: fragment_status(cfg).pending_contributions == 1,
@@ -128,3 +137,24 @@ def test_a_push_accepted_before_a_shard_kill_is_delivered_and_the_fragment_keeps
           "the fragment to advance past the restart", first_step=step)
     assert sync.stats.syncs_applied >= 3
     assert_holds_the_shards_bits(sync, cfg)
+
+
+def test_a_shard_that_stops_answering_does_not_expire_the_learner_on_the_others(tmp_path, cluster, learners):
+    cfg = fault_config(tmp_path, shards=2, syncer={"lease_seconds": 1.5})
+    shards = cluster(cfg)
+    learners(cfg, model())
+    learner_id = cfg.learners[0].id
+    frozen = shards.shards[1].popen.pid
+    os.killpg(frozen, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 3 * cfg.syncer.lease_seconds
+        while time.monotonic() < deadline:
+            status = shard_status(cfg, 0)
+            assert [(l.learner_id, l.alive) for l in status.learners] == [(learner_id, True)]
+            assert status.counters["learners.expired"] == 0
+            time.sleep(0.1)
+    finally:
+        os.killpg(frozen, signal.SIGCONT)
+    # Shard 1 answers again: the learner is still (or again) live there too.
+    wait_until(lambda: [(l.learner_id, l.alive) for l in shard_status(cfg, 1).learners] == [(learner_id, True)],
+               "shard 1 to hear the learner again")
