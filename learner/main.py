@@ -373,7 +373,8 @@ class Report:
                 blocked_seconds=stats.blocked_seconds, bytes_up=stats.bytes_up, bytes_down=stats.bytes_down,
                 transfer_seconds=stats.transfer_seconds, syncs_started=stats.syncs_started,
                 syncs_applied=stats.syncs_applied, syncs_skipped=stats.syncs_skipped,
-                syncs_late=stats.syncs_late, held_steps=stats.held_steps, refused_stale=stats.refused_stale)
+                syncs_late=stats.syncs_late, held_steps=stats.held_steps, refused_stale=stats.refused_stale,
+                reanchored=stats.reanchored)
 
     def write(self, phase: str, trainer: Trainer, sync: StreamingSync | None, island: Island) -> None:
         """phase: "training", "catching_up" (budget spent) or "done"."""

@@ -89,6 +89,7 @@ class SyncOutcome:
     bytes_up: int = 0
     bytes_down: int = 0
     seconds: float = 0.0
+    reanchored: bool = False  # the anchor is the shard's value after it lost the one we held
 
 
 @dataclass
@@ -105,6 +106,7 @@ class SyncStats:
     bytes_down: int = 0
     transfer_seconds: float = 0.0  # time pushes and pulls spent on the wire
     versions_behind_at_join: int = 0
+    reanchored: int = 0  # fragments taken from a shard that served them below our version
     push_results: dict[str, int] = field(default_factory=dict)
 
 
@@ -151,6 +153,10 @@ class StreamingSync:
         # fragment's push from going out (that push may be what closes the round).
         self._pool = ThreadPoolExecutor(max_workers=len(plan.fragments), thread_name_prefix="sync")
         self._heartbeats: list[threading.Thread] = []
+        # Fragments a shard serves below the version this learner holds (it lost its state and
+        # did not take ours back): their next sync re-anchors instead of pushing.
+        self._reanchor_due: set[int] = set()
+        self._restored: Mapping[int, Mapping[str, torch.Tensor | int]] = {}  # a checkpoint's, while starting
 
     # ---- start-up: join, seed, pull every fragment --------------------------------
 
@@ -167,28 +173,25 @@ class StreamingSync:
         """
         self._should_stop = should_stop
         self.step, self.tokens = step, tokens
+        self._restored = (restored or {}).get("fragments", {})
         for link in self.links:
             self._join_with_retry(link, should_stop)
         self.sync_offset = self._phase_of_the_others()
         behind = 0
-        restored_fragments = (restored or {}).get("fragments", {})
         for fragment in self.plan.fragments:
             link = self.links[fragment.shard]
-            saved = restored_fragments.get(fragment.id)
-            base_version = saved["version"] if saved else None
-            base_value = saved["anchor"] if saved else None
+            saved = self._restored.get(fragment.id)
             pull_started = time.perf_counter()
-            result = self._retry(link, should_stop,
-                                 lambda: link.client.pull(fragment.id, base_version))
+            result, anchor, reanchored = self._retry(link, should_stop,
+                                                     lambda: self._pull_at_start(link, fragment.id, saved))
             self.stats.transfer_seconds += time.perf_counter() - pull_started
-            anchor = result.apply(base_value.clone() if base_value is not None else None)
-            version = result.version if result.version is not None else base_version
             if anchor is None:
                 raise RuntimeError(f"fragment {fragment.id}: shard {link.index} sent no value")
-            behind += version - (base_version if base_version is not None else version)
+            version = result.version if result.version is not None else saved["version"]
+            behind += max(0, version - (saved["version"] if saved else version))
             self.stats.bytes_down += result.payload_bytes
             feedback = ErrorFeedback(self.codec, fragment.numel, self.cfg.sync.codec_block_size)
-            if saved:
+            if saved and not reanchored:  # a residual built on another value means nothing
                 feedback.residual = saved["residual"].clone()
             self.fragments[fragment.id] = FragmentSync(fragment, anchor, version, feedback)
             if saved:
@@ -196,6 +199,7 @@ class StreamingSync:
                 self._merge_into_model(fragment, anchor)
             else:
                 scatter(fragment, anchor, self.params)
+        self._restored = {}
         self.stats.versions_behind_at_join = behind
         log.info("learner %s (incarnation %d) joined %d shards; %d versions behind; syncing at step + %d",
                  self.learner_id, self.incarnation, len(self.links), behind, self.sync_offset)
@@ -231,19 +235,88 @@ class StreamingSync:
             raise RuntimeError(f"shard {link.index} uses plan {reply.plan_digest[:12]}, this learner "
                                f"{self.plan.digest[:12]}: model or sync settings differ")
         for info in reply.fragments:
-            if not info.initialized:
-                self._seed(link, self.plan.fragments[info.fragment_id])
+            fragment = self.plan.fragments[info.fragment_id]
+            held = self._held(fragment.id)
+            if held is not None and held[0] >= 1 and (not info.initialized or info.version < held[0]):
+                self._restore(link, fragment, info, *held)
+            elif not info.initialized:
+                self._seed(link, fragment, gather(fragment, self.params))
         with self._lock:
             link.joined = True
 
-    def _seed(self, link: ShardLink, fragment: Fragment) -> None:
+    def _held(self, fragment_id: int) -> tuple[int, torch.Tensor] | None:
+        """(version, global value) this learner holds of a fragment: while starting, its
+        checkpoint's; None when it holds none."""
+        with self._lock:
+            state = self.fragments.get(fragment_id)
+            if state is not None:
+                return state.version, state.anchor
+        saved = self._restored.get(fragment_id)
+        return (saved["version"], saved["anchor"]) if saved else None
+
+    def _restore(self, link: ShardLink, fragment: Fragment, info: pb.FragmentInfo, version: int,
+                 anchor: torch.Tensor) -> None:
+        """The shard serves the fragment below the version we hold (or not at all): it lost its
+        state. Offer it our global value back (RESTORE); if it does not take it, take the
+        shard's value instead at our next sync of the fragment (re-anchor)."""
+        served = f"at version {info.version}" if info.initialized else "unseeded"
         try:
-            link.client.push(fragment.id, gather(fragment, self.params), codec="fp32",
+            reply = link.client.push(fragment.id, anchor, codec="fp32", block_size=self.cfg.sync.codec_block_size,
+                                     kind=pb.PUSH_KIND_RESTORE, base_version=version, state_hash=state_hash(anchor))
+            if reply.result == pb.PUSH_RESULT_RESTORED:
+                log.warning("shard %d held fragment %d %s: restored it at version %d",
+                            link.index, fragment.id, served, version)
+                return
+            answer = pb.PushResult.Name(reply.result)
+        except grpc.RpcError as exc:
+            if exc.code() in UNREACHABLE:
+                raise
+            answer = f"{exc.code().name} {exc.details()}"
+        log.warning("shard %d holds fragment %d %s, below our version %d, and did not restore it (%s): "
+                    "re-anchoring to its value", link.index, fragment.id, served, version, answer)
+        if not info.initialized:  # the run's value at `version` is a better start than local weights
+            self._seed(link, fragment, anchor)
+        with self._lock:
+            self._reanchor_due.add(fragment.id)
+
+    def _seed(self, link: ShardLink, fragment: Fragment, value: torch.Tensor) -> None:
+        try:
+            link.client.push(fragment.id, value, codec="fp32",
                              block_size=self.cfg.sync.codec_block_size, kind=pb.PUSH_KIND_SEED)
             log.info("seeded fragment %d on shard %d", fragment.id, link.index)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.ALREADY_EXISTS:  # another learner was first: fine
                 raise
+
+    def _take_reanchor_due(self, fragment_id: int) -> bool:
+        with self._lock:
+            due = fragment_id in self._reanchor_due
+            self._reanchor_due.discard(fragment_id)
+        return due
+
+    def _pull_at_start(self, link: ShardLink, fragment_id: int,
+                       saved: Mapping[str, torch.Tensor | int] | None) -> tuple[PullResult, torch.Tensor | None, bool]:
+        """(the pull, the fragment's value after it, whether that re-anchored a checkpoint's
+        value): the updates since the checkpoint's version, or a snapshot without one or when
+        the shard serves the fragment below it."""
+        if saved is not None and not self._take_reanchor_due(fragment_id):
+            try:
+                result = link.client.pull(fragment_id, saved["version"])
+                return result, result.apply(saved["anchor"].clone()), False
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:  # our version is ahead of it
+                    raise
+                log.warning("fragment %d: shard %d: %s", fragment_id, link.index, exc.details())
+        result = link.client.pull(fragment_id)
+        reanchored = saved is not None
+        if reanchored:
+            self._count_reanchor(fragment_id, saved["version"], result.version)
+        return result, result.apply(None), reanchored
+
+    def _count_reanchor(self, fragment_id: int, ours: int, theirs: int) -> None:
+        with self._lock:
+            self.stats.reanchored += 1
+        log.warning("fragment %d: re-anchored from version %d to the shard's version %d", fragment_id, ours, theirs)
 
     def _join_with_retry(self, link: ShardLink, should_stop: Callable[[], bool]) -> None:
         self._retry(link, should_stop, lambda: self._join(link))
@@ -327,8 +400,11 @@ class StreamingSync:
                     c_steps=state.steps_since_sync, c_tokens=state.tokens_since_sync,
                     step_seconds=self.step_seconds)
         state.pushed.clear()
-        state.in_flight = self._pool.submit(self._push_and_pull, self.links[fragment.shard], state,
-                                            state.anchor, local, meta)
+        if self._take_reanchor_due(fragment.id):
+            state.in_flight = self._pool.submit(self._reanchor, self.links[fragment.shard], state)
+        else:
+            state.in_flight = self._pool.submit(self._push_and_pull, self.links[fragment.shard], state,
+                                                state.anchor, local, meta)
         state.apply_at = apply_at
         state.blocked_seconds = 0.0
         state.held_at_start = self.stats.held_steps
@@ -380,6 +456,11 @@ class StreamingSync:
         except grpc.RpcError as exc:
             log.warning("fragment %d: pull from shard %d failed: %s %s", fragment_id, link.index,
                         exc.code().name, exc.details())
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                # The shard serves the fragment below our version (it lost its state, and our
+                # contribution with it): rejoining offers it our value back, or re-anchors.
+                with self._lock:
+                    link.joined = False
             return outcome
         if result is None:
             return outcome
@@ -387,6 +468,24 @@ class StreamingSync:
         outcome.version = result.version if result.version is not None else version
         outcome.bytes_down = result.payload_bytes
         outcome.seconds = time.perf_counter() - started
+        return outcome
+
+    def _reanchor(self, link: ShardLink, state: FragmentSync) -> SyncOutcome:
+        """Runs on the sync thread instead of a push: takes the shard's value of a fragment it
+        serves below our version (the residual was built on our value: it is dropped)."""
+        try:
+            started = time.perf_counter()
+            result = self._retry(link, self._stopping, lambda: link.client.pull(state.fragment.id))
+            outcome = SyncOutcome(result.apply(None), result.version, bytes_down=result.payload_bytes,
+                                  seconds=time.perf_counter() - started, reanchored=True)
+        except grpc.RpcError as exc:
+            log.warning("fragment %d: re-anchoring on shard %d failed: %s %s", state.fragment.id, link.index,
+                        exc.code().name, exc.details())
+            with self._lock:
+                self._reanchor_due.add(state.fragment.id)  # at the next sync, then
+            return SyncOutcome(None, state.version)
+        finally:
+            state.pushed.set()
         return outcome
 
     def _deliver(self, link: ShardLink, payload: bytes, meta: dict) -> tuple[int, int]:
@@ -457,8 +556,9 @@ class StreamingSync:
         self.stats.bytes_up += outcome.bytes_up
         self.stats.bytes_down += outcome.bytes_down
         self.stats.transfer_seconds += outcome.seconds
-        name = pb.PushResult.Name(outcome.push_result)
-        self.stats.push_results[name] = self.stats.push_results.get(name, 0) + 1
+        if not outcome.reanchored:
+            name = pb.PushResult.Name(outcome.push_result)
+            self.stats.push_results[name] = self.stats.push_results.get(name, 0) + 1
         late, state.late = state.late, None
         if outcome.anchor is None:
             self.stats.syncs_skipped += 1
@@ -466,13 +566,17 @@ class StreamingSync:
         if outcome.push_result == pb.PUSH_RESULT_REFUSED_STALE:
             self.stats.refused_stale += 1
             state.feedback.residual.zero_()  # what it held was built on a stale anchor
+        if outcome.reanchored:
+            self._count_reanchor(state.fragment.id, state.version, outcome.version)
+            state.feedback.residual.zero_()  # what it held was built on a value the run lost
         # How far ahead of the round's last contributor this learner was: the steps it trained
         # past the apply step plus the steps it could have trained while it waited.
         waited_steps = round(state.blocked_seconds / self.step_seconds) if self.step_seconds > 0 else 0
         if late_steps + waited_steps > 0:
             self._fall_back_into_phase(late_steps + waited_steps - (self.stats.held_steps - state.held_at_start))
         self._merge_into_model(state.fragment, outcome.anchor, late.local_at_apply if late else None)
-        state.anchor, state.version = outcome.anchor, outcome.version
+        with self._lock:  # read as a pair by a rejoin's _held
+            state.anchor, state.version = outcome.anchor, outcome.version
         state.steps_since_sync -= late.steps_at_apply if late else state.steps_since_sync
         state.tokens_since_sync -= late.tokens_at_apply if late else state.tokens_since_sync
         self.stats.syncs_applied += 1
@@ -567,20 +671,43 @@ class StreamingSync:
         for state in self.fragments.values():
             link = self.links[state.fragment.shard]
             try:
-                result = link.client.pull(state.fragment.id, state.version,
-                                          min_version=state.version + 1, max_wait_seconds=wait_seconds)
+                result, value = self._pull_or_reanchor(link, state, wait_seconds)
             except grpc.RpcError as exc:
                 if exc.code() not in UNREACHABLE:
                     raise
                 reached_all = False
                 continue
             if result.items:
-                state.anchor = result.apply(state.anchor)
-                state.version = result.version
+                with self._lock:
+                    state.anchor, state.version = value, result.version
                 self.stats.bytes_down += result.payload_bytes
                 self._merge_into_model(state.fragment, state.anchor)
                 changed = True
         return changed, reached_all
+
+    def _pull_or_reanchor(self, link: ShardLink, state: FragmentSync,
+                          wait_seconds: float) -> tuple[PullResult, torch.Tensor | None]:
+        """The fragment's versions after ours, or the shard's value where it serves the fragment
+        below our version (re-anchored; an unseeded one: we keep ours)."""
+        try:
+            result = link.client.pull(state.fragment.id, state.version, min_version=state.version + 1,
+                                      max_wait_seconds=wait_seconds)
+            return result, result.apply(state.anchor.clone())
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            log.warning("fragment %d: shard %d: %s", state.fragment.id, link.index, exc.details())
+        try:
+            result = link.client.pull(state.fragment.id)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            log.warning("fragment %d: shard %d serves no value: keeping ours at version %d",
+                        state.fragment.id, link.index, state.version)
+            return PullResult(state.fragment.id, [], "", 0), None
+        self._count_reanchor(state.fragment.id, state.version, result.version)
+        state.feedback.residual.zero_()
+        return result, result.apply(None)
 
     def fragment_hashes(self) -> dict[int, tuple[int, str]]:
         """(version, sha256) of the global value this learner holds, per fragment."""

@@ -154,8 +154,9 @@ class ShardClient:
     def push(self, fragment_id: int, values: torch.Tensor | bytes, *, codec: Codec | str,
              block_size: int, kind: int = pb.PUSH_KIND_OUTER_GRADIENT, base_version: int = 0,
              c_steps: int = 0, c_tokens: int = 0, step_seconds: float = 0.0,
-             numel: int | None = None) -> pb.PushResponse:
-        """Pushes a tensor (encoded here) or an already-encoded payload (then give numel)."""
+             numel: int | None = None, state_hash: str = "") -> pb.PushResponse:
+        """Pushes a tensor (encoded here) or an already-encoded payload (then give numel).
+        `state_hash`: a RESTORE's, of the value pushed."""
         codec = get_codec(codec) if isinstance(codec, (str, int)) else codec
         if isinstance(values, torch.Tensor):
             numel = values.numel()
@@ -167,7 +168,7 @@ class ShardClient:
         header = pb.PushHeader(
             learner_id=self.learner_id, incarnation=self.incarnation, fragment_id=fragment_id,
             kind=kind, base_version=base_version, c_steps=c_steps, c_tokens=c_tokens,
-            step_seconds=step_seconds, payload=describe(codec, numel, payload, block_size))
+            step_seconds=step_seconds, payload=describe(codec, numel, payload, block_size), state_hash=state_hash)
 
         def requests() -> Iterator[pb.PushRequest]:
             yield pb.PushRequest(header=header)

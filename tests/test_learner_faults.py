@@ -4,6 +4,7 @@ lost its state, and settings or answers that do not match the learner's."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 
@@ -14,6 +15,7 @@ from learner.sync import StreamingSync
 from services.client import ShardClient, state_hash
 from services.cluster import LocalCluster
 from services.fragments import plan_for_config
+from syncer.store import shard_state_dir
 from tests.cluster_config import tiny_cluster
 
 pytestmark = pytest.mark.slow
@@ -158,3 +160,26 @@ def test_a_shard_that_stops_answering_does_not_expire_the_learner_on_the_others(
     # Shard 1 answers again: the learner is still (or again) live there too.
     wait_until(lambda: [(l.learner_id, l.alive) for l in shard_status(cfg, 1).learners] == [(learner_id, True)],
                "shard 1 to hear the learner again")
+
+
+def rounds_closed(cfg, index: int = 0) -> int:
+    """Rounds the shard process closed since it started."""
+    counters = shard_status(cfg, index).counters
+    return counters.get("rounds.all", 0) + counters.get("rounds.quorum_grace", 0)
+
+
+def test_a_shard_restarted_without_its_state_takes_up_the_run_again_and_the_learner_ends_with_its_bits(
+        tmp_path, cluster, learners):
+    cfg = fault_config(tmp_path)
+    shards = cluster(cfg)
+    params = model()
+    sync = learners(cfg, params)
+    step = train(sync, params, lambda: sync.fragments[0].version >= 3, "three rounds")
+    shards.shards[0].kill()
+    shutil.rmtree(shard_state_dir(cfg.run.state_dir, 0))
+    shards.restart_shard(0)
+    # The learner offers the shard its value back (RESTORE) or, where the shard does not take
+    # it, takes the shard's: either way the fragment advances again, pushes no longer refused.
+    train(sync, params, lambda: rounds_closed(cfg) >= 2, "rounds to close on the restarted shard", first_step=step)
+    assert sync.stats.reanchored + shard_status(cfg).counters.get("fragments.restored", 0) >= 1
+    assert_holds_the_shards_bits(sync, cfg)
