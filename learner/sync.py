@@ -53,6 +53,37 @@ UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                grpc.StatusCode.CANCELLED}
 
 
+class JoinRefused(RuntimeError):
+    """A shard this learner cannot train with: other sync settings, another model, or a
+    refusal of the learner itself. Retrying cannot help: the learner stops."""
+
+
+def settings_differences(shard_index: int, settings: pb.ClusterSettings, cfg: Config) -> list[str]:
+    """'key: shard i uses X, this learner Y' for each setting of a shard's JoinResponse that
+    differs from this learner's config."""
+    def codec_name(key: str | int) -> str:
+        try:
+            return get_codec(key).name
+        except ValueError:
+            return f"codec {key}"
+
+    pairs = {
+        "sync.fragments": (settings.fragments, cfg.sync.fragments),
+        "sync.interval_steps": (settings.sync_interval_steps, cfg.sync.interval_steps),
+        "sync.overlap_steps": (settings.overlap_steps, cfg.sync.overlap_steps),
+        "sync.mix_alpha": (settings.mix_alpha, cfg.sync.mix_alpha),
+        "sync.codec": (codec_name(settings.codec), codec_name(cfg.sync.codec)),
+        "sync.codec_block_size": (settings.codec_block_size, cfg.sync.codec_block_size),
+        "sync.fragmentation": (settings.fragmentation, cfg.sync.fragmentation),
+        "syncer.max_staleness": (settings.max_staleness, cfg.syncer.max_staleness),
+        "syncer.lease_seconds": (settings.lease_seconds, cfg.syncer.lease_seconds),
+        "trainer.heartbeat_seconds": (settings.heartbeat_interval_seconds, cfg.trainer.heartbeat_seconds),
+        "shards (count)": (settings.shards, len(cfg.shards)),
+    }
+    return [f"{key}: shard {shard_index} uses {theirs}, this learner {ours}"
+            for key, (theirs, ours) in pairs.items() if theirs != ours]
+
+
 @dataclass
 class FragmentSync:
     """What a learner keeps per fragment between syncs."""
@@ -101,6 +132,7 @@ class SyncStats:
     syncs_late: int = 0  # applied after the loop stopped waiting for them
     held_steps: int = 0  # steps the sync schedule stood still to fall back into phase
     refused_stale: int = 0
+    syncs_refused: int = 0  # pushes the shard refused with an error (not "unreachable", not "rejoin")
     blocked_seconds: float = 0.0
     bytes_up: int = 0
     bytes_down: int = 0
@@ -157,6 +189,7 @@ class StreamingSync:
         # did not take ours back): their next sync re-anchors instead of pushing.
         self._reanchor_due: set[int] = set()
         self._restored: Mapping[int, Mapping[str, torch.Tensor | int]] = {}  # a checkpoint's, while starting
+        self.failure: JoinRefused | None = None  # a rejoin refused for good: the learner must stop
 
     # ---- start-up: join, seed, pull every fragment --------------------------------
 
@@ -230,10 +263,22 @@ class StreamingSync:
         return 0
 
     def _join(self, link: ShardLink) -> None:
-        reply = link.client.join(self.region, self.manifest)
+        """Joins one shard, checking it runs this learner's model with its sync settings (else
+        JoinRefused), and seeds or restores the fragments it lacks."""
+        try:
+            reply = link.client.join(self.region, self.manifest)
+        except grpc.RpcError as exc:
+            # Not in the run (PERMISSION_DENIED), another model (FAILED_PRECONDITION), ...
+            if exc.code() in UNREACHABLE:
+                raise
+            raise JoinRefused(f"shard {link.index} refused this learner: {exc.code().name} {exc.details()}") from None
+        differences = settings_differences(link.index, reply.settings, self.cfg)
+        if differences:
+            raise JoinRefused(f"shard {link.index} runs other sync settings than this learner's config: "
+                              + "; ".join(differences))
         if reply.plan_digest != self.plan.digest:
-            raise RuntimeError(f"shard {link.index} uses plan {reply.plan_digest[:12]}, this learner "
-                               f"{self.plan.digest[:12]}: model or sync settings differ")
+            raise JoinRefused(f"shard {link.index} uses plan {reply.plan_digest[:12]}, this learner "
+                              f"{self.plan.digest[:12]}: model or sync settings differ")
         for info in reply.fragments:
             fragment = self.plan.fragments[info.fragment_id]
             held = self._held(fragment.id)
@@ -340,6 +385,8 @@ class StreamingSync:
         """Call after inner step `step` (0-based) has updated the model. Starts the syncs due
         at this step (their outer gradient includes it) and applies those started tau steps
         ago (tau = 0: at once, waiting for the result). Returns the fragment ids applied."""
+        if self.failure is not None:
+            raise self.failure
         self.step = step + 1
         self.tokens += tokens
         self.step_seconds = step_seconds
@@ -440,6 +487,9 @@ class StreamingSync:
             if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
                 with self._lock:
                     link.joined = False  # the shard forgot us (restart): heartbeat rejoins
+            elif exc.code() not in UNREACHABLE:
+                with self._lock:
+                    self.stats.syncs_refused += 1
             log.warning("fragment %d: push to shard %d failed: %s %s", fragment_id, link.index,
                         exc.code().name, exc.details())
             return SyncOutcome(None, version)
@@ -648,6 +698,9 @@ class StreamingSync:
                         link.joined = False
                 elif exc.code() not in UNREACHABLE:
                     log.warning("heartbeat to shard %d: %s %s", link.index, exc.code().name, exc.details())
+            except JoinRefused as refused:  # the training thread raises it at its next step
+                self.failure = refused
+                return
 
     def catch_up(self, quiet_seconds: float, should_stop: Callable[[], bool] = lambda: False) -> None:
         """After training: keep pulling until no fragment changed for `quiet_seconds` or

@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -14,6 +17,7 @@ import torch
 from learner.sync import StreamingSync
 from services.client import ShardClient, state_hash
 from services.cluster import LocalCluster
+from services.config import dump_config, parse_config
 from services.fragments import plan_for_config
 from syncer.store import shard_state_dir
 from tests.cluster_config import tiny_cluster
@@ -183,3 +187,51 @@ def test_a_shard_restarted_without_its_state_takes_up_the_run_again_and_the_lear
     train(sync, params, lambda: rounds_closed(cfg) >= 2, "rounds to close on the restarted shard", first_step=step)
     assert sync.stats.reanchored + shard_status(cfg).counters.get("fragments.restored", 0) >= 1
     assert_holds_the_shards_bits(sync, cfg)
+
+
+# ---- the `diloco learner` command: what it cannot work with, it says in one line and exits 1 ----
+
+def edited(cfg, **sections):
+    """The config with these sections updated (dicts merged into the section)."""
+    data = cfg.model_dump(mode="json")
+    for key, value in sections.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) else value
+    return parse_config(data, source="test config")
+
+
+def run_learner(cfg, tmp_path, *extra: str) -> subprocess.CompletedProcess:
+    """`diloco learner` for the config's first learner, with its own copy of the config."""
+    path = tmp_path / "learner.yaml"
+    path.write_text(dump_config(cfg))
+    learner = cfg.learners[0]
+    return subprocess.run([sys.executable, "-m", "services.cli", "learner", "--config", str(path),
+                           "--learner-id", learner.id, "--region", learner.region, "--catch-up-seconds", "0.5",
+                           *extra], capture_output=True, text=True, timeout=120)
+
+
+def assert_failed_saying(result: subprocess.CompletedProcess, message: str) -> None:
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert [line for line in result.stderr.splitlines() if " ERROR " in line] == \
+        [line for line in result.stderr.splitlines() if message in line], result.stderr[-3000:]
+
+
+def learner_config(tmp_path, **sections):
+    """The fault config training the tiny GPT for 20 steps."""
+    return fault_config(tmp_path, trainer={"max_steps": 20, "eval_every": 1000, "checkpoint_every": 1000},
+                        **sections)
+
+
+def test_a_learner_whose_shard_runs_another_codec_stops_naming_the_setting(tmp_path, cluster):
+    shard_cfg = learner_config(tmp_path, sync={"codec": "int8"})
+    cluster(shard_cfg)
+    result = run_learner(edited(shard_cfg, sync={"codec": "int4"}), tmp_path)
+    assert_failed_saying(result, "sync.codec: shard 0 uses int8, this learner int4")
+
+
+def test_a_learner_whose_every_sync_is_refused_does_not_report_success(tmp_path, cluster):
+    # The shard refuses every outer gradient (norm bound); nothing the join compares differs.
+    shard_cfg = learner_config(tmp_path, syncer={"max_update_norm": 1e-12})
+    cluster(shard_cfg)
+    result = run_learner(edited(shard_cfg, syncer={"max_update_norm": 1.0e4}), tmp_path)
+    assert_failed_saying(result, "the shards refused its syncs")
