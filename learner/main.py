@@ -410,7 +410,8 @@ class Report:
                 transfer_seconds=stats.transfer_seconds, syncs_started=stats.syncs_started,
                 syncs_applied=stats.syncs_applied, syncs_skipped=stats.syncs_skipped,
                 syncs_late=stats.syncs_late, held_steps=stats.held_steps, refused_stale=stats.refused_stale,
-                reanchored=stats.reanchored, syncs_refused=stats.syncs_refused)
+                reanchored=stats.reanchored, syncs_refused=stats.syncs_refused,
+                hash_mismatches=stats.hash_mismatches)
 
     def write(self, phase: str, trainer: Trainer, sync: StreamingSync | None, island: Island) -> None:
         """phase: "training", "catching_up" (budget spent) or "done"."""

@@ -34,7 +34,7 @@ from typing import Callable, Mapping
 import grpc
 import torch
 
-from services.client import PullResult, ShardClient, TransferObserver, WanLink, state_hash
+from services.client import PullResult, ShardClient, StateHashMismatch, TransferObserver, WanLink, state_hash
 from services.codecs import ErrorFeedback, get_codec
 from services.config import Config
 from services.fragments import Fragment, FragmentPlan, gather, scatter
@@ -139,6 +139,7 @@ class SyncStats:
     transfer_seconds: float = 0.0  # time pushes and pulls spent on the wire
     versions_behind_at_join: int = 0
     reanchored: int = 0  # fragments taken from a shard that served them below our version
+    hash_mismatches: int = 0  # pulls whose result did not have the shard's hash: pulled again whole
     push_results: dict[str, int] = field(default_factory=dict)
 
 
@@ -346,17 +347,32 @@ class StreamingSync:
         the shard serves the fragment below it."""
         if saved is not None and not self._take_reanchor_due(fragment_id):
             try:
-                result = link.client.pull(fragment_id, saved["version"])
-                return result, result.apply(saved["anchor"].clone()), False
+                return *self._apply_checked(link, link.client.pull(fragment_id, saved["version"]),
+                                            saved["anchor"]), False
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:  # our version is ahead of it
                     raise
                 log.warning("fragment %d: shard %d: %s", fragment_id, link.index, exc.details())
-        result = link.client.pull(fragment_id)
+        result, value = self._apply_checked(link, link.client.pull(fragment_id), None)
         reanchored = saved is not None
         if reanchored:
             self._count_reanchor(fragment_id, saved["version"], result.version)
-        return result, result.apply(None), reanchored
+        return result, value, reanchored
+
+    def _apply_checked(self, link: ShardLink, result: PullResult,
+                       base: torch.Tensor | None) -> tuple[PullResult, torch.Tensor | None]:
+        """(the pull, the value after its items on `base`, which is left as it was). A value that
+        does not have the hash the shard sent (an update of the shard's that did not make its
+        version, a wrong base) is pulled again as a snapshot, counted."""
+        try:
+            return result, result.apply(None if base is None else base.clone())
+        except StateHashMismatch as mismatch:
+            with self._lock:
+                self.stats.hash_mismatches += 1
+            log.warning("%s: pulling a snapshot from shard %d", mismatch, link.index)
+        snapshot = link.client.pull(result.fragment_id)
+        snapshot.payload_bytes += result.payload_bytes
+        return snapshot, snapshot.apply(None)
 
     def _count_reanchor(self, fragment_id: int, ours: int, theirs: int) -> None:
         with self._lock:
@@ -503,6 +519,12 @@ class StreamingSync:
                 result = self._retry(link, self._stopping, lambda: link.client.pull(fragment_id, version))
             else:
                 result = self._pull_round_result(link, fragment_id, version, round_version)
+            if result is None:
+                return outcome
+            result, outcome.anchor = self._apply_checked(link, result, anchor)
+        except StateHashMismatch as mismatch:  # a snapshot too: nothing to trust from this shard now
+            log.error("%s; skipping this sync", mismatch)
+            return outcome
         except grpc.RpcError as exc:
             log.warning("fragment %d: pull from shard %d failed: %s %s", fragment_id, link.index,
                         exc.code().name, exc.details())
@@ -512,9 +534,6 @@ class StreamingSync:
                 with self._lock:
                     link.joined = False
             return outcome
-        if result is None:
-            return outcome
-        outcome.anchor = result.apply(anchor.clone())
         outcome.version = result.version if result.version is not None else version
         outcome.bytes_down = result.payload_bytes
         outcome.seconds = time.perf_counter() - started
@@ -525,12 +544,12 @@ class StreamingSync:
         serves below our version (the residual was built on our value: it is dropped)."""
         try:
             started = time.perf_counter()
-            result = self._retry(link, self._stopping, lambda: link.client.pull(state.fragment.id))
-            outcome = SyncOutcome(result.apply(None), result.version, bytes_down=result.payload_bytes,
+            result, value = self._retry(link, self._stopping, lambda: self._apply_checked(
+                link, link.client.pull(state.fragment.id), None))
+            outcome = SyncOutcome(value, result.version, bytes_down=result.payload_bytes,
                                   seconds=time.perf_counter() - started, reanchored=True)
-        except grpc.RpcError as exc:
-            log.warning("fragment %d: re-anchoring on shard %d failed: %s %s", state.fragment.id, link.index,
-                        exc.code().name, exc.details())
+        except (grpc.RpcError, StateHashMismatch) as exc:
+            log.warning("fragment %d: re-anchoring on shard %d failed: %s", state.fragment.id, link.index, exc)
             with self._lock:
                 self._reanchor_due.add(state.fragment.id)  # at the next sync, then
             return SyncOutcome(None, state.version)
@@ -730,6 +749,10 @@ class StreamingSync:
                     raise
                 reached_all = False
                 continue
+            except StateHashMismatch as mismatch:  # a snapshot too: ask again
+                log.error("%s", mismatch)
+                reached_all = False
+                continue
             if result.items:
                 with self._lock:
                     state.anchor, state.version = value, result.version
@@ -743,9 +766,9 @@ class StreamingSync:
         """The fragment's versions after ours, or the shard's value where it serves the fragment
         below our version (re-anchored; an unseeded one: we keep ours)."""
         try:
-            result = link.client.pull(state.fragment.id, state.version, min_version=state.version + 1,
-                                      max_wait_seconds=wait_seconds)
-            return result, result.apply(state.anchor.clone())
+            return self._apply_checked(link, link.client.pull(state.fragment.id, state.version,
+                                                              min_version=state.version + 1,
+                                                              max_wait_seconds=wait_seconds), state.anchor)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
@@ -760,7 +783,7 @@ class StreamingSync:
             return PullResult(state.fragment.id, [], "", 0), None
         self._count_reanchor(state.fragment.id, state.version, result.version)
         state.feedback.residual.zero_()
-        return result, result.apply(None)
+        return self._apply_checked(link, result, None)
 
     def fragment_hashes(self) -> dict[int, tuple[int, str]]:
         """(version, sha256) of the global value this learner holds, per fragment."""

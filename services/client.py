@@ -61,6 +61,10 @@ class WanLink:
         self.down = PacedDirection(mbps * 1e6 / 8)
 
 
+class StateHashMismatch(ValueError):
+    """A pull's items, applied, do not give the value whose hash the shard sent with them."""
+
+
 @dataclass
 class PulledItem:
     kind: int  # pb.PAYLOAD_KIND_UPDATE or pb.PAYLOAD_KIND_SNAPSHOT
@@ -80,7 +84,9 @@ class PullResult:
         return self.items[-1].version if self.items else None
 
     def apply(self, value: torch.Tensor | None) -> torch.Tensor | None:
-        """The fragment's value after this pull: a snapshot replaces, updates add in order."""
+        """The fragment's value after this pull: a snapshot replaces, updates add in order
+        (`value` is modified). Raises StateHashMismatch unless the result has the hash the
+        shard sent: a wrong base, or an update that is not the one that made its version."""
         for item in self.items:
             if item.kind == pb.PAYLOAD_KIND_SNAPSHOT:
                 value = item.values.clone()
@@ -89,6 +95,9 @@ class PullResult:
                     raise ValueError(f"fragment {self.fragment_id}: update to v{item.version} "
                                      "without a base value")
                 apply_update(value, item.values)
+        if self.items and self.state_hash and state_hash(value) != self.state_hash:
+            raise StateHashMismatch(f"fragment {self.fragment_id}: the value at v{self.version} after this pull "
+                                    f"has sha256 {state_hash(value)[:12]}, the shard's {self.state_hash[:12]}")
         return value
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
+import zlib
 import signal
 import socket
 import subprocess
@@ -19,6 +21,7 @@ from services.client import ShardClient, state_hash
 from services.cluster import LocalCluster
 from services.config import dump_config, parse_config
 from services.fragments import plan_for_config
+from services.wire import pb
 from syncer.store import shard_state_dir
 from tests.cluster_config import tiny_cluster
 
@@ -69,12 +72,12 @@ def cluster(tmp_path):
 def learners():
     started: list[StreamingSync] = []
 
-    def start(cfg, params: dict[str, torch.Tensor]) -> StreamingSync:
+    def start(cfg, params: dict[str, torch.Tensor], restored: dict | None = None) -> StreamingSync:
         learner = cfg.learners[0]
         sync = StreamingSync(cfg, learner.id, learner.region, params, plan_for_config(cfg, MANIFEST),
                              identity=None)
         started.append(sync)
-        sync.start()
+        sync.start(restored)
         return sync
 
     yield start
@@ -187,6 +190,43 @@ def test_a_shard_restarted_without_its_state_takes_up_the_run_again_and_the_lear
     train(sync, params, lambda: rounds_closed(cfg) >= 2, "rounds to close on the restarted shard", first_step=step)
     assert sync.stats.reanchored + shard_status(cfg).counters.get("fragments.restored", 0) >= 1
     assert_holds_the_shards_bits(sync, cfg)
+
+
+def tamper_with_update(cfg, version: int) -> None:
+    """Rewrites the shard's stored update that made `version` (fp32) into another, well-formed
+    one, as a failed and retried round close can leave it: its frame and payload checksums
+    are right, its values are not those the shard added."""
+    path = shard_state_dir(cfg.run.state_dir, 0) / "fragment-0" / f"update-{version}"
+    blob = path.read_bytes()
+    (header_length,) = struct.unpack_from("<I", blob, 12)  # after the frame's u64 length, u32 crc32
+    header = pb.PayloadHeader.FromString(blob[16:16 + header_length])
+    payload = (torch.frombuffer(bytearray(blob[16 + header_length:]), dtype=torch.float32) + 0.5).numpy().tobytes()
+    header.crc32 = zlib.crc32(payload)
+    encoded = header.SerializeToString()
+    body = struct.pack("<I", len(encoded)) + encoded + payload
+    path.write_bytes(struct.pack("<QI", len(body), zlib.crc32(body)) + body)
+
+
+def test_a_pull_whose_result_does_not_have_the_shards_hash_is_pulled_again_as_a_snapshot(
+        tmp_path, cluster, learners):
+    cfg = fault_config(tmp_path)
+    shards = cluster(cfg)
+    params = model()
+    first = learners(cfg, params)
+    step = train(first, params, lambda: first.fragments[0].version >= 1, "a first round")
+    checkpoint = {"fragments": {0: {"version": first.fragments[0].version,
+                                    "anchor": first.fragments[0].anchor.clone(), "residual": torch.zeros(256)}}}
+    train(first, params, lambda: first.fragments[0].version >= checkpoint["fragments"][0]["version"] + 2,
+          "two more rounds", first_step=step)
+    first.close(leave=True)
+    shards.shards[0].kill()
+    tamper_with_update(cfg, checkpoint["fragments"][0]["version"] + 1)
+    shards.restart_shard(0)
+    # A learner restarting from the checkpoint catches up from the stored updates.
+    second = learners(cfg, model(), restored=checkpoint)
+    shard = fragment_status(cfg)
+    assert second.fragment_hashes() == {0: (shard.version, shard.state_hash)}
+    assert second.stats.hash_mismatches == 1
 
 
 # ---- the `diloco learner` command: what it cannot work with, it says in one line and exits 1 ----
