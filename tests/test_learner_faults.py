@@ -275,3 +275,36 @@ def test_a_learner_whose_every_sync_is_refused_does_not_report_success(tmp_path,
     cluster(shard_cfg)
     result = run_learner(edited(shard_cfg, syncer={"max_update_norm": 1.0e4}), tmp_path)
     assert_failed_saying(result, "the shards refused its syncs")
+
+
+def test_a_learner_whose_metrics_port_is_taken_stops_naming_it(tmp_path):
+    cfg = learner_config(tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        mine = {**cfg.learners[0].model_dump(mode="json"), "metrics_port": port}
+        result = run_learner(edited(cfg, learners=[mine, cfg.learners[1].model_dump(mode="json")]), tmp_path)
+    assert_failed_saying(result, f"cannot serve metrics on port {port}")
+
+
+def test_a_learner_that_cannot_write_its_state_folder_stops_naming_it(tmp_path):
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("where the learner's state folder should be")
+    result = run_learner(learner_config(tmp_path), tmp_path, "--state-dir", str(in_the_way / "learner"))
+    assert_failed_saying(result, f"cannot write its state folder {in_the_way / 'learner'}")
+
+
+def test_a_learner_removed_from_the_shards_config_stops_naming_the_refusal(tmp_path, cluster):
+    cfg = learner_config(tmp_path)
+    cluster(edited(cfg, learners=[cfg.learners[1].model_dump(mode="json")], syncer={"quorum": 1}))
+    result = run_learner(cfg, tmp_path)
+    assert_failed_saying(result, "shard 0 refused this learner: PERMISSION_DENIED")
+
+
+def test_a_learner_with_another_model_than_the_runs_stops_naming_the_refusal(tmp_path, cluster):
+    cfg = learner_config(tmp_path)
+    cluster(cfg)
+    hold_rounds_open(cfg)  # the other learner's join fixed the run's model: MANIFEST, not the GPT
+    result = run_learner(cfg, tmp_path)
+    assert_failed_saying(result, "shard 0 refused this learner: FAILED_PRECONDITION manifest differs")
