@@ -192,6 +192,26 @@ def test_a_shard_restarted_without_its_state_takes_up_the_run_again_and_the_lear
     assert_holds_the_shards_bits(sync, cfg)
 
 
+def test_a_learner_restarting_from_a_checkpoint_ahead_of_a_shard_that_lost_its_state_gives_it_the_runs_value(
+        tmp_path, cluster, learners):
+    cfg = fault_config(tmp_path)
+    shards = cluster(cfg)
+    params = model()
+    first = learners(cfg, params)
+    train(first, params, lambda: first.fragments[0].version >= 3, "three rounds")
+    checkpoint = first.state_dict()
+    first.close(leave=True)
+    shards.shards[0].kill()
+    shutil.rmtree(shard_state_dir(cfg.run.state_dir, 0))
+    shards.restart_shard(0)
+    second = learners(cfg, model(), restored=checkpoint)
+    # The shard continues from the run's value the learner held (restored at its version, or
+    # seeded with it where the shard does not restore), never from a learner's local weights.
+    shard = fragment_status(cfg)
+    assert shard.state_hash == state_hash(checkpoint["fragments"][0]["anchor"])
+    assert second.fragment_hashes() == {0: (shard.version, shard.state_hash)}
+    assert second.stats.reanchored + shard_status(cfg).counters.get("fragments.restored", 0) == 1
+
 def tamper_with_update(cfg, version: int) -> None:
     """Rewrites the shard's stored update that made `version` (fp32) into another, well-formed
     one, as a failed and retried round close can leave it: its frame and payload checksums
