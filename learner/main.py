@@ -19,6 +19,7 @@ import os
 import pathlib
 import signal
 import sys
+import tempfile
 import threading
 import time
 from typing import Callable
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from learner.checkpoint import CheckpointWriter, load_checkpoint
-from learner.sync import StreamingSync
+from learner.sync import JoinRefused, StreamingSync
 from learner.train import Trainer, manifest, named_parameters
 from services.client import ShardClient
 from services.config import Config, ConfigError, load_config
@@ -39,6 +40,8 @@ from services.metrics import LearnerMetrics, serve
 from services.tls import Identity, learner_name, load_identity
 
 log = logging.getLogger(__name__)
+
+FAILED = 1  # exit status of a learner that could not do its job (a config error is 2)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -153,12 +156,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"invalid: {error}", file=sys.stderr)
         return 2
     state_dir = pathlib.Path(args.state_dir or pathlib.Path(cfg.run.state_dir) / f"learner-{learner.id}")
-    state_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        check_writable(state_dir)
+    except OSError as error:
+        log.error("learner %s: cannot write its state folder %s: %s", learner.id, state_dir, error)
+        return FAILED
     island = Island()
     # Served before the slow part of start-up, so that time shows as startup badput, not down.
     metrics = LearnerMetrics() if island.leader and learner.metrics_port else None
     if metrics:
-        serve(metrics.registry, learner.metrics_port)
+        try:
+            serve(metrics.registry, learner.metrics_port)
+        except OSError as error:
+            log.error("learner %s: cannot serve metrics on port %d (learners[].metrics_port): %s",
+                      learner.id, learner.metrics_port, error.strerror or error)
+            island.close()
+            return FAILED
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -185,8 +198,14 @@ def run(args: argparse.Namespace) -> int:
             metrics.steps_lost(max(0, last_step_seen_by_shards(cfg, learner.id, identity) - trainer.step),
                                mean_step_seconds(extra.get("report", {}).get("incarnations", [])))
         sync = StreamingSync(cfg, learner.id, learner.region, params, plan, observer=metrics, identity=identity)
-        sync.start(extra.get("sync"), should_stop=stop.is_set, step=trainer.step,
-                   tokens=trainer.tokens * island.world_size)
+        try:
+            sync.start(extra.get("sync"), should_stop=stop.is_set, step=trainer.step,
+                       tokens=trainer.tokens * island.world_size)
+        except JoinRefused as refused:
+            log.error("learner %s cannot join the run: %s", learner.id, refused)
+            sync.close(leave=False)
+            island.close()
+            return FAILED
     island.share_start(trainer, params)
     if island.world_size > 1:
         trainer.forward_module = DistributedDataParallel(trainer.model)
@@ -202,19 +221,30 @@ def run(args: argparse.Namespace) -> int:
     if island.leader:  # so this incarnation's record survives a kill
         timed("checkpoint", lambda: save(trainer, sync, report, checkpoints), report, metrics)
     try:
-        train(cfg, args, trainer, sync, island, plan, params, report, stop, checkpoints, metrics)
+        code = train(cfg, args, trainer, sync, island, plan, params, report, stop, checkpoints, metrics)
+    except JoinRefused as refused:  # a shard came back with another model or other settings
+        log.error("learner %s stops: %s", learner.id, refused)
+        code = FAILED
     finally:
         checkpoints.wait()
         if sync is not None:
             sync.close(leave=True)
         island.close()
-    island.exit(0)
-    return 0
+    island.exit(code)
+    return code
+
+
+def check_writable(folder: pathlib.Path) -> None:
+    """Creates the folder and a file in it: a learner that cannot checkpoint must not train."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=folder):
+        pass
 
 
 def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: StreamingSync | None,
           island: Island, plan: FragmentPlan, params: dict[str, torch.Tensor], report: Report,
-          stop: threading.Event, checkpoints: CheckpointWriter, metrics: LearnerMetrics | None) -> None:
+          stop: threading.Event, checkpoints: CheckpointWriter, metrics: LearnerMetrics | None) -> int:
+    """Trains until the budget is spent or stopped; the exit status (FAILED: every sync refused)."""
     budget = cfg.trainer
 
     def budget_left() -> bool:
@@ -249,7 +279,7 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
             timed("checkpoint", lambda: save(trainer, sync, report, checkpoints), report, metrics)
             report.write("training", trainer, sync, island)  # what it keeps, should it die before the end
     if not island.leader:
-        return
+        return 0
     finished = not budget_left()
     if sync and not finished:
         sync.flush()  # may wait for late results: still provisioned training time
@@ -267,8 +297,14 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
     save(trainer, sync, report, checkpoints)
     checkpoints.wait()  # "done" means on disk
     report.write("done" if finished else "training", trainer, sync, island)
+    if sync and sync.stats.syncs_refused and not sync.stats.syncs_applied:
+        log.error("learner %s: the shards refused its syncs (%d of %d started) and applied none: "
+                  "it trained alone; see the warnings above", report.learner_id, sync.stats.syncs_refused,
+                  sync.stats.syncs_started)
+        return FAILED
     log.info("learner %s %s at step %d", report.learner_id, "finished" if finished else "stopped",
              trainer.step)
+    return 0
 
 
 def process_started() -> float:
@@ -373,7 +409,9 @@ class Report:
                 blocked_seconds=stats.blocked_seconds, bytes_up=stats.bytes_up, bytes_down=stats.bytes_down,
                 transfer_seconds=stats.transfer_seconds, syncs_started=stats.syncs_started,
                 syncs_applied=stats.syncs_applied, syncs_skipped=stats.syncs_skipped,
-                syncs_late=stats.syncs_late, held_steps=stats.held_steps, refused_stale=stats.refused_stale)
+                syncs_late=stats.syncs_late, held_steps=stats.held_steps, refused_stale=stats.refused_stale,
+                reanchored=stats.reanchored, syncs_refused=stats.syncs_refused,
+                hash_mismatches=stats.hash_mismatches)
 
     def write(self, phase: str, trainer: Trainer, sync: StreamingSync | None, island: Island) -> None:
         """phase: "training", "catching_up" (budget spent) or "done"."""

@@ -34,7 +34,7 @@ from typing import Callable, Mapping
 import grpc
 import torch
 
-from services.client import PullResult, ShardClient, TransferObserver, WanLink, state_hash
+from services.client import PullResult, ShardClient, StateHashMismatch, TransferObserver, WanLink, state_hash
 from services.codecs import ErrorFeedback, get_codec
 from services.config import Config
 from services.fragments import Fragment, FragmentPlan, gather, scatter
@@ -51,6 +51,37 @@ FINAL_PULL_SECONDS = 60.0
 # Errors that mean "the shard is down or restarting", not "we sent something wrong".
 UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                grpc.StatusCode.CANCELLED}
+
+
+class JoinRefused(RuntimeError):
+    """A shard this learner cannot train with: other sync settings, another model, or a
+    refusal of the learner itself. Retrying cannot help: the learner stops."""
+
+
+def settings_differences(shard_index: int, settings: pb.ClusterSettings, cfg: Config) -> list[str]:
+    """'key: shard i uses X, this learner Y' for each setting of a shard's JoinResponse that
+    differs from this learner's config."""
+    def codec_name(key: str | int) -> str:
+        try:
+            return get_codec(key).name
+        except ValueError:
+            return f"codec {key}"
+
+    pairs = {
+        "sync.fragments": (settings.fragments, cfg.sync.fragments),
+        "sync.interval_steps": (settings.sync_interval_steps, cfg.sync.interval_steps),
+        "sync.overlap_steps": (settings.overlap_steps, cfg.sync.overlap_steps),
+        "sync.mix_alpha": (settings.mix_alpha, cfg.sync.mix_alpha),
+        "sync.codec": (codec_name(settings.codec), codec_name(cfg.sync.codec)),
+        "sync.codec_block_size": (settings.codec_block_size, cfg.sync.codec_block_size),
+        "sync.fragmentation": (settings.fragmentation, cfg.sync.fragmentation),
+        "syncer.max_staleness": (settings.max_staleness, cfg.syncer.max_staleness),
+        "syncer.lease_seconds": (settings.lease_seconds, cfg.syncer.lease_seconds),
+        "trainer.heartbeat_seconds": (settings.heartbeat_interval_seconds, cfg.trainer.heartbeat_seconds),
+        "shards (count)": (settings.shards, len(cfg.shards)),
+    }
+    return [f"{key}: shard {shard_index} uses {theirs}, this learner {ours}"
+            for key, (theirs, ours) in pairs.items() if theirs != ours]
 
 
 @dataclass
@@ -89,6 +120,7 @@ class SyncOutcome:
     bytes_up: int = 0
     bytes_down: int = 0
     seconds: float = 0.0
+    reanchored: bool = False  # the anchor is the shard's value after it lost the one we held
 
 
 @dataclass
@@ -100,11 +132,14 @@ class SyncStats:
     syncs_late: int = 0  # applied after the loop stopped waiting for them
     held_steps: int = 0  # steps the sync schedule stood still to fall back into phase
     refused_stale: int = 0
+    syncs_refused: int = 0  # pushes the shard refused with an error (not "unreachable", not "rejoin")
     blocked_seconds: float = 0.0
     bytes_up: int = 0
     bytes_down: int = 0
     transfer_seconds: float = 0.0  # time pushes and pulls spent on the wire
     versions_behind_at_join: int = 0
+    reanchored: int = 0  # fragments taken from a shard that served them below our version
+    hash_mismatches: int = 0  # pulls whose result did not have the shard's hash: pulled again whole
     push_results: dict[str, int] = field(default_factory=dict)
 
 
@@ -150,7 +185,12 @@ class StreamingSync:
         # One thread per fragment: a sync waiting for its round must never keep another
         # fragment's push from going out (that push may be what closes the round).
         self._pool = ThreadPoolExecutor(max_workers=len(plan.fragments), thread_name_prefix="sync")
-        self._heartbeats: threading.Thread | None = None
+        self._heartbeats: list[threading.Thread] = []
+        # Fragments a shard serves below the version this learner holds (it lost its state and
+        # did not take ours back): their next sync re-anchors instead of pushing.
+        self._reanchor_due: set[int] = set()
+        self._restored: Mapping[int, Mapping[str, torch.Tensor | int]] = {}  # a checkpoint's, while starting
+        self.failure: JoinRefused | None = None  # a rejoin refused for good: the learner must stop
 
     # ---- start-up: join, seed, pull every fragment --------------------------------
 
@@ -167,28 +207,25 @@ class StreamingSync:
         """
         self._should_stop = should_stop
         self.step, self.tokens = step, tokens
+        self._restored = (restored or {}).get("fragments", {})
         for link in self.links:
             self._join_with_retry(link, should_stop)
         self.sync_offset = self._phase_of_the_others()
         behind = 0
-        restored_fragments = (restored or {}).get("fragments", {})
         for fragment in self.plan.fragments:
             link = self.links[fragment.shard]
-            saved = restored_fragments.get(fragment.id)
-            base_version = saved["version"] if saved else None
-            base_value = saved["anchor"] if saved else None
+            saved = self._restored.get(fragment.id)
             pull_started = time.perf_counter()
-            result = self._retry(link, should_stop,
-                                 lambda: link.client.pull(fragment.id, base_version))
+            result, anchor, reanchored = self._retry(link, should_stop,
+                                                     lambda: self._pull_at_start(link, fragment.id, saved))
             self.stats.transfer_seconds += time.perf_counter() - pull_started
-            anchor = result.apply(base_value.clone() if base_value is not None else None)
-            version = result.version if result.version is not None else base_version
             if anchor is None:
                 raise RuntimeError(f"fragment {fragment.id}: shard {link.index} sent no value")
-            behind += version - (base_version if base_version is not None else version)
+            version = result.version if result.version is not None else saved["version"]
+            behind += max(0, version - (saved["version"] if saved else version))
             self.stats.bytes_down += result.payload_bytes
             feedback = ErrorFeedback(self.codec, fragment.numel, self.cfg.sync.codec_block_size)
-            if saved:
+            if saved and not reanchored:  # a residual built on another value means nothing
                 feedback.residual = saved["residual"].clone()
             self.fragments[fragment.id] = FragmentSync(fragment, anchor, version, feedback)
             if saved:
@@ -196,11 +233,16 @@ class StreamingSync:
                 self._merge_into_model(fragment, anchor)
             else:
                 scatter(fragment, anchor, self.params)
+        self._restored = {}
         self.stats.versions_behind_at_join = behind
         log.info("learner %s (incarnation %d) joined %d shards; %d versions behind; syncing at step + %d",
                  self.learner_id, self.incarnation, len(self.links), behind, self.sync_offset)
-        self._heartbeats = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
-        self._heartbeats.start()
+        # One heartbeat thread per shard: a shard that does not answer must not keep the
+        # others from hearing this learner before its lease on them runs out.
+        self._heartbeats = [threading.Thread(target=self._heartbeat_loop, args=(link,), daemon=True,
+                                             name=f"heartbeat-{link.index}") for link in self.links]
+        for thread in self._heartbeats:
+            thread.start()
         return behind
 
     def _phase_of_the_others(self) -> int:
@@ -222,24 +264,120 @@ class StreamingSync:
         return 0
 
     def _join(self, link: ShardLink) -> None:
-        reply = link.client.join(self.region, self.manifest)
+        """Joins one shard, checking it runs this learner's model with its sync settings (else
+        JoinRefused), and seeds or restores the fragments it lacks."""
+        try:
+            reply = link.client.join(self.region, self.manifest)
+        except grpc.RpcError as exc:
+            # Not in the run (PERMISSION_DENIED), another model (FAILED_PRECONDITION), ...
+            if exc.code() in UNREACHABLE:
+                raise
+            raise JoinRefused(f"shard {link.index} refused this learner: {exc.code().name} {exc.details()}") from None
+        differences = settings_differences(link.index, reply.settings, self.cfg)
+        if differences:
+            raise JoinRefused(f"shard {link.index} runs other sync settings than this learner's config: "
+                              + "; ".join(differences))
         if reply.plan_digest != self.plan.digest:
-            raise RuntimeError(f"shard {link.index} uses plan {reply.plan_digest[:12]}, this learner "
-                               f"{self.plan.digest[:12]}: model or sync settings differ")
+            raise JoinRefused(f"shard {link.index} uses plan {reply.plan_digest[:12]}, this learner "
+                              f"{self.plan.digest[:12]}: model or sync settings differ")
         for info in reply.fragments:
-            if not info.initialized:
-                self._seed(link, self.plan.fragments[info.fragment_id])
+            fragment = self.plan.fragments[info.fragment_id]
+            held = self._held(fragment.id)
+            if held is not None and held[0] >= 1 and (not info.initialized or info.version < held[0]):
+                self._restore(link, fragment, info, *held)
+            elif not info.initialized:
+                self._seed(link, fragment, gather(fragment, self.params))
         with self._lock:
             link.joined = True
 
-    def _seed(self, link: ShardLink, fragment: Fragment) -> None:
+    def _held(self, fragment_id: int) -> tuple[int, torch.Tensor] | None:
+        """(version, global value) this learner holds of a fragment: while starting, its
+        checkpoint's; None when it holds none."""
+        with self._lock:
+            state = self.fragments.get(fragment_id)
+            if state is not None:
+                return state.version, state.anchor
+        saved = self._restored.get(fragment_id)
+        return (saved["version"], saved["anchor"]) if saved else None
+
+    def _restore(self, link: ShardLink, fragment: Fragment, info: pb.FragmentInfo, version: int,
+                 anchor: torch.Tensor) -> None:
+        """The shard serves the fragment below the version we hold (or not at all): it lost its
+        state. Offer it our global value back (RESTORE); if it does not take it, take the
+        shard's value instead at our next sync of the fragment (re-anchor)."""
+        served = f"at version {info.version}" if info.initialized else "unseeded"
         try:
-            link.client.push(fragment.id, gather(fragment, self.params), codec="fp32",
+            reply = link.client.push(fragment.id, anchor, codec="fp32", block_size=self.cfg.sync.codec_block_size,
+                                     kind=pb.PUSH_KIND_RESTORE, base_version=version, state_hash=state_hash(anchor))
+            if reply.result == pb.PUSH_RESULT_RESTORED:
+                log.warning("shard %d held fragment %d %s: restored it at version %d",
+                            link.index, fragment.id, served, version)
+                return
+            answer = pb.PushResult.Name(reply.result)
+        except grpc.RpcError as exc:
+            if exc.code() in UNREACHABLE:
+                raise
+            answer = f"{exc.code().name} {exc.details()}"
+        log.warning("shard %d holds fragment %d %s, below our version %d, and did not restore it (%s): "
+                    "re-anchoring to its value", link.index, fragment.id, served, version, answer)
+        if not info.initialized:  # the run's value at `version` is a better start than local weights
+            self._seed(link, fragment, anchor)
+        with self._lock:
+            self._reanchor_due.add(fragment.id)
+
+    def _seed(self, link: ShardLink, fragment: Fragment, value: torch.Tensor) -> None:
+        try:
+            link.client.push(fragment.id, value, codec="fp32",
                              block_size=self.cfg.sync.codec_block_size, kind=pb.PUSH_KIND_SEED)
             log.info("seeded fragment %d on shard %d", fragment.id, link.index)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.ALREADY_EXISTS:  # another learner was first: fine
                 raise
+
+    def _take_reanchor_due(self, fragment_id: int) -> bool:
+        with self._lock:
+            due = fragment_id in self._reanchor_due
+            self._reanchor_due.discard(fragment_id)
+        return due
+
+    def _pull_at_start(self, link: ShardLink, fragment_id: int,
+                       saved: Mapping[str, torch.Tensor | int] | None) -> tuple[PullResult, torch.Tensor | None, bool]:
+        """(the pull, the fragment's value after it, whether that re-anchored a checkpoint's
+        value): the updates since the checkpoint's version, or a snapshot without one or when
+        the shard serves the fragment below it."""
+        if saved is not None and not self._take_reanchor_due(fragment_id):
+            try:
+                return *self._apply_checked(link, link.client.pull(fragment_id, saved["version"]),
+                                            saved["anchor"]), False
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:  # our version is ahead of it
+                    raise
+                log.warning("fragment %d: shard %d: %s", fragment_id, link.index, exc.details())
+        result, value = self._apply_checked(link, link.client.pull(fragment_id), None)
+        reanchored = saved is not None
+        if reanchored:
+            self._count_reanchor(fragment_id, saved["version"], result.version)
+        return result, value, reanchored
+
+    def _apply_checked(self, link: ShardLink, result: PullResult,
+                       base: torch.Tensor | None) -> tuple[PullResult, torch.Tensor | None]:
+        """(the pull, the value after its items on `base`, which is left as it was). A value that
+        does not have the hash the shard sent (an update of the shard's that did not make its
+        version, a wrong base) is pulled again as a snapshot, counted."""
+        try:
+            return result, result.apply(None if base is None else base.clone())
+        except StateHashMismatch as mismatch:
+            with self._lock:
+                self.stats.hash_mismatches += 1
+            log.warning("%s: pulling a snapshot from shard %d", mismatch, link.index)
+        snapshot = link.client.pull(result.fragment_id)
+        snapshot.payload_bytes += result.payload_bytes
+        return snapshot, snapshot.apply(None)
+
+    def _count_reanchor(self, fragment_id: int, ours: int, theirs: int) -> None:
+        with self._lock:
+            self.stats.reanchored += 1
+        log.warning("fragment %d: re-anchored from version %d to the shard's version %d", fragment_id, ours, theirs)
 
     def _join_with_retry(self, link: ShardLink, should_stop: Callable[[], bool]) -> None:
         self._retry(link, should_stop, lambda: self._join(link))
@@ -263,6 +401,8 @@ class StreamingSync:
         """Call after inner step `step` (0-based) has updated the model. Starts the syncs due
         at this step (their outer gradient includes it) and applies those started tau steps
         ago (tau = 0: at once, waiting for the result). Returns the fragment ids applied."""
+        if self.failure is not None:
+            raise self.failure
         self.step = step + 1
         self.tokens += tokens
         self.step_seconds = step_seconds
@@ -323,8 +463,11 @@ class StreamingSync:
                     c_steps=state.steps_since_sync, c_tokens=state.tokens_since_sync,
                     step_seconds=self.step_seconds)
         state.pushed.clear()
-        state.in_flight = self._pool.submit(self._push_and_pull, self.links[fragment.shard], state,
-                                            state.anchor, local, meta)
+        if self._take_reanchor_due(fragment.id):
+            state.in_flight = self._pool.submit(self._reanchor, self.links[fragment.shard], state)
+        else:
+            state.in_flight = self._pool.submit(self._push_and_pull, self.links[fragment.shard], state,
+                                                state.anchor, local, meta)
         state.apply_at = apply_at
         state.blocked_seconds = 0.0
         state.held_at_start = self.stats.held_steps
@@ -352,19 +495,7 @@ class StreamingSync:
             log.error("fragment %d: not pushing: %s", fragment_id, exc)
             return SyncOutcome(None, version)
         try:
-            reply = link.client.push(values=payload, **meta)
-            state.pushed.set()
-            outcome = SyncOutcome(None, version, reply.result, bytes_up=len(payload))
-            if reply.result == pb.PUSH_RESULT_REFUSED_STALE:
-                # Too stale to merge: re-anchor to the current global value.
-                result = link.client.pull(fragment_id, version)
-            else:
-                result = self._pull_round_result(link, fragment_id, version, reply.current_version + 1)
-                if result is None:
-                    return outcome
-            outcome.anchor = result.apply(anchor.clone())
-            outcome.version = result.version if result.version is not None else version
-            outcome.bytes_down = result.payload_bytes
+            push_result, round_version = self._deliver(link, payload, meta)
         except grpc.RpcError as exc:
             # Lost push: undo the residual update so nothing is counted twice; the next
             # outer gradient still holds this progress.
@@ -372,26 +503,100 @@ class StreamingSync:
             if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
                 with self._lock:
                     link.joined = False  # the shard forgot us (restart): heartbeat rejoins
-            log.warning("fragment %d: sync with shard %d failed: %s %s", fragment_id, link.index,
+            elif exc.code() not in UNREACHABLE:
+                with self._lock:
+                    self.stats.syncs_refused += 1
+            log.warning("fragment %d: push to shard %d failed: %s %s", fragment_id, link.index,
                         exc.code().name, exc.details())
             return SyncOutcome(None, version)
+        # Delivered: the shard holds this contribution, so the residual stays as compressed
+        # and the round's result is what comes next, however long the shard takes to give it.
+        state.pushed.set()
+        outcome = SyncOutcome(None, version, push_result, bytes_up=len(payload))
+        try:
+            if push_result == pb.PUSH_RESULT_REFUSED_STALE:
+                # Too stale to merge: re-anchor to the current global value.
+                result = self._retry(link, self._stopping, lambda: link.client.pull(fragment_id, version))
+            else:
+                result = self._pull_round_result(link, fragment_id, version, round_version)
+            if result is None:
+                return outcome
+            result, outcome.anchor = self._apply_checked(link, result, anchor)
+        except StateHashMismatch as mismatch:  # a snapshot too: nothing to trust from this shard now
+            log.error("%s; skipping this sync", mismatch)
+            return outcome
+        except grpc.RpcError as exc:
+            log.warning("fragment %d: pull from shard %d failed: %s %s", fragment_id, link.index,
+                        exc.code().name, exc.details())
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                # The shard serves the fragment below our version (it lost its state, and our
+                # contribution with it): rejoining offers it our value back, or re-anchors.
+                with self._lock:
+                    link.joined = False
+            return outcome
+        outcome.version = result.version if result.version is not None else version
+        outcome.bytes_down = result.payload_bytes
         outcome.seconds = time.perf_counter() - started
         return outcome
 
+    def _reanchor(self, link: ShardLink, state: FragmentSync) -> SyncOutcome:
+        """Runs on the sync thread instead of a push: takes the shard's value of a fragment it
+        serves below our version (the residual was built on our value: it is dropped)."""
+        try:
+            started = time.perf_counter()
+            result, value = self._retry(link, self._stopping, lambda: self._apply_checked(
+                link, link.client.pull(state.fragment.id), None))
+            outcome = SyncOutcome(value, result.version, bytes_down=result.payload_bytes,
+                                  seconds=time.perf_counter() - started, reanchored=True)
+        except (grpc.RpcError, StateHashMismatch) as exc:
+            log.warning("fragment %d: re-anchoring on shard %d failed: %s", state.fragment.id, link.index, exc)
+            with self._lock:
+                self._reanchor_due.add(state.fragment.id)  # at the next sync, then
+            return SyncOutcome(None, state.version)
+        finally:
+            state.pushed.set()
+        return outcome
+
+    def _deliver(self, link: ShardLink, payload: bytes, meta: dict) -> tuple[int, int]:
+        """Pushes an outer gradient: (the shard's answer, the version of the round that holds
+        it). ALREADY_EXISTS is an answer too: an earlier attempt of this push (its reply lost
+        to a shard restart) is held by the shard, so it is delivered, in the round after its
+        base version at the earliest."""
+        try:
+            reply = link.client.push(values=payload, **meta)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
+                raise
+            log.info("fragment %d: shard %d already holds this contribution: %s", meta["fragment_id"],
+                     link.index, exc.details())
+            return pb.PUSH_RESULT_ACCEPTED, meta["base_version"] + 1
+        return reply.result, reply.current_version + 1
+
+    def _stopping(self) -> bool:
+        """Shutting down, or asked to stop: waits for a shard must end."""
+        return self._stop.is_set() or self._should_stop()
+
     def _pull_round_result(self, link: ShardLink, fragment_id: int, version: int,
                            round_version: int) -> PullResult | None:
-        """Pulls until the round holding our accepted contribution has closed. The
-        contribution is already merged (or durable in the open round), so taking an older
-        value now would push the same progress twice next time: wait for it instead (the
-        training thread only blocks if this outlasts the overlap window)."""
+        """Pulls until the round holding our delivered contribution has closed, across shard
+        restarts (the round is durable on the shard). The contribution is already merged (or
+        durable in the open round), so taking an older value now would push the same progress
+        twice next time: wait for it instead (the training thread only blocks if this outlasts
+        the overlap window). None once stopping."""
         while True:
-            result = link.client.pull(fragment_id, version, min_version=round_version,
-                                      max_wait_seconds=self.cfg.syncer.lease_seconds)
+            try:
+                result = self._retry(link, self._stopping, lambda: link.client.pull(
+                    fragment_id, version, min_version=round_version,
+                    max_wait_seconds=self.cfg.syncer.lease_seconds))
+            except grpc.RpcError as exc:
+                if exc.code() in UNREACHABLE:  # stopping while the shard is down
+                    return None
+                raise
             if result.version is not None and result.version >= round_version:
                 return result
             # Shutting down; or asked to stop while a round cannot close (synchronous rounds
             # wait for a learner that is down): the training thread must not block on it.
-            if self._stop.is_set() or self._should_stop():
+            if self._stopping():
                 return None
 
     def _finish_sync(self, state: FragmentSync, wait_limit: float | None) -> bool:
@@ -420,8 +625,9 @@ class StreamingSync:
         self.stats.bytes_up += outcome.bytes_up
         self.stats.bytes_down += outcome.bytes_down
         self.stats.transfer_seconds += outcome.seconds
-        name = pb.PushResult.Name(outcome.push_result)
-        self.stats.push_results[name] = self.stats.push_results.get(name, 0) + 1
+        if not outcome.reanchored:
+            name = pb.PushResult.Name(outcome.push_result)
+            self.stats.push_results[name] = self.stats.push_results.get(name, 0) + 1
         late, state.late = state.late, None
         if outcome.anchor is None:
             self.stats.syncs_skipped += 1
@@ -429,13 +635,17 @@ class StreamingSync:
         if outcome.push_result == pb.PUSH_RESULT_REFUSED_STALE:
             self.stats.refused_stale += 1
             state.feedback.residual.zero_()  # what it held was built on a stale anchor
+        if outcome.reanchored:
+            self._count_reanchor(state.fragment.id, state.version, outcome.version)
+            state.feedback.residual.zero_()  # what it held was built on a value the run lost
         # How far ahead of the round's last contributor this learner was: the steps it trained
         # past the apply step plus the steps it could have trained while it waited.
         waited_steps = round(state.blocked_seconds / self.step_seconds) if self.step_seconds > 0 else 0
         if late_steps + waited_steps > 0:
             self._fall_back_into_phase(late_steps + waited_steps - (self.stats.held_steps - state.held_at_start))
         self._merge_into_model(state.fragment, outcome.anchor, late.local_at_apply if late else None)
-        state.anchor, state.version = outcome.anchor, outcome.version
+        with self._lock:  # read as a pair by a rejoin's _held
+            state.anchor, state.version = outcome.anchor, outcome.version
         state.steps_since_sync -= late.steps_at_apply if late else state.steps_since_sync
         state.tokens_since_sync -= late.tokens_at_apply if late else state.tokens_since_sync
         self.stats.syncs_applied += 1
@@ -475,8 +685,8 @@ class StreamingSync:
         """Budget spent: stop counting towards any round (a synchronous round would wait for
         this learner forever) but keep pulling the global values."""
         self._left.set()
-        if self._heartbeats is not None:  # it must not rejoin behind our back
-            self._heartbeats.join()
+        for thread in self._heartbeats:  # they must not rejoin behind our back
+            thread.join()
         for link in self.links:
             if link.joined:
                 try:
@@ -485,26 +695,31 @@ class StreamingSync:
                     log.warning("leave shard %d: %s", link.index, exc.code().name)
             link.joined = False
 
-    def _heartbeat_loop(self) -> None:
+    def _heartbeat_loop(self, link: ShardLink) -> None:
+        """Heartbeats one shard, rejoining it when it forgot this learner. Each call's deadline
+        is half a lease: a shard that hangs is given up on in time to try again."""
         interval = self.cfg.trainer.heartbeat_seconds
+        deadline = min(self.cfg.rpc.deadline_seconds, self.cfg.syncer.lease_seconds / 2)
         while not self._stop.wait(interval) and not self._left.is_set():
-            for link in self.links:
-                try:
-                    if not link.joined:
-                        self._join(link)
-                        log.info("rejoined shard %d", link.index)
-                    held = {fid: v for fid, v in self.held_versions().items()
-                            if self.plan.fragments[fid].shard == link.index}
-                    reply = link.client.heartbeat(self.step, self.step_seconds, self.tokens_per_second, held,
-                                                  sync_step=self.step + self.sync_offset, tokens=self.tokens)
-                    self._heard_run_tokens = (reply.run_tokens, reply.run_tokens_per_second, time.monotonic())
-                except grpc.RpcError as exc:
-                    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                        with self._lock:
-                            link.joined = False
-                    elif exc.code() not in UNREACHABLE:
-                        log.warning("heartbeat to shard %d: %s %s", link.index,
-                                    exc.code().name, exc.details())
+            try:
+                if not link.joined:
+                    self._join(link)
+                    log.info("rejoined shard %d", link.index)
+                held = {fid: v for fid, v in self.held_versions().items()
+                        if self.plan.fragments[fid].shard == link.index}
+                reply = link.client.heartbeat(self.step, self.step_seconds, self.tokens_per_second, held,
+                                              sync_step=self.step + self.sync_offset, tokens=self.tokens,
+                                              timeout=deadline)
+                self._heard_run_tokens = (reply.run_tokens, reply.run_tokens_per_second, time.monotonic())
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    with self._lock:
+                        link.joined = False
+                elif exc.code() not in UNREACHABLE:
+                    log.warning("heartbeat to shard %d: %s %s", link.index, exc.code().name, exc.details())
+            except JoinRefused as refused:  # the training thread raises it at its next step
+                self.failure = refused
+                return
 
     def catch_up(self, quiet_seconds: float, should_stop: Callable[[], bool] = lambda: False) -> None:
         """After training: keep pulling until no fragment changed for `quiet_seconds` or
@@ -528,20 +743,47 @@ class StreamingSync:
         for state in self.fragments.values():
             link = self.links[state.fragment.shard]
             try:
-                result = link.client.pull(state.fragment.id, state.version,
-                                          min_version=state.version + 1, max_wait_seconds=wait_seconds)
+                result, value = self._pull_or_reanchor(link, state, wait_seconds)
             except grpc.RpcError as exc:
                 if exc.code() not in UNREACHABLE:
                     raise
                 reached_all = False
                 continue
+            except StateHashMismatch as mismatch:  # a snapshot too: ask again
+                log.error("%s", mismatch)
+                reached_all = False
+                continue
             if result.items:
-                state.anchor = result.apply(state.anchor)
-                state.version = result.version
+                with self._lock:
+                    state.anchor, state.version = value, result.version
                 self.stats.bytes_down += result.payload_bytes
                 self._merge_into_model(state.fragment, state.anchor)
                 changed = True
         return changed, reached_all
+
+    def _pull_or_reanchor(self, link: ShardLink, state: FragmentSync,
+                          wait_seconds: float) -> tuple[PullResult, torch.Tensor | None]:
+        """The fragment's versions after ours, or the shard's value where it serves the fragment
+        below our version (re-anchored; an unseeded one: we keep ours)."""
+        try:
+            return self._apply_checked(link, link.client.pull(state.fragment.id, state.version,
+                                                              min_version=state.version + 1,
+                                                              max_wait_seconds=wait_seconds), state.anchor)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            log.warning("fragment %d: shard %d: %s", state.fragment.id, link.index, exc.details())
+        try:
+            result = link.client.pull(state.fragment.id)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            log.warning("fragment %d: shard %d serves no value: keeping ours at version %d",
+                        state.fragment.id, link.index, state.version)
+            return PullResult(state.fragment.id, [], "", 0), None
+        self._count_reanchor(state.fragment.id, state.version, result.version)
+        state.feedback.residual.zero_()
+        return self._apply_checked(link, result, None)
 
     def fragment_hashes(self) -> dict[int, tuple[int, str]]:
         """(version, sha256) of the global value this learner holds, per fragment."""
@@ -556,8 +798,8 @@ class StreamingSync:
 
     def close(self, leave: bool = True) -> None:
         self._stop.set()
-        if self._heartbeats is not None:
-            self._heartbeats.join(timeout=5)
+        for thread in self._heartbeats:
+            thread.join(timeout=5)
         self._pool.shutdown(wait=True, cancel_futures=True)
         if leave:
             self.leave()

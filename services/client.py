@@ -61,6 +61,10 @@ class WanLink:
         self.down = PacedDirection(mbps * 1e6 / 8)
 
 
+class StateHashMismatch(ValueError):
+    """A pull's items, applied, do not give the value whose hash the shard sent with them."""
+
+
 @dataclass
 class PulledItem:
     kind: int  # pb.PAYLOAD_KIND_UPDATE or pb.PAYLOAD_KIND_SNAPSHOT
@@ -80,7 +84,9 @@ class PullResult:
         return self.items[-1].version if self.items else None
 
     def apply(self, value: torch.Tensor | None) -> torch.Tensor | None:
-        """The fragment's value after this pull: a snapshot replaces, updates add in order."""
+        """The fragment's value after this pull: a snapshot replaces, updates add in order
+        (`value` is modified). Raises StateHashMismatch unless the result has the hash the
+        shard sent: a wrong base, or an update that is not the one that made its version."""
         for item in self.items:
             if item.kind == pb.PAYLOAD_KIND_SNAPSHOT:
                 value = item.values.clone()
@@ -89,6 +95,9 @@ class PullResult:
                     raise ValueError(f"fragment {self.fragment_id}: update to v{item.version} "
                                      "without a base value")
                 apply_update(value, item.values)
+        if self.items and self.state_hash and state_hash(value) != self.state_hash:
+            raise StateHashMismatch(f"fragment {self.fragment_id}: the value at v{self.version} after this pull "
+                                    f"has sha256 {state_hash(value)[:12]}, the shard's {self.state_hash[:12]}")
         return value
 
 
@@ -135,13 +144,14 @@ class ShardClient:
 
     def heartbeat(self, step: int = 0, step_seconds: float = 0.0, tokens_per_second: float = 0.0,
                   held_versions: dict[int, int] | None = None, sync_step: int | None = None,
-                  tokens: int = 0) -> pb.HeartbeatResponse:
+                  tokens: int = 0, timeout: float | None = None) -> pb.HeartbeatResponse:
+        """`timeout`: the call's deadline (default rpc.deadline_seconds)."""
         request = pb.HeartbeatRequest(
             learner_id=self.learner_id, incarnation=self.incarnation, step=step,
             step_seconds=step_seconds, tokens_per_second=tokens_per_second,
             held_versions=held_versions or {}, sync_step=step if sync_step is None else sync_step,
             tokens=tokens)
-        reply = self.stub.Heartbeat(request, timeout=self.rpc.deadline_seconds)
+        reply = self.stub.Heartbeat(request, timeout=timeout or self.rpc.deadline_seconds)
         if self.observer:
             self.observer.heartbeat_answered(reply.versions)
         return reply
@@ -153,8 +163,9 @@ class ShardClient:
     def push(self, fragment_id: int, values: torch.Tensor | bytes, *, codec: Codec | str,
              block_size: int, kind: int = pb.PUSH_KIND_OUTER_GRADIENT, base_version: int = 0,
              c_steps: int = 0, c_tokens: int = 0, step_seconds: float = 0.0,
-             numel: int | None = None) -> pb.PushResponse:
-        """Pushes a tensor (encoded here) or an already-encoded payload (then give numel)."""
+             numel: int | None = None, state_hash: str = "") -> pb.PushResponse:
+        """Pushes a tensor (encoded here) or an already-encoded payload (then give numel).
+        `state_hash`: a RESTORE's, of the value pushed."""
         codec = get_codec(codec) if isinstance(codec, (str, int)) else codec
         if isinstance(values, torch.Tensor):
             numel = values.numel()
@@ -166,7 +177,7 @@ class ShardClient:
         header = pb.PushHeader(
             learner_id=self.learner_id, incarnation=self.incarnation, fragment_id=fragment_id,
             kind=kind, base_version=base_version, c_steps=c_steps, c_tokens=c_tokens,
-            step_seconds=step_seconds, payload=describe(codec, numel, payload, block_size))
+            step_seconds=step_seconds, payload=describe(codec, numel, payload, block_size), state_hash=state_hash)
 
         def requests() -> Iterator[pb.PushRequest]:
             yield pb.PushRequest(header=header)

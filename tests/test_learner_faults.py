@@ -1,0 +1,330 @@
+"""The learner's sync through faults, against real `diloco syncer` processes: a shard killed
+while a round holds the learner's contribution, a shard that stops answering, a shard that
+lost its state, and settings or answers that do not match the learner's."""
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import zlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from learner.sync import StreamingSync
+from services.client import ShardClient, state_hash
+from services.cluster import LocalCluster
+from services.config import dump_config, parse_config
+from services.fragments import plan_for_config
+from services.wire import pb
+from syncer.store import shard_state_dir
+from tests.cluster_config import tiny_cluster
+
+pytestmark = pytest.mark.slow
+
+MANIFEST = [("a", (128,)), ("b", (128,))]
+TIMEOUT = 30.0  # seconds any one wait of a test may take
+
+
+def wait_until(condition, what: str, timeout: float = TIMEOUT, poll: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def fault_config(tmp_path, shards: int = 1, **sections):
+    """One learner "us-east-0" syncing the MANIFEST's model, one fragment per shard, in fp32
+    every 4 steps, in plaintext; a second config learner ("us-west-0") that only joins holds
+    rounds open."""
+    sections.setdefault("syncer", {})
+    return tiny_cluster(tmp_path / "state", shards=shards, learners=2, tls={"mode": "plaintext"},
+                        sync={"fragments": shards, "interval_steps": 4, "overlap_steps": 1, "codec": "fp32",
+                              "max_block_seconds": 0.05, **sections.pop("sync", {})},
+                        syncer={"quorum": 2, "lease_seconds": 30.0, "max_staleness": 16,
+                                "grace": {"mode": "fixed", "seconds": 0.2}, **sections.pop("syncer")},
+                        **sections)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    clusters: list[LocalCluster] = []
+
+    def start(cfg) -> LocalCluster:
+        clusters.append(LocalCluster(cfg, tmp_path / f"run-{len(clusters)}"))
+        clusters[-1].start_shards()
+        return clusters[-1]
+
+    yield start
+    for c in clusters:
+        c.stop(timeout=10)
+
+
+@pytest.fixture
+def learners():
+    started: list[StreamingSync] = []
+
+    def start(cfg, params: dict[str, torch.Tensor], restored: dict | None = None) -> StreamingSync:
+        learner = cfg.learners[0]
+        sync = StreamingSync(cfg, learner.id, learner.region, params, plan_for_config(cfg, MANIFEST),
+                             identity=None)
+        started.append(sync)
+        sync.start(restored)
+        return sync
+
+    yield start
+    for sync in started:
+        sync.close(leave=False)
+
+
+def model() -> dict[str, torch.Tensor]:
+    return {name: torch.zeros(shape) for name, shape in MANIFEST}
+
+
+def shard_status(cfg, index: int = 0):
+    with ShardClient(cfg.shards[index].address, cfg.rpc, identity=None) as client:
+        return client.status(timeout=5)
+
+
+def fragment_status(cfg, index: int = 0):
+    return shard_status(cfg, index).fragments[0]
+
+
+def hold_rounds_open(cfg) -> None:
+    """The config's second learner joins and never pushes: with quorum 2 a round holding only
+    the first learner's contribution stays open for the second one's lease (30 s)."""
+    other = cfg.learners[1]
+    with ShardClient(cfg.shards[0].address, cfg.rpc, other.id, time.time_ns(), identity=None) as client:
+        client.join(other.region, MANIFEST)
+
+
+def train(sync: StreamingSync, params, until, what: str, first_step: int = 0) -> int:
+    """Inner steps that nudge every weight, until `until()`; returns the next step."""
+    step = first_step
+    deadline = time.monotonic() + TIMEOUT
+    while not until():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        for i, value in enumerate(params.values()):
+            value += 0.01 * torch.randn(value.numel(), generator=torch.Generator().manual_seed(step + i))
+        sync.after_step(step, tokens=256, step_seconds=0.01)
+        step += 1
+        time.sleep(0.01)
+    return step
+
+
+def assert_holds_the_shards_bits(sync: StreamingSync, cfg) -> None:
+    sync.catch_up(quiet_seconds=0.5)
+    shards = {f.fragment_id: (f.version, f.state_hash)
+              for i in range(len(cfg.shards)) for f in shard_status(cfg, i).fragments}
+    assert sync.fragment_hashes() == shards
+
+
+def test_a_push_accepted_before_a_shard_kill_is_delivered_and_the_fragment_keeps_advancing(
+        tmp_path, cluster, learners):
+    cfg = fault_config(tmp_path)
+    shards = cluster(cfg)
+    hold_rounds_open(cfg)
+    params = model()
+    sync = learners(cfg, params)
+    # The learner's first contribution waits in round 1 for the other learner.
+    step = train(sync, params, lambda: fragment_status(cfg).pending_contributions == 1,
+                 "the learner's push to be held in an open round")
+    shards.shards[0].kill()
+    time.sleep(0.5)  # the learner's pull for the round's result fails meanwhile
+    shards.restart_shard(0)
+    # Restarted, the shard has forgotten the other learner: the round closes on the learner's
+    # own contribution (replayed from the shard's log), and every later round too.
+    train(sync, params, lambda: sync.fragments[0].version >= 3,
+          "the fragment to advance past the restart", first_step=step)
+    assert sync.stats.syncs_applied >= 3
+    assert_holds_the_shards_bits(sync, cfg)
+
+
+def test_a_shard_that_stops_answering_does_not_expire_the_learner_on_the_others(tmp_path, cluster, learners):
+    cfg = fault_config(tmp_path, shards=2, syncer={"lease_seconds": 1.5})
+    shards = cluster(cfg)
+    learners(cfg, model())
+    learner_id = cfg.learners[0].id
+    frozen = shards.shards[1].popen.pid
+    os.killpg(frozen, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 3 * cfg.syncer.lease_seconds
+        while time.monotonic() < deadline:
+            status = shard_status(cfg, 0)
+            assert [(l.learner_id, l.alive) for l in status.learners] == [(learner_id, True)]
+            assert status.counters["learners.expired"] == 0
+            time.sleep(0.1)
+    finally:
+        os.killpg(frozen, signal.SIGCONT)
+    # Shard 1 answers again: the learner is still (or again) live there too.
+    wait_until(lambda: [(l.learner_id, l.alive) for l in shard_status(cfg, 1).learners] == [(learner_id, True)],
+               "shard 1 to hear the learner again")
+
+
+def rounds_closed(cfg, index: int = 0) -> int:
+    """Rounds the shard process closed since it started."""
+    counters = shard_status(cfg, index).counters
+    return counters.get("rounds.all", 0) + counters.get("rounds.quorum_grace", 0)
+
+
+def test_a_shard_restarted_without_its_state_takes_up_the_run_again_and_the_learner_ends_with_its_bits(
+        tmp_path, cluster, learners):
+    cfg = fault_config(tmp_path)
+    shards = cluster(cfg)
+    params = model()
+    sync = learners(cfg, params)
+    step = train(sync, params, lambda: sync.fragments[0].version >= 3, "three rounds")
+    shards.shards[0].kill()
+    shutil.rmtree(shard_state_dir(cfg.run.state_dir, 0))
+    shards.restart_shard(0)
+    # The learner offers the shard its value back (RESTORE) or, where the shard does not take
+    # it, takes the shard's: either way the fragment advances again, pushes no longer refused.
+    train(sync, params, lambda: rounds_closed(cfg) >= 2, "rounds to close on the restarted shard", first_step=step)
+    assert sync.stats.reanchored + shard_status(cfg).counters.get("fragments.restored", 0) >= 1
+    assert_holds_the_shards_bits(sync, cfg)
+
+
+def test_a_learner_restarting_from_a_checkpoint_ahead_of_a_shard_that_lost_its_state_gives_it_the_runs_value(
+        tmp_path, cluster, learners):
+    cfg = fault_config(tmp_path)
+    shards = cluster(cfg)
+    params = model()
+    first = learners(cfg, params)
+    train(first, params, lambda: first.fragments[0].version >= 3, "three rounds")
+    checkpoint = first.state_dict()
+    first.close(leave=True)
+    shards.shards[0].kill()
+    shutil.rmtree(shard_state_dir(cfg.run.state_dir, 0))
+    shards.restart_shard(0)
+    second = learners(cfg, model(), restored=checkpoint)
+    # The shard continues from the run's value the learner held (restored at its version, or
+    # seeded with it where the shard does not restore), never from a learner's local weights.
+    shard = fragment_status(cfg)
+    assert shard.state_hash == state_hash(checkpoint["fragments"][0]["anchor"])
+    assert second.fragment_hashes() == {0: (shard.version, shard.state_hash)}
+    assert second.stats.reanchored + shard_status(cfg).counters.get("fragments.restored", 0) == 1
+
+def tamper_with_update(cfg, version: int) -> None:
+    """Rewrites the shard's stored update that made `version` (fp32) into another, well-formed
+    one, as a failed and retried round close can leave it: its frame and payload checksums
+    are right, its values are not those the shard added."""
+    path = shard_state_dir(cfg.run.state_dir, 0) / "fragment-0" / f"update-{version}"
+    blob = path.read_bytes()
+    (header_length,) = struct.unpack_from("<I", blob, 12)  # after the frame's u64 length, u32 crc32
+    header = pb.PayloadHeader.FromString(blob[16:16 + header_length])
+    payload = (torch.frombuffer(bytearray(blob[16 + header_length:]), dtype=torch.float32) + 0.5).numpy().tobytes()
+    header.crc32 = zlib.crc32(payload)
+    encoded = header.SerializeToString()
+    body = struct.pack("<I", len(encoded)) + encoded + payload
+    path.write_bytes(struct.pack("<QI", len(body), zlib.crc32(body)) + body)
+
+
+def test_a_pull_whose_result_does_not_have_the_shards_hash_is_pulled_again_as_a_snapshot(
+        tmp_path, cluster, learners):
+    cfg = fault_config(tmp_path)
+    shards = cluster(cfg)
+    params = model()
+    first = learners(cfg, params)
+    step = train(first, params, lambda: first.fragments[0].version >= 1, "a first round")
+    checkpoint = {"fragments": {0: {"version": first.fragments[0].version,
+                                    "anchor": first.fragments[0].anchor.clone(), "residual": torch.zeros(256)}}}
+    train(first, params, lambda: first.fragments[0].version >= checkpoint["fragments"][0]["version"] + 2,
+          "two more rounds", first_step=step)
+    first.close(leave=True)
+    shards.shards[0].kill()
+    tamper_with_update(cfg, checkpoint["fragments"][0]["version"] + 1)
+    shards.restart_shard(0)
+    # A learner restarting from the checkpoint catches up from the stored updates.
+    second = learners(cfg, model(), restored=checkpoint)
+    shard = fragment_status(cfg)
+    assert second.fragment_hashes() == {0: (shard.version, shard.state_hash)}
+    assert second.stats.hash_mismatches == 1
+
+
+# ---- the `diloco learner` command: what it cannot work with, it says in one line and exits 1 ----
+
+def edited(cfg, **sections):
+    """The config with these sections updated (dicts merged into the section)."""
+    data = cfg.model_dump(mode="json")
+    for key, value in sections.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) else value
+    return parse_config(data, source="test config")
+
+
+def run_learner(cfg, tmp_path, *extra: str) -> subprocess.CompletedProcess:
+    """`diloco learner` for the config's first learner, with its own copy of the config."""
+    path = tmp_path / "learner.yaml"
+    path.write_text(dump_config(cfg))
+    learner = cfg.learners[0]
+    return subprocess.run([sys.executable, "-m", "services.cli", "learner", "--config", str(path),
+                           "--learner-id", learner.id, "--region", learner.region, "--catch-up-seconds", "0.5",
+                           *extra], capture_output=True, text=True, timeout=120)
+
+
+def assert_failed_saying(result: subprocess.CompletedProcess, message: str) -> None:
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert [line for line in result.stderr.splitlines() if " ERROR " in line] == \
+        [line for line in result.stderr.splitlines() if message in line], result.stderr[-3000:]
+
+
+def learner_config(tmp_path, **sections):
+    """The fault config training the tiny GPT for 20 steps."""
+    return fault_config(tmp_path, trainer={"max_steps": 20, "eval_every": 1000, "checkpoint_every": 1000},
+                        **sections)
+
+
+def test_a_learner_whose_shard_runs_another_codec_stops_naming_the_setting(tmp_path, cluster):
+    shard_cfg = learner_config(tmp_path, sync={"codec": "int8"})
+    cluster(shard_cfg)
+    result = run_learner(edited(shard_cfg, sync={"codec": "int4"}), tmp_path)
+    assert_failed_saying(result, "sync.codec: shard 0 uses int8, this learner int4")
+
+
+def test_a_learner_whose_every_sync_is_refused_does_not_report_success(tmp_path, cluster):
+    # The shard refuses every outer gradient (norm bound); nothing the join compares differs.
+    shard_cfg = learner_config(tmp_path, syncer={"max_update_norm": 1e-12})
+    cluster(shard_cfg)
+    result = run_learner(edited(shard_cfg, syncer={"max_update_norm": 1.0e4}), tmp_path)
+    assert_failed_saying(result, "the shards refused its syncs")
+
+
+def test_a_learner_whose_metrics_port_is_taken_stops_naming_it(tmp_path):
+    cfg = learner_config(tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        mine = {**cfg.learners[0].model_dump(mode="json"), "metrics_port": port}
+        result = run_learner(edited(cfg, learners=[mine, cfg.learners[1].model_dump(mode="json")]), tmp_path)
+    assert_failed_saying(result, f"cannot serve metrics on port {port}")
+
+
+def test_a_learner_that_cannot_write_its_state_folder_stops_naming_it(tmp_path):
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("where the learner's state folder should be")
+    result = run_learner(learner_config(tmp_path), tmp_path, "--state-dir", str(in_the_way / "learner"))
+    assert_failed_saying(result, f"cannot write its state folder {in_the_way / 'learner'}")
+
+
+def test_a_learner_removed_from_the_shards_config_stops_naming_the_refusal(tmp_path, cluster):
+    cfg = learner_config(tmp_path)
+    cluster(edited(cfg, learners=[cfg.learners[1].model_dump(mode="json")], syncer={"quorum": 1}))
+    result = run_learner(cfg, tmp_path)
+    assert_failed_saying(result, "shard 0 refused this learner: PERMISSION_DENIED")
+
+
+def test_a_learner_with_another_model_than_the_runs_stops_naming_the_refusal(tmp_path, cluster):
+    cfg = learner_config(tmp_path)
+    cluster(cfg)
+    hold_rounds_open(cfg)  # the other learner's join fixed the run's model: MANIFEST, not the GPT
+    result = run_learner(cfg, tmp_path)
+    assert_failed_saying(result, "shard 0 refused this learner: FAILED_PRECONDITION manifest differs")
