@@ -169,3 +169,59 @@ def test_an_update_written_before_a_crash_is_never_reused(tmp_path):
     for update in plan.items:
         apply_update(value, decode_payload(update.header, update.payload))
     assert torch.equal(value, shard.value()) and state_hash(value) == plan.state_hash
+
+
+def log_records(shard: Shard, folder) -> list[tuple[int, int]]:
+    """(offset, length) of each record of the open round in the fragment's log, as written."""
+    records, offset = [], 0
+    data = (folder / "round.log").read_bytes()
+    for _ in range(shard.core.fragments[0].round.count):
+        length, _ = store._FRAME.unpack_from(data, offset)
+        records.append((offset, store._FRAME.size + length))
+        offset += store._FRAME.size + length
+    return records
+
+
+@pytest.mark.parametrize("where", ["length", "body"])
+def test_a_damaged_record_in_the_middle_of_the_round_stops_the_restart_naming_the_file_and_offset(tmp_path, where):
+    """Both records were acknowledged: dropping the intact second one with the damaged first
+    would lose it silently."""
+    shard = Shard(make_config(quorum=3), journal=ShardStore(tmp_path))
+    n = shard.numel()
+    shard.push("a", 0, delta(1, n))
+    shard.push("b", 0, delta(2, n))
+    log = tmp_path / "fragment-0" / "round.log"
+    (first, length), _ = log_records(shard, log.parent)
+    data = bytearray(log.read_bytes())
+    data[first + (2 if where == "length" else length // 2)] ^= 0x10
+    log.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match=rf"{log}: the record at offset {first} is damaged.*follows at offset {length}"):
+        ShardStore(tmp_path).load()
+
+
+@pytest.mark.parametrize("how", ["torn", "damaged"])
+def test_the_rounds_last_record_torn_or_damaged_is_dropped_with_the_leftovers_after_it(tmp_path, how):
+    """Round 2's records overwrite round 1's; the crash tore b's (or it was damaged: the two
+    look alike at the end of the round). a's record stays, b's and round 1's leftovers go."""
+    shard = Shard(make_config(quorum=3), journal=ShardStore(tmp_path))
+    n = shard.numel()
+    for i, learner in enumerate(LEARNERS):  # round 1 closes with three records in the log
+        shard.push(learner, 0, delta(i, n))
+    log = tmp_path / "fragment-0" / "round.log"
+    round_1 = log.read_bytes()
+    shard.push("a", 0, delta(10, n), base=1)
+    shard.push("b", 0, delta(11, n), base=1)
+    data = bytearray(log.read_bytes())
+    _, (second, length) = log_records(shard, log.parent)
+    middle = second + length // 2
+    if how == "torn":  # the write stopped half way: the rest is still round 1's record
+        data[middle:second + length] = round_1[middle:second + length]
+    else:
+        data[middle] ^= 0x01
+    log.write_bytes(bytes(data))
+
+    core = restarted(shard, tmp_path, rejoin=LEARNERS)
+    assert (core.fragments[0].version, core.fragments[0].round.count) == (1, 1)
+    assert [key.learner_id for key in core.fragments[0].round.contributions] == ["a"]
+    shard.push("b", 0, delta(11, n), base=1)  # written over the dropped record
+    assert restarted(shard, tmp_path).fragments[0].round.count == 2
