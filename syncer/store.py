@@ -5,7 +5,8 @@
                              bookkeeping (replaced atomically: write a temporary file, fsync,
                              rename over, fsync the folder)
     fragment-<p>/update-<v>  the encoded update that made version v (written before the
-                             snapshot that lists it, removed once it leaves the history)
+                             snapshot that lists it with its sha256, removed once it leaves
+                             the history)
     fragment-<p>/round.log   the contributions admitted to the open round, one record each
                              (the round's tag, round number, push header, payload), written
                              and synced before the push is acknowledged
@@ -14,6 +15,11 @@ Why nothing acknowledged is lost: a push is acknowledged only once its log recor
 and a new version is visible to anyone only once the snapshot holding it is. After a crash the
 snapshot gives the last version and the log records of the round after it rebuild the open
 round.
+
+An update file is trusted only as the committed snapshot names it: a commit that failed (a full
+disk) can leave update-<v> of an attempt whose round then closed again differently. So a commit
+(re)writes every update the last committed snapshot does not hold, and a restart serves an update
+only if its sha256 matches the one the snapshot recorded.
 
 The log is rewritten in place from its start each round rather than truncated: overwriting
 cached pages is an order of magnitude faster than writing fresh ones. So the bytes after the open
@@ -38,7 +44,9 @@ than let it restart from an older state that learners have already moved past.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import logging
 import os
 import pathlib
 import struct
@@ -57,6 +65,8 @@ _LENGTH = struct.Struct("<I")  # of an embedded message
 _ROUND = struct.Struct("<Q")
 _TAG_BYTES = 16  # the open round's log tag: random, so nothing else carries it by chance
 _SNAPSHOT_FORMAT = "diloco.syncer-snapshot/4"
+
+log = logging.getLogger(__name__)
 
 
 class StoreError(RuntimeError):
@@ -103,20 +113,22 @@ class ShardStore:
 
     def commit(self, snapshot: FragmentSnapshot) -> None:
         with self._files(snapshot.fragment_id) as files:
+            digests = {}  # of the history's update files, by version
             for update in snapshot.history:
-                if update.version not in files.updates_on_disk:
-                    header = update.header.SerializeToString()
-                    _write_file(files.folder / f"update-{update.version}",
-                                _frame([_LENGTH.pack(len(header)), header, update.payload]))
-                    files.updates_on_disk.add(update.version)
+                digest = files.committed_updates.get(update.version)
+                if digest is None:  # maybe a failed commit's file is there: never trust it
+                    body = _update_body(update)
+                    _write_file(files.folder / f"update-{update.version}", _frame(body))
+                    digest = _sha256(body)
+                digests[update.version] = digest
             next_tag = os.urandom(_TAG_BYTES)
-            _write_atomically(files.folder / "snapshot", _frame(_snapshot_body(snapshot, next_tag)))  # the commit point
+            _write_atomically(files.folder / "snapshot",  # the commit point
+                              _frame(_snapshot_body(snapshot, digests, next_tag)))
             # Everything logged is merged now: the next round's records overwrite it, with their own tag.
             files.log_end, files.log_tag = 0, next_tag
-            kept = {update.version for update in snapshot.history}
-            for version in sorted(files.updates_on_disk - kept):
+            for version in sorted(files.committed_updates.keys() - digests.keys()):
                 (files.folder / f"update-{version}").unlink(missing_ok=True)
-                files.updates_on_disk.discard(version)
+            files.committed_updates = digests
 
     def close(self) -> None:
         with self._lock:
@@ -174,14 +186,15 @@ class ShardStore:
         value, momentum, residual, period_sum = (
             torch.frombuffer(body, dtype=torch.float32, offset=offset + i * 4 * numel, count=numel)
             for i in range(4))
-        history = _load_history(folder, meta["history"])
+        digests = dict(meta["history"])
+        history = _load_history(folder, digests)
         with self._files(fragment_id) as files:
-            files.updates_on_disk = {update.version for update in history}
+            files.committed_updates = {update.version: digests[update.version] for update in history}
             files.log_tag = bytes.fromhex(meta["log_tag"])
         for path in folder.glob("update-*"):
-            # Not in the history: a crash came between writing it and the snapshot naming it.
-            # The round will close again, maybe with more contributions: never reuse it.
-            if int(path.name.split("-", 1)[1]) not in files.updates_on_disk:
+            # Not in the history: a crash or a failed commit came between writing it and the
+            # snapshot naming it. The round will close again, maybe differently: never reuse it.
+            if int(path.name.split("-", 1)[1]) not in files.committed_updates:
                 path.unlink()
         last_round = meta["last_round"]
         return FragmentSnapshot(
@@ -212,7 +225,7 @@ class _FragmentFiles:
             self.folder.mkdir()
             _fsync_dir(directory)
         self.lock = threading.Lock()
-        self.updates_on_disk: set[int] = set()  # versions with an update file
+        self.committed_updates: dict[int, str] = {}  # version: sha256, as the committed snapshot names them
         self.closed = False
         self.log_end = 0  # where the open round's next record goes
         self.log_tag = os.urandom(_TAG_BYTES)  # the open round's; the committed snapshot names it
@@ -231,14 +244,16 @@ class _FragmentFiles:
         self.closed = True
 
 
-def _load_history(folder: pathlib.Path, versions: list[int]) -> tuple[Encoded, ...]:
-    """The stored updates, newest first until one is missing or damaged: a learner that
-    needs an older one pulls a snapshot instead."""
+def _load_history(folder: pathlib.Path, digests: dict[int, str]) -> tuple[Encoded, ...]:
+    """The stored updates, newest first until one is missing, damaged or not the one the
+    snapshot names: a learner that needs an older one pulls a snapshot instead."""
     history: list[Encoded] = []
-    for version in reversed(versions):
+    for version in sorted(digests, reverse=True):
         path = folder / f"update-{version}"
         bodies, _ = _read_frames(path) if path.exists() else ([], 0)
-        if len(bodies) != 1:
+        if len(bodies) != 1 or _sha256([bodies[0]]) != digests[version]:
+            log.warning("%s: missing, damaged or not the update the snapshot names: the history "
+                        "starts after version %d (older bases pull a snapshot)", path, version)
             break
         (length,) = _LENGTH.unpack_from(bodies[0])
         header = pb.PayloadHeader.FromString(bytes(bodies[0][_LENGTH.size:_LENGTH.size + length]))
@@ -246,7 +261,19 @@ def _load_history(folder: pathlib.Path, versions: list[int]) -> tuple[Encoded, .
     return tuple(reversed(history))
 
 
-def _snapshot_body(snapshot: FragmentSnapshot, log_tag: bytes) -> list:
+def _update_body(update: Encoded) -> list:
+    header = update.header.SerializeToString()
+    return [_LENGTH.pack(len(header)), header, update.payload]
+
+
+def _sha256(parts: list) -> str:
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def _snapshot_body(snapshot: FragmentSnapshot, update_digests: dict[int, str], log_tag: bytes) -> list:
     last_round = snapshot.last_round
     meta = json.dumps({
         "format": _SNAPSHOT_FORMAT,
@@ -258,7 +285,7 @@ def _snapshot_body(snapshot: FragmentSnapshot, log_tag: bytes) -> list:
         "merged_tokens": snapshot.merged_tokens,
         "recent_keys": sorted(list(key) for key in snapshot.recent_keys),
         "last_round": last_round.__dict__ if last_round else None,
-        "history": [update.version for update in snapshot.history],
+        "history": sorted(update_digests.items()),  # [version, sha256 of its update file's body]
         "period_share": snapshot.period_share,
         "log_tag": log_tag.hex(),  # of the round this snapshot opens
     }).encode()
