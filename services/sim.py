@@ -14,6 +14,9 @@ Chaos (`--chaos-mtbf`, `--chaos-shards`) SIGKILLs processes at exponentially
 distributed intervals and restarts each after `--restart-delay`. WAN emulation
 (`--wan-mbps`) paces each learner's sync client in both directions: n bytes take
 n / rate seconds (services.client.WanLink); no root, no namespaces needed.
+
+SIGTERM or Ctrl-C stops every process the run started (learners leave cleanly, shards drain);
+another one meanwhile SIGKILLs them. On Linux they also die with the sim if it is SIGKILLed.
 """
 from __future__ import annotations
 
@@ -220,13 +223,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"invalid: {error}", file=sys.stderr)
         return 2
     cluster = LocalCluster(cfg, run_dir)
-    # SIGTERM (kill, timeout, a CI runner) ends the run as Ctrl-C does: the finally below
-    # stops every process it started.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    stop_signals = StopSignals(cluster)
     write_file_sd(cfg, args.prometheus_targets or run_dir / "prometheus-targets.json")
     try:
         report = simulate(cfg, cluster, args)
     finally:
+        stop_signals.cleaning_up = True
         cluster.stop()
     report_path = pathlib.Path(args.report or run_dir / "report.json")
     report_path.write_text(json.dumps(report, indent=2))
@@ -235,6 +237,25 @@ def run(args: argparse.Namespace) -> int:
         plot(report, pathlib.Path(args.plot))
         print(f"plot: {args.plot}")
     return 0
+
+
+class StopSignals:
+    """SIGTERM (kill, timeout, a CI runner) and Ctrl-C end the run: the cleanup in run()
+    stops every process it started. A second signal, or one during the cleanup, must not cut
+    that short: it SIGKILLs the processes instead, and the cleanup goes on to reap them."""
+
+    def __init__(self, cluster: LocalCluster):
+        self.cluster = cluster
+        self.cleaning_up = False
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self.handle)
+
+    def handle(self, signum: int, frame) -> None:
+        if not self.cleaning_up:
+            self.cleaning_up = True
+            raise SystemExit(128 + signum)
+        log.warning("%s during the cleanup: killing every process of the run", signal.Signals(signum).name)
+        self.cluster.kill_now()
 
 
 def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> dict:
