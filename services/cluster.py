@@ -70,9 +70,11 @@ class Proc:
     popen: subprocess.Popen | None = None
     starts: int = 0
     kills: int = 0
+    started_at: float = 0.0  # time.time() of the last start
 
     def start(self) -> None:
         self.starts += 1
+        self.started_at = time.time()
         log = open(self.log_path, "ab")
         log.write(f"\n=== start {self.starts} at {time.time():.3f}: {' '.join(self.argv)}\n".encode())
         log.flush()
@@ -121,6 +123,12 @@ class Proc:
     def terminate(self, timeout: float) -> None:
         self.request_stop()
         self.wait_or_kill(timeout)
+
+    def log_tail(self, lines: int = 15) -> str:
+        """The last lines its last life wrote (an error's traceback, say)."""
+        text = self.log_path.read_text(errors="replace")
+        life = text.rsplit("\n=== start ", 1)[-1].split("\n", 1)[-1]  # after the start line
+        return "\n".join([line for line in life.splitlines() if line.strip()][-lines:])
 
 
 class LocalCluster:

@@ -157,6 +157,26 @@ def test_a_sigkilled_sim_takes_its_processes_with_it(tmp_path):
         wait_until(lambda: not of_the_run(children, str(tmp_path / "run")), 10, "the sim's processes to end")
 
 
+def test_sim_stops_a_learner_that_fails_at_start_up_twice_the_same_way_and_prints_its_error(tmp_path):
+    """The model factory resolves but returns no module: every learner fails before it
+    trains. The sim used to restart them forever, the error only in their logs."""
+    result = subprocess.run(sim_command(tmp_path, "--learners", "2", "--shards", "1", "--restart-delay", "0.5",
+                                        "--set", "model=tests.user_plugins:make_not_a_module"),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "failed at start-up twice with the same error" in result.stderr
+    assert "model factory 'tests.user_plugins:make_not_a_module': returned str, not a torch.nn.Module" in result.stderr
+    assert not of_the_run(all_pids(), str(tmp_path / "run"))
+
+
+def test_sim_refuses_a_factory_that_does_not_resolve_before_it_starts_anything(tmp_path):
+    result = subprocess.run(sim_command(tmp_path, "--set", "model=tests.user_plugins:make_modle"),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "model: 'tests.user_plugins:make_modle': module 'tests.user_plugins' has no attribute" in result.stderr
+    assert not (tmp_path / "run" / "logs" / "shard-0.log").exists()
+
+
 def all_pids() -> set[int]:
     return {int(path.name) for path in pathlib.Path("/proc").glob("[0-9]*")}
 
