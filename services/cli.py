@@ -7,10 +7,18 @@ A subcommand module provides `add_arguments(parser)` and `run(args) -> int`.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import importlib.util
 import logging
+import os
+import signal
 import sys
+
+# Set by services.cluster to the pid of the process starting this one (the sim, a test's or a
+# benchmark's cluster): this process must not outlive it.
+DIE_WITH_PARENT_ENV = "DILOCO_DIE_WITH_PARENT"
+_PR_SET_PDEATHSIG = 1
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
@@ -30,7 +38,22 @@ def _available() -> dict[str, tuple[str, str]]:
             if importlib.util.find_spec(entry[0]) is not None}
 
 
+def die_with_parent() -> None:
+    """When started by a cluster harness, asks the kernel for SIGKILL when the harness
+    ends, however it ends (SIGKILL included): Linux's PR_SET_PDEATHSIG. Elsewhere the
+    harness's own cleanup is all there is."""
+    parent = os.environ.pop(DIE_WITH_PARENT_ENV, None)  # not for processes this one starts
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != int(parent):  # the harness ended before the prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()
     argv = sys.argv[1:] if argv is None else argv
     commands = _available()
     parser = argparse.ArgumentParser(

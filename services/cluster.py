@@ -9,6 +9,7 @@ certificates into the run's state folder first, as `diloco certs` would.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import signal
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.cli import DIE_WITH_PARENT_ENV
 from services.config import Config, RpcConfig, dump_config
 from services.rpc import open_channel
 from services.tls import OPERATOR, Identity, certs_dir, issue_cluster_certs, load_identity
@@ -68,14 +70,19 @@ class Proc:
     popen: subprocess.Popen | None = None
     starts: int = 0
     kills: int = 0
+    started_at: float = 0.0  # time.time() of the last start
 
     def start(self) -> None:
         self.starts += 1
+        self.started_at = time.time()
         log = open(self.log_path, "ab")
         log.write(f"\n=== start {self.starts} at {time.time():.3f}: {' '.join(self.argv)}\n".encode())
         log.flush()
-        self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                      env={**os.environ, **self.env}, start_new_session=True)
+        # Its own session (a Ctrl-C meant for the harness reaches it only through the harness),
+        # but it dies with the harness, which may be SIGKILLed (services.cli.die_with_parent).
+        env = {**os.environ, **self.env, DIE_WITH_PARENT_ENV: str(os.getpid())}
+        self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=True)
         log.close()
 
     @property
@@ -89,14 +96,19 @@ class Proc:
     def kill(self) -> None:
         """SIGKILL: no goodbye, no flush — what a machine failure looks like."""
         if self.running:
-            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.send(signal.SIGKILL)
             self.popen.wait()
             self.kills += 1
 
     def request_stop(self) -> None:
         """SIGTERM once: the process drains and exits by itself."""
+        self.send(signal.SIGTERM)
+
+    def send(self, signum: int) -> None:
+        """Signals the process (its group) if it runs, without waiting for it."""
         if self.running:
-            os.killpg(self.popen.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):  # it ended after the check
+                os.killpg(self.popen.pid, signum)
 
     def wait_or_kill(self, timeout: float) -> None:
         """Waits for the exit a request_stop asked for; SIGKILL after `timeout`."""
@@ -111,6 +123,12 @@ class Proc:
     def terminate(self, timeout: float) -> None:
         self.request_stop()
         self.wait_or_kill(timeout)
+
+    def log_tail(self, lines: int = 15) -> str:
+        """The last lines its last life wrote (an error's traceback, say)."""
+        text = self.log_path.read_text(errors="replace")
+        life = text.rsplit("\n=== start ", 1)[-1].split("\n", 1)[-1]  # after the start line
+        return "\n".join([line for line in life.splitlines() if line.strip()][-lines:])
 
 
 class LocalCluster:
@@ -169,3 +187,9 @@ class LocalCluster:
         self.stop_learners(timeout)
         for proc in self.shards:
             proc.terminate(timeout)
+
+    def kill_now(self) -> None:
+        """SIGKILL to every process, without waiting (a stop() under way reaps them): for a
+        signal handler that interrupted that stop()."""
+        for proc in self.learners + self.shards:
+            proc.send(signal.SIGKILL)

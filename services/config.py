@@ -10,9 +10,10 @@ the keys: H, P, tau, alpha, K.
 """
 from __future__ import annotations
 
+import importlib
 import pathlib
 import re
-from typing import Annotated, Literal, Union
+from typing import Annotated, Callable, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -304,6 +305,35 @@ def load_config(path: str | pathlib.Path) -> Config:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     return parse_config(data, source=str(path))
+
+
+def resolve_factory(spec: str, key: str) -> Callable:
+    """The callable a "pkg.module:factory" string names: imports the module and looks the
+    name up, calls nothing. ConfigError naming `key` (model, data) and what is wrong."""
+    module_name, _, name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise ConfigError(f"{key}: {spec!r}: cannot import module {module_name!r}: {exc} "
+                          f"(is it installed, or on PYTHONPATH?)") from None
+    except Exception as exc:  # the module's own code failed: a SyntaxError, an error at import
+        raise ConfigError(f"{key}: {spec!r}: importing module {module_name!r} failed: "
+                          f"{type(exc).__name__}: {exc}") from None
+    factory = getattr(module, name, None)
+    if factory is None:
+        raise ConfigError(f"{key}: {spec!r}: module {module_name!r} has no attribute {name!r}")
+    if not callable(factory):
+        raise ConfigError(f"{key}: {spec!r}: {name!r} is a {type(factory).__name__}, not callable")
+    return factory
+
+
+def check_factories(cfg: Config) -> None:
+    """Resolves the model and data factories a config names instead of the built-in ones, so
+    that a typo fails here rather than in every learner at start-up."""
+    for key in ("model", "data"):
+        spec = getattr(cfg, key)
+        if isinstance(spec, str):
+            resolve_factory(spec, key)
 
 
 def dump_config(cfg: Config) -> str:

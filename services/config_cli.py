@@ -1,11 +1,12 @@
-"""`diloco config check C`: validate a config file and summarise the run it describes."""
+"""`diloco config check C`: validate a config file and summarise the run it describes.
+A model or data factory is resolved (its module imported, nothing called)."""
 from __future__ import annotations
 
 import argparse
 import collections
 import sys
 
-from services.config import ConfigError, load_config
+from services.config import ConfigError, check_factories, load_config
 from services.tls import certs_dir
 
 
@@ -17,6 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config)
+        check_factories(cfg)
     except ConfigError as exc:
         print(f"invalid: {exc}", file=sys.stderr)
         return 2

@@ -14,6 +14,9 @@ Chaos (`--chaos-mtbf`, `--chaos-shards`) SIGKILLs processes at exponentially
 distributed intervals and restarts each after `--restart-delay`. WAN emulation
 (`--wan-mbps`) paces each learner's sync client in both directions: n bytes take
 n / rate seconds (services.client.WanLink); no root, no namespaces needed.
+
+SIGTERM or Ctrl-C stops every process the run started (learners leave cleanly, shards drain);
+another one meanwhile SIGKILLs them. On Linux they also die with the sim if it is SIGKILLed.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import json
 import logging
 import pathlib
 import random
+import re
 import shutil
 import signal
 import sys
@@ -33,8 +37,8 @@ import grpc
 import yaml
 
 from services.client import ShardClient
-from services.cluster import LocalCluster, free_ports
-from services.config import Config, ConfigError, ConfigLoader, load_config, parse_config
+from services.cluster import LocalCluster, Proc, free_ports
+from services.config import Config, ConfigError, ConfigLoader, check_factories, load_config, parse_config
 from services.metrics import write_file_sd
 from services.tls import Identity
 
@@ -216,17 +220,20 @@ def run(args: argparse.Namespace) -> int:
         run_dir = pathlib.Path(args.run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)  # a run starts from nothing
         cfg = build_config(base, args, run_dir)
+        check_factories(cfg)
     except ConfigError as error:
         print(f"invalid: {error}", file=sys.stderr)
         return 2
     cluster = LocalCluster(cfg, run_dir)
-    # SIGTERM (kill, timeout, a CI runner) ends the run as Ctrl-C does: the finally below
-    # stops every process it started.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    stop_signals = StopSignals(cluster)
     write_file_sd(cfg, args.prometheus_targets or run_dir / "prometheus-targets.json")
     try:
         report = simulate(cfg, cluster, args)
+    except StartupFailure as failure:
+        print(f"error: {failure}", file=sys.stderr)
+        return 1
     finally:
+        stop_signals.cleaning_up = True
         cluster.stop()
     report_path = pathlib.Path(args.report or run_dir / "report.json")
     report_path.write_text(json.dumps(report, indent=2))
@@ -237,6 +244,59 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+class StartupFailure(RuntimeError):
+    """A learner that fails at start-up the same way every time: restarting it is no use."""
+
+
+class StartupFailures:
+    """Watches the learners that exit by themselves. One that exits before it ever trained
+    (no report from that life: a report is written at each checkpoint) with the same error
+    as its previous life, which also never trained, fails the same way at every start
+    (a model factory that raises, say): StartupFailure with the error, rather than restart it
+    forever with the error only in its log."""
+
+    def __init__(self, cluster: LocalCluster):
+        self.cluster = cluster
+        self.errors: dict[str, str] = {}  # a learner's error at its last failed start-up
+
+    def exited(self, proc: Proc) -> None:
+        report_path = self.cluster.learner_report_path(proc.name)
+        trained = report_path.exists() and report_path.stat().st_mtime >= proc.started_at
+        tail = proc.log_tail()
+        error = _without_timestamp(tail.splitlines()[-1]) if tail else ""
+        if trained:
+            self.errors.pop(proc.name, None)
+        elif self.errors.get(proc.name) == error:
+            raise StartupFailure(f"learner {proc.name} failed at start-up twice with the same error "
+                                 f"(log {proc.log_path}):\n{tail}")
+        else:
+            self.errors[proc.name] = error
+
+
+def _without_timestamp(line: str) -> str:
+    """A log line without the time services.cli's log format puts first."""
+    return re.sub(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ", "", line)
+
+
+class StopSignals:
+    """SIGTERM (kill, timeout, a CI runner) and Ctrl-C end the run: the cleanup in run()
+    stops every process it started. A second signal, or one during the cleanup, must not cut
+    that short: it SIGKILLs the processes instead, and the cleanup goes on to reap them."""
+
+    def __init__(self, cluster: LocalCluster):
+        self.cluster = cluster
+        self.cleaning_up = False
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self.handle)
+
+    def handle(self, signum: int, frame) -> None:
+        if not self.cleaning_up:
+            self.cleaning_up = True
+            raise SystemExit(128 + signum)
+        log.warning("%s during the cleanup: killing every process of the run", signal.Signals(signum).name)
+        self.cluster.kill_now()
+
+
 def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     cluster.start_shards()
@@ -245,6 +305,7 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
     observer = Observer(cfg, cluster.operator)
     learner_chaos = Chaos("learner", len(cluster.learners), args.chaos_mtbf, args.restart_delay, rng, started)
     shard_chaos = Chaos("shard", len(cluster.shards), args.chaos_shards, args.restart_delay, rng, started)
+    startup_failures = StartupFailures(cluster)
     finished_at: dict[str, float] = {}
     timeline: list[dict] = []  # goodput over time
     total_steps = cfg.trainer.max_steps * len(cfg.learners)
@@ -268,6 +329,7 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
                     finished_at[proc.name] = lives[-1].get("training_ended_at", now)
                     learner_chaos.retire(i)
                 elif proc.returncode is not None:  # crashed by itself: restart like chaos would
+                    startup_failures.exited(proc)
                     log.warning("learner %s exited with %s; restarting", proc.name, proc.returncode)
                     learner_chaos.killed(i, now, observer.steps.get(proc.name, 0))
             for i in learner_chaos.due_kills(now):

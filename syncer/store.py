@@ -5,19 +5,37 @@
                              bookkeeping (replaced atomically: write a temporary file, fsync,
                              rename over, fsync the folder)
     fragment-<p>/update-<v>  the encoded update that made version v (written before the
-                             snapshot that lists it, removed once it leaves the history)
-    fragment-<p>/round.log   the contributions admitted to the open round, one record each,
-                             written and synced before the push is acknowledged
+                             snapshot that lists it with its sha256, removed once it leaves
+                             the history)
+    fragment-<p>/round.log   the contributions admitted to the open round, one record each
+                             (the round's tag, round number, push header, payload), written
+                             and synced before the push is acknowledged
 
 Why nothing acknowledged is lost: a push is acknowledged only once its log record is on disk,
 and a new version is visible to anyone only once the snapshot holding it is. After a crash the
 snapshot gives the last version and the log records of the round after it rebuild the open
-round. A record torn by the crash was never acknowledged and is dropped.
+round.
+
+An update file is trusted only as the committed snapshot names it: a commit that failed (a full
+disk) can leave update-<v> of an attempt whose round then closed again differently. So a commit
+(re)writes every update the last committed snapshot does not hold, and a restart serves an update
+only if its sha256 matches the one the snapshot recorded.
 
 The log is rewritten in place from its start each round rather than truncated: overwriting
-cached pages is an order of magnitude faster than writing fresh ones. Leftover records of
-earlier rounds carry their round number and are skipped, as are records of the round the
-snapshot already merged (a crash between the rename and the next round's first record).
+cached pages is an order of magnitude faster than writing fresh ones. So the bytes after the open
+round's records are leftovers of earlier rounds, whole records or pieces of them. To tell those
+from the open round's, each snapshot draws a random 16-byte tag for the round it opens, and
+every record of that round starts with it. The tag is written nowhere else and never sent, so
+no leftover and no payload a learner chose can carry it. The open round's records are one run
+of frames from offset 0 (a restart appends right after them, a commit starts over at 0); the run
+ends at the first frame that is not intact or not tagged. Then:
+  - no intact tagged record after that point: it is the end of the round. A record torn there
+    by the crash (or damaged there; the two look alike) was the last one written, never
+    acknowledged, and is dropped with the leftovers after it;
+  - an intact tagged record after it: a record in the middle of the round is damaged, and the
+    ones after it may have been acknowledged. The shard stops with StoreError naming the file
+    and offset rather than drop them. (A machine that lost power before the log's fdatasync
+    can leave this too, with nothing after the offset acknowledged; the message says so.)
 
 Every file is framed as  u64 length | u32 crc32 | body,  so a torn or corrupted file is
 detected, never loaded. A snapshot that fails its check stops the shard with StoreError rather
@@ -26,7 +44,9 @@ than let it restart from an older state that learners have already moved past.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import logging
 import os
 import pathlib
 import struct
@@ -43,7 +63,10 @@ from syncer.fragment_state import ClosedRound, ContributionKey, Encoded, Fragmen
 _FRAME = struct.Struct("<QI")  # body length, crc32 of body
 _LENGTH = struct.Struct("<I")  # of an embedded message
 _ROUND = struct.Struct("<Q")
-_SNAPSHOT_FORMAT = "diloco.syncer-snapshot/3"
+_TAG_BYTES = 16  # the open round's log tag: random, so nothing else carries it by chance
+_SNAPSHOT_FORMAT = "diloco.syncer-snapshot/4"
+
+log = logging.getLogger(__name__)
 
 
 class StoreError(RuntimeError):
@@ -75,9 +98,9 @@ class ShardStore:
         header = contribution.header.SerializeToString()
         # Written part by part, without joining the parts into one copy, and without reading the
         # payload for its checksum again: its crc32 was verified against the header on receipt.
-        record = _frame([_ROUND.pack(contribution.round), _LENGTH.pack(len(header)), header],
-                        contribution.payload, contribution.header.payload.crc32)
         with self._files(fragment_id) as files:
+            record = _frame([files.log_tag, _ROUND.pack(contribution.round), _LENGTH.pack(len(header)), header],
+                            contribution.payload, contribution.header.payload.crc32)
             files.log_end += _write_parts_at(files.log(), record, files.log_end)
 
     def sync(self, fragment_id: int) -> None:
@@ -90,18 +113,22 @@ class ShardStore:
 
     def commit(self, snapshot: FragmentSnapshot) -> None:
         with self._files(snapshot.fragment_id) as files:
+            digests = {}  # of the history's update files, by version
             for update in snapshot.history:
-                if update.version not in files.updates_on_disk:
-                    header = update.header.SerializeToString()
-                    _write_file(files.folder / f"update-{update.version}",
-                                _frame([_LENGTH.pack(len(header)), header, update.payload]))
-                    files.updates_on_disk.add(update.version)
-            _write_atomically(files.folder / "snapshot", _frame(_snapshot_body(snapshot)))  # the commit point
-            files.log_end = 0  # everything logged is merged now: the next round overwrites it
-            kept = {update.version for update in snapshot.history}
-            for version in sorted(files.updates_on_disk - kept):
+                digest = files.committed_updates.get(update.version)
+                if digest is None:  # maybe a failed commit's file is there: never trust it
+                    body = _update_body(update)
+                    _write_file(files.folder / f"update-{update.version}", _frame(body))
+                    digest = _sha256(body)
+                digests[update.version] = digest
+            next_tag = os.urandom(_TAG_BYTES)
+            _write_atomically(files.folder / "snapshot",  # the commit point
+                              _frame(_snapshot_body(snapshot, digests, next_tag)))
+            # Everything logged is merged now: the next round's records overwrite it, with their own tag.
+            files.log_end, files.log_tag = 0, next_tag
+            for version in sorted(files.committed_updates.keys() - digests.keys()):
                 (files.folder / f"update-{version}").unlink(missing_ok=True)
-                files.updates_on_disk.discard(version)
+            files.committed_updates = digests
 
     def close(self) -> None:
         with self._lock:
@@ -139,7 +166,9 @@ class ShardStore:
             (folder / "snapshot.tmp").unlink(missing_ok=True)  # a snapshot that never got renamed in
             if (folder / "snapshot").exists():
                 snapshots[fragment_id] = self._load_snapshot(fragment_id, folder)
-            contributions[fragment_id] = self._load_log(fragment_id, folder / "round.log")
+                contributions[fragment_id] = self._load_log(fragment_id, folder / "round.log")
+            elif _has_a_record(folder / "round.log"):  # records are only ever written after a seed
+                raise StoreError(f"{folder / 'round.log'}: holds contributions, but {folder / 'snapshot'} is missing")
         return Restored(manifest, plan_digest, snapshots, contributions)
 
     def _load_snapshot(self, fragment_id: int, folder: pathlib.Path) -> FragmentSnapshot:
@@ -157,13 +186,15 @@ class ShardStore:
         value, momentum, residual, period_sum = (
             torch.frombuffer(body, dtype=torch.float32, offset=offset + i * 4 * numel, count=numel)
             for i in range(4))
-        history = _load_history(folder, meta["history"])
+        digests = dict(meta["history"])
+        history = _load_history(folder, digests)
         with self._files(fragment_id) as files:
-            files.updates_on_disk = {update.version for update in history}
+            files.committed_updates = {update.version: digests[update.version] for update in history}
+            files.log_tag = bytes.fromhex(meta["log_tag"])
         for path in folder.glob("update-*"):
-            # Not in the history: a crash came between writing it and the snapshot naming it.
-            # The round will close again, maybe with more contributions: never reuse it.
-            if int(path.name.split("-", 1)[1]) not in files.updates_on_disk:
+            # Not in the history: a crash or a failed commit came between writing it and the
+            # snapshot naming it. The round will close again, maybe differently: never reuse it.
+            if int(path.name.split("-", 1)[1]) not in files.committed_updates:
                 path.unlink()
         last_round = meta["last_round"]
         return FragmentSnapshot(
@@ -172,16 +203,16 @@ class ShardStore:
             ClosedRound(**last_round) if last_round else None, period_sum, meta["period_share"])
 
     def _load_log(self, fragment_id: int, path: pathlib.Path) -> list[LoggedContribution]:
-        bodies, valid_length = _read_frames(path) if path.exists() else ([], 0)
         with self._files(fragment_id) as files:
-            # New records go after the intact ones, over a record the crash tore (it was never
-            # acknowledged) and over leftovers of rounds merged before.
-            files.log_end = valid_length
+            bodies, end = _read_open_round(path, files.log_tag) if path.exists() else ([], 0)
+            # New records go right after the open round's, over a record the crash tore (it was
+            # never acknowledged) and over leftovers of rounds merged before.
+            files.log_end = end
         contributions = []
         for body in bodies:
-            (round_number,) = _ROUND.unpack_from(body)
-            (length,) = _LENGTH.unpack_from(body, _ROUND.size)
-            start = _ROUND.size + _LENGTH.size
+            (round_number,) = _ROUND.unpack_from(body, _TAG_BYTES)
+            (length,) = _LENGTH.unpack_from(body, _TAG_BYTES + _ROUND.size)
+            start = _TAG_BYTES + _ROUND.size + _LENGTH.size
             header = pb.PushHeader.FromString(bytes(body[start:start + length]))
             contributions.append(LoggedContribution(round_number, header, (bytes(body[start + length:]),)))
         return contributions
@@ -194,9 +225,10 @@ class _FragmentFiles:
             self.folder.mkdir()
             _fsync_dir(directory)
         self.lock = threading.Lock()
-        self.updates_on_disk: set[int] = set()  # versions with an update file
+        self.committed_updates: dict[int, str] = {}  # version: sha256, as the committed snapshot names them
         self.closed = False
         self.log_end = 0  # where the open round's next record goes
+        self.log_tag = os.urandom(_TAG_BYTES)  # the open round's; the committed snapshot names it
         self._log_fd: int | None = None
 
     def log(self) -> int:
@@ -212,14 +244,16 @@ class _FragmentFiles:
         self.closed = True
 
 
-def _load_history(folder: pathlib.Path, versions: list[int]) -> tuple[Encoded, ...]:
-    """The stored updates, newest first until one is missing or damaged: a learner that
-    needs an older one pulls a snapshot instead."""
+def _load_history(folder: pathlib.Path, digests: dict[int, str]) -> tuple[Encoded, ...]:
+    """The stored updates, newest first until one is missing, damaged or not the one the
+    snapshot names: a learner that needs an older one pulls a snapshot instead."""
     history: list[Encoded] = []
-    for version in reversed(versions):
+    for version in sorted(digests, reverse=True):
         path = folder / f"update-{version}"
         bodies, _ = _read_frames(path) if path.exists() else ([], 0)
-        if len(bodies) != 1:
+        if len(bodies) != 1 or _sha256([bodies[0]]) != digests[version]:
+            log.warning("%s: missing, damaged or not the update the snapshot names: the history "
+                        "starts after version %d (older bases pull a snapshot)", path, version)
             break
         (length,) = _LENGTH.unpack_from(bodies[0])
         header = pb.PayloadHeader.FromString(bytes(bodies[0][_LENGTH.size:_LENGTH.size + length]))
@@ -227,7 +261,19 @@ def _load_history(folder: pathlib.Path, versions: list[int]) -> tuple[Encoded, .
     return tuple(reversed(history))
 
 
-def _snapshot_body(snapshot: FragmentSnapshot) -> list:
+def _update_body(update: Encoded) -> list:
+    header = update.header.SerializeToString()
+    return [_LENGTH.pack(len(header)), header, update.payload]
+
+
+def _sha256(parts: list) -> str:
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def _snapshot_body(snapshot: FragmentSnapshot, update_digests: dict[int, str], log_tag: bytes) -> list:
     last_round = snapshot.last_round
     meta = json.dumps({
         "format": _SNAPSHOT_FORMAT,
@@ -239,8 +285,9 @@ def _snapshot_body(snapshot: FragmentSnapshot) -> list:
         "merged_tokens": snapshot.merged_tokens,
         "recent_keys": sorted(list(key) for key in snapshot.recent_keys),
         "last_round": last_round.__dict__ if last_round else None,
-        "history": [update.version for update in snapshot.history],
+        "history": sorted(update_digests.items()),  # [version, sha256 of its update file's body]
         "period_share": snapshot.period_share,
+        "log_tag": log_tag.hex(),  # of the round this snapshot opens
     }).encode()
     tensors = [t.contiguous().numpy()
                for t in (snapshot.value, snapshot.momentum, snapshot.residual, snapshot.period_sum)]
@@ -314,18 +361,55 @@ def _write_parts_at(fd: int, parts: list, offset: int) -> int:
 
 def _read_frames(path: pathlib.Path) -> tuple[list[memoryview], int]:
     """The bodies of the intact frames from the start of the file, and where they end."""
+    view, bodies, offset = memoryview(_read(path)), [], 0
+    while (body := _intact_body(view, offset)) is not None:
+        bodies.append(body)
+        offset += _FRAME.size + len(body)
+    return bodies, offset
+
+
+def _read_open_round(path: pathlib.Path, tag: bytes) -> tuple[list[memoryview], int]:
+    """The bodies of the open round's records (the run of intact frames carrying its tag from
+    the start of the log) and where they end; StoreError if an intact record of the round
+    follows the end of that run (see the module docstring)."""
+    data = _read(path)
+    view, bodies, offset = memoryview(data), [], 0
+    while (body := _intact_body(view, offset)) is not None and body[:_TAG_BYTES] == tag:
+        bodies.append(body)
+        offset += _FRAME.size + len(body)
+    # A record torn at `offset` may hold the tag right after its frame header: look past that.
+    found = data.find(tag, offset + _FRAME.size + 1)
+    while found != -1:
+        later = found - _FRAME.size
+        if _intact_body(view, later) is not None:
+            raise StoreError(
+                f"{path}: the record at offset {offset} is damaged, and an intact record of the open "
+                f"round follows at offset {later}: the contributions from offset {offset} on may have "
+                f"been acknowledged, so the shard will not drop them. If the machine lost power (nothing "
+                f"after a torn record was acknowledged then), truncate the file to {offset} bytes to "
+                f"drop them; otherwise restore the shard's state folder from a copy")
+        found = data.find(tag, found + 1)
+    return bodies, offset
+
+
+def _has_a_record(path: pathlib.Path) -> bool:
+    return path.exists() and _intact_body(memoryview(_read(path)), 0) is not None
+
+
+def _intact_body(view: memoryview, offset: int) -> memoryview | None:
+    """The body of the frame at `offset` if it is whole and passes its checksum."""
+    if offset + _FRAME.size > len(view):
+        return None
+    length, crc = _FRAME.unpack_from(view, offset)
+    body = view[offset + _FRAME.size:offset + _FRAME.size + length]
+    return body if len(body) == length and zlib.crc32(body) == crc else None
+
+
+def _read(path: pathlib.Path) -> bytearray:
     data = bytearray(path.stat().st_size)
     with open(path, "rb") as file:
         file.readinto(data)
-    view, bodies, offset = memoryview(data), [], 0
-    while offset + _FRAME.size <= len(view):
-        length, crc = _FRAME.unpack_from(view, offset)
-        body = view[offset + _FRAME.size:offset + _FRAME.size + length]
-        if len(body) != length or zlib.crc32(body) != crc:
-            break
-        bodies.append(body)
-        offset += _FRAME.size + length
-    return bodies, offset
+    return data
 
 
 def _write_file(path: pathlib.Path, parts: list) -> None:

@@ -5,6 +5,7 @@ import pathlib
 import pytest
 import yaml
 
+from services.cli import main
 from services.config import Config, ConfigError, GPTConfig, dump_config, load_config, parse_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -121,3 +122,32 @@ def test_lookup_of_unknown_learner_and_shard():
     with pytest.raises(ConfigError, match="no shard with index 2"):
         cfg.shard(2)
     assert isinstance(cfg, Config)
+
+
+@pytest.mark.parametrize("key, spec, expected", [
+    ("model", "tests.user_plugins:make_modle",
+     "model: 'tests.user_plugins:make_modle': module 'tests.user_plugins' has no attribute 'make_modle'"),
+    ("model", "tests.no_such_plugins:make_model",
+     "model: 'tests.no_such_plugins:make_model': cannot import module 'tests.no_such_plugins'"),
+    ("data", "tests.user_plugins:NOT_CALLABLE", "data: 'tests.user_plugins:NOT_CALLABLE': 'NOT_CALLABLE' is a int, not callable"),
+])
+def test_config_check_resolves_the_factories_and_names_the_key_of_one_that_does_not_resolve(
+        tmp_path, capsys, key, spec, expected):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(mutate(key, spec)))
+    assert main(["config", "check", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert expected in err and "valid" not in out
+
+
+def test_config_check_accepts_factories_that_resolve_without_calling_them(tmp_path, capsys):
+    from tests import user_plugins
+
+    data = mutate("model", "tests.user_plugins:make_model")
+    data["data"] = "tests.user_plugins:make_data"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    calls = len(user_plugins.calls)
+    assert main(["config", "check", str(path)]) == 0
+    assert f"{path}: valid" in capsys.readouterr().out
+    assert len(user_plugins.calls) == calls

@@ -11,6 +11,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -103,24 +104,104 @@ def test_sim_duration_run_keeps_the_steps_after_the_time_is_up_inside_provisione
     assert report["goodput"] * provisioned + sum(measured.values()) <= provisioned + 2 * 0.01
 
 
-def test_sim_stops_every_process_it_started_on_sigterm(tmp_path):
+@contextlib.contextmanager
+def running_sim(tmp_path):
+    """A sim of one shard and two learners that would train for a long time; yields it and
+    the pids of its three processes once they all run. Whatever is left of them is
+    SIGKILLed at the end, not to leave them running after a failure."""
     run_dir = str(tmp_path / "run")
     sim = subprocess.Popen(sim_command(tmp_path, "--learners", "2", "--shards", "1", "--steps", "100000"),
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children: set[int] = set()
     try:
-        wait_until(lambda: list(pathlib.Path(run_dir).glob("state/learner-*/report.json")), 120,
+        children = wait_until(lambda: len(found := of_the_run(descendants(sim.pid), run_dir)) == 3 and found,
+                              120, "the sim to start a shard and two learners")
+        yield sim, children
+    finally:
+        sim.kill()
+        sim.wait()
+        for pid in of_the_run(children, run_dir) | of_the_run(all_pids(), run_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_sim_stops_every_process_it_started_on_sigterm(tmp_path):
+    with running_sim(tmp_path) as (sim, children):
+        wait_until(lambda: list((tmp_path / "run").glob("state/learner-*/report.json")), 120,
                    "a learner to write its first report")
         sim.send_signal(signal.SIGTERM)
         assert sim.wait(timeout=120) == 128 + signal.SIGTERM
-    finally:
+        assert not of_the_run(children, str(tmp_path / "run"))
+
+
+def test_a_second_sigterm_during_the_sims_cleanup_still_stops_every_process(tmp_path):
+    """The first SIGTERM starts the cleanup, which waits for the learners to stop; one of
+    them hangs (SIGSTOP). The second SIGTERM, a second later, must not cut the cleanup short
+    and leave the shard and that learner running."""
+    with running_sim(tmp_path) as (sim, children):
+        wait_until(lambda: len(list((tmp_path / "run").glob("state/learner-*/report.json"))) == 2, 120,
+                   "both learners to train (their SIGTERM handlers are in place)")
+        hung = next(pid for pid in children if " learner " in read_cmdline(pathlib.Path(f"/proc/{pid}/cmdline")))
+        os.kill(hung, signal.SIGSTOP)
+        sim.send_signal(signal.SIGTERM)
+        time.sleep(1)
+        sim.send_signal(signal.SIGTERM)
+        assert sim.wait(timeout=60) == 128 + signal.SIGTERM
+        wait_until(lambda: not of_the_run(children, str(tmp_path / "run")), 10, "the sim's processes to end")
+
+
+def test_a_sigkilled_sim_takes_its_processes_with_it(tmp_path):
+    with running_sim(tmp_path) as (sim, children):
         sim.kill()
-    # Every shard and learner of the run has the run directory in its command line.
-    left = {int(path.parent.name): cmdline for path in pathlib.Path("/proc").glob("[0-9]*/cmdline")
-            if run_dir in (cmdline := read_cmdline(path))}
-    for pid in left:  # not to leave them running after a failure
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    assert not left
+        sim.wait()
+        wait_until(lambda: not of_the_run(children, str(tmp_path / "run")), 10, "the sim's processes to end")
+
+
+def test_sim_stops_a_learner_that_fails_at_start_up_twice_the_same_way_and_prints_its_error(tmp_path):
+    """The model factory resolves but returns no module: every learner fails before it
+    trains. The sim used to restart them forever, the error only in their logs."""
+    result = subprocess.run(sim_command(tmp_path, "--learners", "2", "--shards", "1", "--restart-delay", "0.5",
+                                        "--set", "model=tests.user_plugins:make_not_a_module"),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "failed at start-up twice with the same error" in result.stderr
+    assert "model factory 'tests.user_plugins:make_not_a_module': returned str, not a torch.nn.Module" in result.stderr
+    assert not of_the_run(all_pids(), str(tmp_path / "run"))
+
+
+def test_sim_refuses_a_factory_that_does_not_resolve_before_it_starts_anything(tmp_path):
+    result = subprocess.run(sim_command(tmp_path, "--set", "model=tests.user_plugins:make_modle"),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "model: 'tests.user_plugins:make_modle': module 'tests.user_plugins' has no attribute" in result.stderr
+    assert not (tmp_path / "run" / "logs" / "shard-0.log").exists()
+
+
+def all_pids() -> set[int]:
+    return {int(path.name) for path in pathlib.Path("/proc").glob("[0-9]*")}
+
+
+def descendants(pid: int) -> set[int]:
+    """The processes below `pid` in the process tree, from /proc/<pid>/stat's parent pids."""
+    children: dict[int, list[int]] = {}
+    for path in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(path.read_text().rsplit(")", 1)[1].split()[1])  # pid (comm) state ppid ...
+        except (OSError, IndexError, ValueError):  # the process ended meanwhile
+            continue
+        children.setdefault(parent, []).append(int(path.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def of_the_run(pids: set[int], run_dir: str) -> set[int]:
+    """Those of `pids` still running a shard or learner of the run: each has the run directory
+    in its command line (a process that ended, zombie or reaped, has none)."""
+    return {pid for pid in pids if run_dir in read_cmdline(pathlib.Path(f"/proc/{pid}/cmdline"))}
 
 
 def read_cmdline(path: pathlib.Path) -> str:

@@ -1,6 +1,7 @@
 """The shard's store: a restart restores the committed state and the open round bit for bit,
 and torn or damaged files are detected instead of loaded. (The kill -9 of a real shard
 process is in test_syncer_service.py.)"""
+import errno
 import zlib
 
 import pytest
@@ -169,3 +170,95 @@ def test_an_update_written_before_a_crash_is_never_reused(tmp_path):
     for update in plan.items:
         apply_update(value, decode_payload(update.header, update.payload))
     assert torch.equal(value, shard.value()) and state_hash(value) == plan.state_hash
+
+
+def log_records(shard: Shard, folder) -> list[tuple[int, int]]:
+    """(offset, length) of each record of the open round in the fragment's log, as written."""
+    records, offset = [], 0
+    data = (folder / "round.log").read_bytes()
+    for _ in range(shard.core.fragments[0].round.count):
+        length, _ = store._FRAME.unpack_from(data, offset)
+        records.append((offset, store._FRAME.size + length))
+        offset += store._FRAME.size + length
+    return records
+
+
+@pytest.mark.parametrize("where", ["length", "body"])
+def test_a_damaged_record_in_the_middle_of_the_round_stops_the_restart_naming_the_file_and_offset(tmp_path, where):
+    """Both records were acknowledged: dropping the intact second one with the damaged first
+    would lose it silently."""
+    shard = Shard(make_config(quorum=3), journal=ShardStore(tmp_path))
+    n = shard.numel()
+    shard.push("a", 0, delta(1, n))
+    shard.push("b", 0, delta(2, n))
+    log = tmp_path / "fragment-0" / "round.log"
+    (first, length), _ = log_records(shard, log.parent)
+    data = bytearray(log.read_bytes())
+    data[first + (2 if where == "length" else length // 2)] ^= 0x10
+    log.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match=rf"{log}: the record at offset {first} is damaged.*follows at offset {length}"):
+        ShardStore(tmp_path).load()
+
+
+@pytest.mark.parametrize("how", ["torn", "damaged"])
+def test_the_rounds_last_record_torn_or_damaged_is_dropped_with_the_leftovers_after_it(tmp_path, how):
+    """Round 2's records overwrite round 1's; the crash tore b's (or it was damaged: the two
+    look alike at the end of the round). a's record stays, b's and round 1's leftovers go."""
+    shard = Shard(make_config(quorum=3), journal=ShardStore(tmp_path))
+    n = shard.numel()
+    for i, learner in enumerate(LEARNERS):  # round 1 closes with three records in the log
+        shard.push(learner, 0, delta(i, n))
+    log = tmp_path / "fragment-0" / "round.log"
+    round_1 = log.read_bytes()
+    shard.push("a", 0, delta(10, n), base=1)
+    shard.push("b", 0, delta(11, n), base=1)
+    data = bytearray(log.read_bytes())
+    _, (second, length) = log_records(shard, log.parent)
+    middle = second + length // 2
+    if how == "torn":  # the write stopped half way: the rest is still round 1's record
+        data[middle:second + length] = round_1[middle:second + length]
+    else:
+        data[middle] ^= 0x01
+    log.write_bytes(bytes(data))
+
+    core = restarted(shard, tmp_path, rejoin=LEARNERS)
+    assert (core.fragments[0].version, core.fragments[0].round.count) == (1, 1)
+    assert [key.learner_id for key in core.fragments[0].round.contributions] == ["a"]
+    shard.push("b", 0, delta(11, n), base=1)  # written over the dropped record
+    assert restarted(shard, tmp_path).fragments[0].round.count == 2
+
+
+def test_an_update_file_left_by_a_failed_commit_is_rewritten_when_the_round_closes_differently(tmp_path, monkeypatch):
+    """The disk fills after update-1 of the round's first close is written: the snapshot write
+    fails and the round stays open. It closes again with one more contribution, a different
+    update for version 1, and that one is what a restart serves."""
+    shard = Shard(make_config(quorum=2), journal=ShardStore(tmp_path))
+    n = shard.numel()
+    shard.push("a", 0, delta(1, n))
+    shard.push("b", 0, delta(2, n))
+    shard.clock.now += 1.5  # the grace after the quorum passed (c still holds its lease): the round is due
+
+    def disk_full(path, parts):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(store, "_write_atomically", disk_full)
+        with pytest.raises(OSError, match="No space left"):
+            shard.core.tick()
+    assert (tmp_path / "fragment-0" / "update-1").exists() and shard.version() == 0
+    shard.push("c", 0, delta(3, n))  # closes round 1 with three contributions
+    (update,) = shard.core.fragments[0].committed.history
+    restored = restarted(shard, tmp_path).fragments[0].committed
+    assert [(u.version, u.payload) for u in restored.history] == [(1, update.payload)]
+
+
+def test_an_update_file_that_is_not_the_one_the_snapshot_names_is_never_served(tmp_path):
+    shard = Shard(make_config(), journal=ShardStore(tmp_path), joined=("a",))
+    for version in range(2):
+        shard.push("a", 0, delta(version, shard.numel()), base=version)
+    folder = tmp_path / "fragment-0"
+    (folder / "update-2").write_bytes((folder / "update-1").read_bytes())  # whole, checksum and all
+    core = restarted(shard, tmp_path)
+    assert [u.version for u in core.fragments[0].committed.history] == []
+    assert core.pull(0, 1).snapshot  # a learner at version 1 gets the whole value, not update-1's bytes
+    assert not (folder / "update-1").exists() and not (folder / "update-2").exists()
