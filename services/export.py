@@ -26,7 +26,7 @@ import grpc
 import torch
 from safetensors.torch import save_file
 
-from services.client import ShardClient, state_hash
+from services.client import ShardClient, StateHashMismatch
 from services.config import Config, ConfigError, load_config
 from services.fragments import plan_for_config, scatter
 from services.tls import OPERATOR, Identity, load_identity
@@ -135,14 +135,15 @@ def _pull_fragment(client: ShardClient, fragment_id: int, shard: int) -> tuple[t
     except grpc.RpcError as error:
         raise ExportError(f"fragment {fragment_id}: shard {shard} ({client.address}) did not answer: "
                           f"{error.code().name} {error.details() or ''}".rstrip()) from None
-    value = result.apply(None)
-    if value is None:
+    if not result.items:
         raise ExportError(f"fragment {fragment_id}: shard {shard} sent no value (not seeded yet)")
-    digest = state_hash(value)
-    if digest != result.state_hash:
-        raise ExportError(f"fragment {fragment_id} from shard {shard}: the values hash to {digest[:12]}, "
-                          f"the shard says {result.state_hash[:12]} at version {result.version}")
-    return value, result.version, digest
+    if not result.state_hash:
+        raise ExportError(f"fragment {fragment_id}: shard {shard} sent no state hash to check the value against")
+    try:
+        value = result.apply(None)
+    except StateHashMismatch as mismatch:
+        raise ExportError(f"shard {shard}: {mismatch}") from None
+    return value, result.version, result.state_hash
 
 
 def write_export(model: GlobalModel, out: pathlib.Path) -> None:

@@ -98,7 +98,8 @@ def test_export_refuses_a_value_that_does_not_match_its_state_hash(run, tmp_path
     out = tmp_path / "export"
     out.mkdir()
     assert main(["export", "--config", str(config_path), "--out", str(out)]) == 1
-    assert f"fragment {damaged.id} from shard {damaged.shard}: the values hash to" in capsys.readouterr().err
+    assert f"shard {damaged.shard}: fragment {damaged.id}: the value at v0 after this pull has sha256" \
+        in capsys.readouterr().err
     assert list(out.iterdir()) == []
 
 
