@@ -25,9 +25,10 @@ from services.config import Config
 from services.fragments import FragmentPlan, plan_for_config
 from services.payload import ChecksumMismatch, PayloadError, Reassembler, decode_payload, leading_bytes
 from services.wire import pb
+from syncer.claims import ClaimBounds
 from syncer.counters import Counters
 from syncer.fragment_state import ClosedRound, ContributionKey, FragmentSnapshot, FragmentState, PullPlan
-from syncer.membership import Membership
+from syncer.membership import HeartbeatReport, Membership
 from syncer.merge import contribution_weight
 from syncer.refusal import Refusal
 
@@ -138,6 +139,7 @@ class ShardCore:
         self.cfg, self.shard_index = cfg, shard_index
         self.clock, self.wall_clock = clock, wall_clock
         self.journal = journal or NullJournal()
+        self.claims = ClaimBounds.from_config(cfg)
         self.counters = Counters()
         self.membership = Membership([l.id for l in cfg.learners], cfg.syncer.lease_seconds, self.counters)
         self._plan_lock = threading.Lock()
@@ -162,11 +164,14 @@ class ShardCore:
     def heartbeat(self, learner_id: str, incarnation: int, step: int = 0, step_seconds: float = 0.0,
                   tokens_per_second: float = 0.0, held_versions: dict[int, int] | None = None,
                   sync_step: int | None = None, tokens: int = 0) -> dict[int, int]:
-        """The current version of every owned fragment."""
+        """The current version of every owned fragment. Numbers out of range or implausible
+        (syncer/claims.py) are refused before anything, the lease included, changes."""
         with self._counting():
-            self.membership.heartbeat(learner_id, incarnation, self.clock(), step, step_seconds,
-                                      tokens_per_second, held_versions or {},
-                                      step if sync_step is None else sync_step, tokens)
+            report = HeartbeatReport(step, step_seconds, tokens_per_second, held_versions or {},
+                                     step if sync_step is None else sync_step, tokens)
+            now = self.clock()
+            self.claims.check_heartbeat(report, self.membership.record(learner_id, incarnation), now)
+            self.membership.heartbeat(learner_id, incarnation, now, report)
             return {fid: state.version for fid, state in self.fragments.items()}
 
     def run_tokens(self) -> tuple[int, float]:
@@ -174,10 +179,13 @@ class ShardCore:
         on trainer.max_run_tokens. Heartbeats give every learner's count, live or gone; a live
         one's has grown at its rate since. The table is lost with a restart, so the count is
         never less than a fragment's merged tokens, which are durable but lag by the steps
-        since each learner's last contribution to it."""
+        since each learner's last contribution to it. No learner counts for more than its
+        whole step budget at the most tokens per step."""
         now = self.clock()
         learners = self.membership.learners(now)
-        heard = sum(l.tokens + (l.tokens_per_second * (now - l.tokens_at) if l.alive and l.tokens_at else 0.0)
+        budget = self.claims.max_steps * self.claims.tokens_per_step
+        heard = sum(min(budget, l.tokens + (l.tokens_per_second * (now - l.tokens_at) if l.alive and l.tokens_at
+                                            else 0.0))
                     for l in learners)
         merged = max((s.committed.merged_tokens for s in self.fragments.values() if s.committed), default=0)
         return max(round(heard), merged), sum(l.tokens_per_second for l in learners if l.alive)
@@ -240,6 +248,7 @@ class ShardCore:
                 if getattr(header, field) == 0:
                     raise Refusal(f"zero_{field[2:]}", "INVALID_ARGUMENT",
                                   f"an outer gradient with {field}=0 has no merge weight (w = c_tokens * c_tokens / c_steps)")
+            self.claims.check_push(header)
         return state
 
     def _seed(self, state: FragmentState, header: pb.PushHeader, values: torch.Tensor) -> PushOutcome:
@@ -298,11 +307,14 @@ class ShardCore:
 
     def _admit(self, state: FragmentState, header: pb.PushHeader, chunks: tuple[bytes, ...], staleness: int,
                transfer_seconds: float) -> None:
+        """Adds a contribution whose claims are in range (syncer/claims.py). It counts for at
+        most one sync period of a learner at the most tokens per step, in weight and tokens."""
         weight = contribution_weight(header.c_tokens, header.c_steps, staleness,
-                                     self.cfg.syncer.stale_weight_decay)
+                                     self.cfg.syncer.stale_weight_decay, self.claims.max_weight)
         if header.step_seconds > 0:
             state.grace.step_seconds.observe(header.step_seconds)
-        state.admit(_key(header), header.payload, chunks, weight, header.c_tokens, self.clock(), transfer_seconds)
+        tokens = min(header.c_tokens, self.claims.max_contribution_tokens)
+        state.admit(_key(header), header.payload, chunks, weight, tokens, self.clock(), transfer_seconds)
 
     def _refuse_stale(self, state: FragmentState, staleness: int) -> PushOutcome:
         self.counters.add("contributions.refused_stale")
@@ -401,9 +413,22 @@ class ShardCore:
                 if state.committed is None or contribution.round > state.round.number:
                     raise ValueError(f"fragment {fid}: journal holds a contribution to round "
                                      f"{contribution.round}, but the open round is {state.round.number}")
-                header = contribution.header
+                header = self._in_range(fid, contribution.header)
                 self._admit(state, header, contribution.payload, state.version - header.base_version, 0.0)
                 self.counters.add("contributions.restored")
+
+    def _in_range(self, fragment_id: int, header: pb.PushHeader) -> pb.PushHeader:
+        """A logged contribution was acknowledged: one whose claims are out of range (logged
+        before they were checked, or under a larger bound) is merged with them clamped."""
+        try:
+            self.claims.check_push(header)
+            return header
+        except Refusal as refusal:
+            log.warning("fragment %d: round.log holds learner %r's contribution from base version %d with a "
+                        "claim out of range (%s): merging it with its claims clamped", fragment_id,
+                        header.learner_id, header.base_version, refusal.message)
+            self.counters.add("contributions.clamped")
+            return self.claims.clamped(header)
 
     # ---- helpers -------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ bookkeeping that decides when it closes.
 """
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -122,10 +123,13 @@ class OpenRound:
         """The merged outer gradient. Contributions are folded in key order, not arrival
         order, so a round rebuilt from the journal after a restart merges to the same bits."""
         accumulator = RoundAccumulator(self.numel, self.merge)
+        total = math.fsum(c.weight for c in self.contributions.values())
+        if total == 0:  # every weight decayed to nothing
+            return torch.zeros(self.numel)
         for key in sorted(self.contributions):
             contribution = self.contributions[key]
             delta = decode_payload(contribution.header, b"".join(contribution.chunks))
-            accumulator.add(delta, contribution.weight, float(torch.linalg.vector_norm(delta)))
+            accumulator.add(delta, contribution.weight / total, float(torch.linalg.vector_norm(delta)))
         return accumulator.merged()
 
 

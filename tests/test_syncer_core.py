@@ -8,10 +8,10 @@ import torch
 
 from services.client import apply_update, state_hash
 from services.codecs import get_codec
-from services.config import parse_config
+from services.config import ConfigError, parse_config
 from services.payload import decode_payload, describe, iter_chunks
 from services.wire import pb
-from syncer.core import ShardCore
+from syncer.core import NullJournal, Restored, ShardCore
 from syncer.grace import GraceWindow
 from syncer.merge import RoundAccumulator, contribution_weight
 from syncer.refusal import Refusal
@@ -112,8 +112,8 @@ def test_round_closes_at_once_when_every_live_learner_contributed():
 def test_run_tokens_count_every_learner_live_or_gone():
     shard = Shard(make_config(quorum=3, lease_seconds=10.0))
     core = shard.core
-    core.heartbeat("a", 1, tokens=1000, tokens_per_second=100.0)
-    core.heartbeat("b", 1, tokens=500, tokens_per_second=50.0)
+    core.heartbeat("a", 1, step=10, tokens=1000, tokens_per_second=100.0, step_seconds=1.0)
+    core.heartbeat("b", 1, step=5, tokens=500, tokens_per_second=50.0, step_seconds=2.0)
     assert core.run_tokens() == (1500, 150.0)  # c joined, never reported
     shard.clock.advance(2.0)  # live learners have trained on at their rate since
     assert core.run_tokens() == (1500 + 2 * 150, 150.0)
@@ -390,3 +390,160 @@ def test_the_first_seed_wins_and_unseeded_fragments_take_no_gradients():
     # The outer gradient pushed before any seed was a refused contribution; the seeds were not.
     assert shard.core.counters.snapshot()["contributions.refused"] == 1
     assert shard.core.status().fragments[0].state_hash == state_hash(first)
+
+
+# ---- what a learner may claim (syncer/claims.py) ------------------------------------------
+# make_config: trainer.batch_size 8 x model.seq_len 128 -> at most T = 1024 tokens per step;
+# trainer.max_steps 1000; sync.interval_steps H = 4.
+
+T = 8 * 128
+
+
+class KeepingJournal(NullJournal):
+    """Keeps in memory what a ShardStore keeps on disk, and reads it back as after a restart."""
+
+    def __init__(self):
+        self.manifest, self.plan_digest = None, ""
+        self.snapshots, self.contributions = {}, {}
+
+    def fix_manifest(self, manifest, plan_digest):
+        self.manifest, self.plan_digest = manifest, plan_digest
+
+    def append(self, fragment_id, contribution):
+        self.contributions.setdefault(fragment_id, []).append(contribution)
+
+    def commit(self, snapshot):
+        self.snapshots[snapshot.fragment_id] = snapshot
+        self.contributions[snapshot.fragment_id] = []
+
+    def restored(self):
+        return Restored(self.manifest, self.plan_digest, dict(self.snapshots),
+                        {fid: list(logged) for fid, logged in self.contributions.items()})
+
+
+HONEST_HEARTBEAT = {"step": 10, "step_seconds": 0.5, "tokens_per_second": T / 0.5, "tokens": 10 * T, "sync_step": 11}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("step_seconds", float("nan")), ("step_seconds", float("inf")), ("step_seconds", -1.0),
+    ("step_seconds", 1e300), ("step_seconds", 5e-324),
+    ("tokens_per_second", float("inf")), ("tokens_per_second", float("nan")), ("tokens_per_second", -1.0),
+    ("tokens_per_second", 10 * T / 0.5),  # ten steps' tokens in one step's time
+    ("tokens", 2**64 - 1), ("tokens", 10**9), ("tokens", 10 * T + 1),
+    ("step", 1001), ("sync_step", 2**63),
+])
+def test_a_heartbeat_number_out_of_range_is_refused_naming_it_and_changes_nothing(field, value):
+    shard = Shard(make_config(lease_seconds=10.0), joined=("a", "b"))
+    core = shard.core
+    core.heartbeat("a", 1, **HONEST_HEARTBEAT)
+    shard.clock.advance(1.0)
+    before = core.status()
+    with refused("INVALID_ARGUMENT", f"bad_{field}") as info:
+        core.heartbeat("a", 1, **{**HONEST_HEARTBEAT, field: value})
+    assert field in info.value.message
+    after = core.status()  # still answers, with what the last good heartbeat said
+    assert after.learners == before.learners and core.run_tokens()[0] < 10**6
+    assert core.counters.snapshot()[f"refusals.bad_{field}"] == 1
+    # The refused heartbeat renewed nothing: not even a's lease.
+    assert after.learners[0].seconds_since_heartbeat == pytest.approx(1.0)
+
+
+def test_heartbeat_tokens_grow_no_faster_than_the_claimed_rate_allows():
+    shard = Shard(make_config(lease_seconds=2.0), joined=("a",))
+    core = shard.core
+    core.heartbeat("a", 1, step=10, step_seconds=0.5, tokens_per_second=T / 0.5, tokens=10 * T)
+    shard.clock.advance(1.0)  # at 2 steps a second: 2 steps, and the lease's 2 s of slack, 4 more
+    with refused("INVALID_ARGUMENT", "bad_tokens") as info:
+        core.heartbeat("a", 1, step=20, step_seconds=0.5, tokens_per_second=T / 0.5, tokens=20 * T)
+    assert "grew by" in info.value.message
+    core.heartbeat("a", 1, step=16, step_seconds=0.5, tokens_per_second=T / 0.5, tokens=16 * T)
+    assert core.status().learners[0].tokens == 16 * T
+
+
+def test_the_run_token_count_counts_no_learner_beyond_its_budget():
+    shard = Shard(make_config(lease_seconds=10.0), joined=("a",))
+    core = shard.core
+    budget = 1000 * T  # trainer.max_steps at T tokens per step
+    core.heartbeat("a", 1, step=1000, step_seconds=1e-6, tokens_per_second=T / 1e-6, tokens=budget)
+    shard.clock.advance(5.0)  # a rate of a billion tokens a second, extrapolated
+    assert core.run_tokens()[0] == budget
+
+
+@pytest.mark.parametrize("claims, reason", [
+    ({"step_seconds": float("nan")}, "bad_step_seconds"), ({"step_seconds": float("inf")}, "bad_step_seconds"),
+    ({"step_seconds": -1.0}, "bad_step_seconds"), ({"step_seconds": 1e300}, "bad_step_seconds"),
+    ({"c_tokens": 10 * 10 * T}, "bad_c_tokens"),  # ten times the honest tokens of 10 steps
+    ({"c_tokens": 2**64 - 1}, "bad_c_tokens"), ({"c_steps": 1001, "c_tokens": 1001}, "bad_c_steps"),
+])
+def test_a_push_claiming_out_of_range_numbers_is_refused_before_it_is_logged(claims, reason):
+    journal = KeepingJournal()
+    shard = Shard(make_config(), journal=journal)
+    field = reason.removeprefix("bad_")
+    with refused("INVALID_ARGUMENT", reason) as info:
+        shard.push("a", 0, delta(1, shard.numel()), **claims)
+    assert field in info.value.message
+    assert not any(journal.contributions.values()) and shard.core.fragments[0].round.count == 0
+    counters = shard.core.counters.snapshot()
+    assert counters[f"refusals.{reason}"] == 1 and counters["contributions.refused"] == 1
+    assert "kept_compute_seconds" not in counters
+    shard.push("a", 0, delta(1, shard.numel()), c_steps=10, c_tokens=10 * T)  # the honest claim
+    assert len(journal.contributions[0]) == 1
+
+
+def test_no_contribution_weighs_more_than_one_sync_period_at_the_most_tokens_per_step():
+    # b claims 100 steps at T tokens each: honest after failed syncs, or a learner inflating
+    # its share. Either way it weighs as a max-rate learner's one period of H = 4 steps.
+    sgd = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+    shard = Shard(make_config(merge="mean", outer_optimizer=sgd), joined=("a", "b"))
+    n = shard.numel()
+    x, y = delta(1, n), delta(2, n)
+    shard.push("a", 0, x, c_steps=4, c_tokens=4 * T)  # w = 4 T^2
+    shard.push("b", 0, y, c_steps=100, c_tokens=100 * T)  # w = 100 T^2, capped to 4 T^2
+    assert torch.allclose(shard.value() - shard.seeds[0], -(x + y) / 2, atol=1e-6)
+    # And it adds one period's tokens, not a hundred steps', to the run's count.
+    assert shard.core.status().fragments[0].merged_tokens == 4 * T + 4 * T
+
+
+def test_the_merge_stays_finite_for_any_weight_and_any_norm():
+    assert contribution_weight(2**64 - 1, 1, 0, 1.0) == pytest.approx(float(2**64 - 1) ** 2)
+    for method in ("rda", "mean"):
+        accumulator = RoundAccumulator(8, method)
+        tiny = torch.full((8,), 1e-40)  # subnormal: weight / norm overflows float32
+        accumulator.add(tiny, weight=0.5, norm=float(tiny.double().norm()))
+        accumulator.add(torch.ones(8), weight=0.5, norm=float(torch.ones(8).norm()))
+        assert torch.isfinite(accumulator.merged()).all(), method
+
+
+def test_a_logged_contribution_out_of_range_is_merged_with_its_claims_clamped_on_restart(caplog):
+    """A round.log written before the claims were checked: 2^64-1 tokens made every close fail,
+    after every restart."""
+    cfg = make_config(merge="mean", outer_optimizer={"lr": 1.0, "momentum": 0.0, "nesterov": False})
+    journal = KeepingJournal()
+    shard = Shard(cfg, journal=journal, joined=("a", "b"))
+    n = shard.numel()
+    x, y = delta(1, n), delta(2, n)
+    shard.push("a", 0, x, c_steps=4, c_tokens=4 * T)
+    logged = journal.contributions[0][0]
+    logged.header.c_tokens, logged.header.step_seconds = 2**64 - 1, float("nan")  # as an old shard took it
+    restarted = ShardCore(cfg, 0, clock=shard.clock, journal=NullJournal())
+    restarted.restore(journal.restored())
+    assert "claim out of range" in caplog.text and restarted.counters.snapshot()["contributions.clamped"] == 1
+    restarted.join("a", 1, "r", MANIFEST)
+    restarted.join("b", 1, "r", MANIFEST)
+    header = pb.PushHeader(learner_id="b", incarnation=1, fragment_id=0, kind=pb.PUSH_KIND_OUTER_GRADIENT,
+                           c_steps=4, c_tokens=4 * T, step_seconds=0.5,
+                           payload=describe(get_codec("fp32"), n, get_codec("fp32").encode(y, 128), 128))
+    assert restarted.push(push_requests(header, get_codec("fp32").encode(y, 128))).committed
+    state = restarted.fragments[0].committed
+    assert torch.allclose(state.value - shard.seeds[0], -(x + y) / 2, atol=1e-6)  # a's weight: one period
+    assert state.merged_tokens == 4 * T + 4 * T
+    assert restarted.status().counters  # and Status answers
+
+
+def test_a_shard_of_a_model_factory_needs_the_tokens_per_step_bound():
+    data = {"shards": [{"address": "127.0.0.1:1"}], "learners": [{"id": "a", "region": "r"}],
+            "model": "tests.user_plugins:make_model"}
+    with pytest.raises(ConfigError, match="syncer.max_tokens_per_step"):
+        ShardCore(parse_config(data), 0)
+    core = ShardCore(parse_config({**data, "syncer": {"max_tokens_per_step": 128}}), 0)
+    assert core.claims.tokens_per_step == 128
