@@ -23,6 +23,7 @@ import torch
 
 from services.config import Config
 from services.fragments import FragmentPlan, plan_for_config
+from services.client import state_hash
 from services.payload import ChecksumMismatch, PayloadError, Reassembler, decode_payload, leading_bytes
 from services.wire import pb
 from syncer.claims import ClaimBounds
@@ -229,20 +230,29 @@ class ShardCore:
             values = decode_payload(header.payload, b"".join(chunks))
             _finite_norm(state, values)
             return self._seed(state, header, values)
+        if header.kind == pb.PUSH_KIND_RESTORE:
+            values = decode_payload(header.payload, b"".join(chunks))
+            _finite_norm(state, values)
+            return self._restore(state, header, values)
         self._check_norm(state, header.payload, chunks)
         return self._contribute(state, header, chunks, transfer_seconds)
 
     def _check_header(self, header: pb.PushHeader) -> FragmentState:
         self.membership.authenticate(header.learner_id, header.incarnation, self.clock())
         state = self._fragment(header.fragment_id)
-        if header.kind not in (pb.PUSH_KIND_SEED, pb.PUSH_KIND_OUTER_GRADIENT):
+        if header.kind not in (pb.PUSH_KIND_SEED, pb.PUSH_KIND_OUTER_GRADIENT, pb.PUSH_KIND_RESTORE):
             raise Refusal("bad_kind", "INVALID_ARGUMENT",
-                          f"push kind {header.kind} is neither a seed nor an outer gradient")
+                          f"push kind {header.kind} is neither a seed, a restore nor an outer gradient")
         state.check_payload(header)
         if header.kind == pb.PUSH_KIND_SEED:
             if header.base_version != 0:
                 raise Refusal("bad_seed", "INVALID_ARGUMENT", f"a seed has base_version 0, got {header.base_version}")
             _check_unseeded(state)
+        elif header.kind == pb.PUSH_KIND_RESTORE:
+            if header.base_version < 1:
+                raise Refusal("bad_restore", "INVALID_ARGUMENT",
+                              "a restore has base_version >= 1 (the version of the value it carries), got 0")
+            state.check_restorable(header.base_version)
         else:
             for field in ("c_steps", "c_tokens"):
                 if getattr(header, field) == 0:
@@ -259,6 +269,23 @@ class ShardCore:
             state.install(snapshot)
         self.counters.add("seeds")
         return PushOutcome(pb.PUSH_RESULT_SEEDED, 0, 0, 0, committed=True)
+
+    def _restore(self, state: FragmentState, header: pb.PushHeader, values: torch.Tensor) -> PushOutcome:
+        """The fragment continues from the global value a learner holds at base_version: this
+        shard lost it (docs/protocol.md, RESTORE)."""
+        if state_hash(values) != header.state_hash:
+            raise Refusal("bad_state_hash", "INVALID_ARGUMENT",
+                          f"fragment {state.id}: state_hash {header.state_hash[:16]!r} is not the sha256 of the "
+                          "restore's decoded value")
+        with state.lock:
+            state.check_restorable(header.base_version)  # judged again: another may have landed
+            snapshot = state.seeded(values, header.base_version)
+            self.journal.commit(snapshot)
+            state.install(snapshot)
+        self.counters.add("fragments.restored")
+        log.warning("fragment %d: restored at version %d from learner %r's copy (this shard had lost it)",
+                    state.id, header.base_version, header.learner_id)
+        return PushOutcome(pb.PUSH_RESULT_RESTORED, header.base_version, 0, 0, committed=True)
 
     def _check_norm(self, state: FragmentState, header: pb.PayloadHeader, chunks: tuple[bytes, ...]) -> None:
         """Refuses NaN or Inf values and a norm above syncer.max_update_norm. The codec's bound
@@ -401,6 +428,7 @@ class ShardCore:
                              f"this config makes plan {self.plan.digest[:12]}: sync settings or shards changed")
         for fid, snapshot in restored.snapshots.items():
             state = self._fragment(fid)
+            state.restorable = False
             if snapshot.value.numel() != state.fragment.numel:
                 raise ValueError(f"fragment {fid}: stored state has {snapshot.value.numel()} elements, "
                                  f"the plan {state.fragment.numel}")

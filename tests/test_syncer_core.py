@@ -547,3 +547,88 @@ def test_a_shard_of_a_model_factory_needs_the_tokens_per_step_bound():
         ShardCore(parse_config(data), 0)
     core = ShardCore(parse_config({**data, "syncer": {"max_tokens_per_step": 128}}), 0)
     assert core.claims.tokens_per_step == 128
+
+
+# ---- RESTORE: a shard that lost its state continues from a learner's copy ------------------
+
+def restore(shard, learner, fid, values, version, *, hash_of=None):
+    payload = get_codec("fp32").encode(values, 128)
+    header = pb.PushHeader(learner_id=learner, incarnation=1, fragment_id=fid, kind=pb.PUSH_KIND_RESTORE,
+                           base_version=version, state_hash=state_hash(values if hash_of is None else hash_of),
+                           payload=describe(get_codec("fp32"), values.numel(), payload, 128))
+    return shard.core.push(push_requests(header, payload))
+
+
+def test_an_empty_shard_takes_a_restore_and_continues_from_it():
+    shard = Shard(make_config(), seed=False)
+    n = shard.numel()
+    value = delta(7, n, scale=1.0)
+    reply = restore(shard, "a", 0, value, 5)
+    assert (reply.result, reply.current_version, reply.committed) == (pb.PUSH_RESULT_RESTORED, 5, True)
+    assert shard.version() == 5 and torch.equal(shard.value(), value)
+    committed = shard.core.fragments[0].committed
+    assert not committed.momentum.any() and not committed.residual.any()
+    assert shard.core.status().fragments[0].state_hash == state_hash(value)
+    assert shard.core.counters.snapshot()["fragments.restored"] == 1
+    # A learner a version behind is stale-merged as usual; one further behind is refused.
+    assert shard.push("b", 0, delta(1, n), base=4).result == pb.PUSH_RESULT_STALE_MERGED
+    assert shard.push("c", 0, delta(2, n), base=0).result == pb.PUSH_RESULT_REFUSED_STALE
+
+
+def test_a_fragment_that_had_durable_state_at_start_takes_no_restore():
+    journal = KeepingJournal()
+    shard = Shard(make_config(), journal=journal)
+    restarted = ShardCore(shard.cfg, 0, clock=shard.clock, journal=journal)
+    restarted.restore(journal.restored())
+    restarted.join("a", 1, "r", MANIFEST)
+    shard.core = restarted
+    with refused("ALREADY_EXISTS", "not_restorable") as info:
+        restore(shard, "a", 0, delta(7, shard.numel()), 3)
+    assert "fragment 0 is at version 0 on this shard: pull it" in info.value.message
+    assert shard.version() == 0 and torch.equal(shard.value(), shard.seeds[0])
+
+
+def test_no_restore_once_a_contribution_was_admitted_or_a_round_closed():
+    shard = Shard(make_config(quorum=1), seed=False, joined=("a", "b"))
+    n = shard.numel()
+    restore(shard, "a", 0, delta(7, n), 2)
+    restore(shard, "a", 1, delta(8, shard.numel(1)), 2)
+    shard.push("a", 0, delta(1, n), base=2)  # admitted: the open round holds it
+    with refused("ALREADY_EXISTS", "not_restorable"):
+        restore(shard, "b", 0, delta(9, n), 9)
+    shard.push("a", 1, delta(2, shard.numel(1)), base=2)
+    shard.push("b", 1, delta(3, shard.numel(1)), base=2)  # round closed: version 3
+    with refused("ALREADY_EXISTS", "not_restorable") as info:
+        restore(shard, "b", 1, delta(9, shard.numel(1)), 9)
+    assert "at version 3" in info.value.message and shard.version(1) == 3
+
+
+def test_a_restore_whose_hash_does_not_match_its_value_is_refused():
+    shard = Shard(make_config(), seed=False)
+    with refused("INVALID_ARGUMENT", "bad_state_hash") as info:
+        restore(shard, "a", 0, delta(7, shard.numel()), 4, hash_of=delta(8, shard.numel()))
+    assert "state_hash" in info.value.message
+    with refused("INVALID_ARGUMENT", "bad_restore"):
+        restore(shard, "a", 0, delta(7, shard.numel()), 0)
+    assert shard.core.fragments[0].committed is None and shard.core.fragments[0].restorable
+
+
+def test_a_higher_restore_replaces_a_lower_one_or_a_reseed_while_nothing_was_merged():
+    shard = Shard(make_config(), seed=True)  # re-seeded with a learner's local weights: version 0
+    n = shard.numel()
+    low, high = delta(7, n, scale=1.0), delta(8, n, scale=1.0)
+    assert restore(shard, "a", 0, low, 3).result == pb.PUSH_RESULT_RESTORED
+    assert restore(shard, "b", 0, high, 6).result == pb.PUSH_RESULT_RESTORED
+    assert shard.version() == 6 and torch.equal(shard.value(), high)
+    with refused("ALREADY_EXISTS", "not_restorable"):  # not higher: nothing to gain
+        restore(shard, "c", 0, low, 6)
+    with refused("ALREADY_EXISTS", "already_seeded"):
+        shard.push("c", 0, low, kind=pb.PUSH_KIND_SEED)
+
+
+def test_a_push_ahead_of_the_shard_says_the_shard_lost_its_state():
+    shard = Shard(make_config())
+    with refused("FAILED_PRECONDITION", "future_base_version") as info:
+        shard.push("a", 1, delta(1, shard.numel(1)), base=3)
+    assert info.value.message.startswith(
+        "base_version 3 is ahead of fragment 1's version 0: the shard lost its state or the learner holds another run's")
