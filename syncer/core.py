@@ -28,6 +28,7 @@ from services.payload import ChecksumMismatch, PayloadError, Reassembler, decode
 from services.wire import pb
 from syncer.claims import ClaimBounds
 from syncer.counters import Counters
+from syncer.disk import DiskCondition
 from syncer.fragment_state import ClosedRound, ContributionKey, FragmentSnapshot, FragmentState, PullPlan
 from syncer.membership import HeartbeatReport, Membership
 from syncer.merge import contribution_weight
@@ -50,7 +51,8 @@ class Journal(Protocol):
     """Where the core makes its state durable. fix_manifest and commit return only once what
     they were given survives a crash; append only writes the record, and sync makes every
     record appended before it durable (so that the slow part runs outside the fragment's
-    lock). If a call raises, the core changes nothing."""
+    lock). If a call raises, the core changes nothing; an OSError (a full or failing disk)
+    refuses the request that needed the write (syncer/disk.py)."""
 
     def fix_manifest(self, manifest: Manifest, plan_digest: str) -> None: ...
 
@@ -135,11 +137,13 @@ class ShardStatus:
 
 class ShardCore:
     def __init__(self, cfg: Config, shard_index: int, *, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time, journal: Journal | None = None):
+                 wall_clock: Callable[[], float] = time.time, journal: Journal | None = None,
+                 state_location: str = "its journal"):
         cfg.shard(shard_index)  # validates the index
         self.cfg, self.shard_index = cfg, shard_index
         self.clock, self.wall_clock = clock, wall_clock
         self.journal = journal or NullJournal()
+        self.disk = DiskCondition(state_location)  # where the journal writes, for messages
         self.claims = ClaimBounds.from_config(cfg)
         self.counters = Counters()
         self.membership = Membership([l.id for l in cfg.learners], cfg.syncer.lease_seconds, self.counters)
@@ -265,7 +269,7 @@ class ShardCore:
         with state.lock:
             _check_unseeded(state)  # another seed may have landed while this one streamed in
             snapshot = state.seeded(values)
-            self.journal.commit(snapshot)
+            self.disk.write(lambda: self.journal.commit(snapshot))
             state.install(snapshot)
         self.counters.add("seeds")
         return PushOutcome(pb.PUSH_RESULT_SEEDED, 0, 0, 0, committed=True)
@@ -280,7 +284,7 @@ class ShardCore:
         with state.lock:
             state.check_restorable(header.base_version)  # judged again: another may have landed
             snapshot = state.seeded(values, header.base_version)
-            self.journal.commit(snapshot)
+            self.disk.write(lambda: self.journal.commit(snapshot))
             state.install(snapshot)
         self.counters.add("fragments.restored")
         log.warning("fragment %d: restored at version %d from learner %r's copy (this shard had lost it)",
@@ -312,7 +316,7 @@ class ShardCore:
             if staleness > self.cfg.syncer.max_staleness:
                 return self._refuse_stale(state, staleness)
             round_number, version = state.round.number, state.version
-            self.journal.append(state.id, LoggedContribution(round_number, header, chunks))
+            self.disk.write(lambda: self.journal.append(state.id, LoggedContribution(round_number, header, chunks)))
             self._admit(state, header, chunks, staleness, transfer_seconds)
             result = "accepted" if staleness == 0 else "stale_merged"
             self.counters.add(f"contributions.{result}")
@@ -320,7 +324,7 @@ class ShardCore:
                               header.c_steps * header.step_seconds * state.fragment.numel / self.plan.total_numel)
             try:
                 committed = self._close_if_due(state)
-            except Exception:  # e.g. a full disk: the contribution is safe, the ticker retries the close
+            except Exception:  # a bug, not the disk: the contribution is safe, the ticker retries the close
                 log.exception("fragment %d: closing round %d failed", state.id, round_number)
                 committed = False
         # Acknowledged only once its record is durable, but synced outside the lock, so that the
@@ -328,7 +332,7 @@ class ShardCore:
         # snapshot (synced before the new version shows) holds this contribution: the record was
         # needed only until then. An admitted push whose sync fails is refused here, and merged
         # all the same; its retry gets ALREADY_EXISTS, which learners take as delivered.
-        self.journal.sync(state.id)
+        self.disk.write(lambda: self.journal.sync(state.id))
         return PushOutcome(pb.PUSH_RESULT_ACCEPTED if staleness == 0 else pb.PUSH_RESULT_STALE_MERGED,
                            version, staleness, round_number, committed)
 
@@ -374,7 +378,10 @@ class ShardCore:
             return False
         round_ = state.round
         snapshot = state.closing(reason, live_ids, started, self.wall_clock())
-        self.journal.commit(snapshot)
+        try:
+            self.disk.write(lambda: self.journal.commit(snapshot))
+        except Refusal:  # logged by self.disk: the round stays open, the next push or tick retries
+            return False
         state.install(snapshot)
         state.observe_close(round_, self.clock() - started)
         self.counters.add(f"rounds.{reason}")
@@ -472,7 +479,7 @@ class ShardCore:
             except ValueError as error:
                 raise Refusal("bad_manifest", "INVALID_ARGUMENT", f"cannot plan fragments: {error}") from None
             if not durable:
-                self.journal.fix_manifest(manifest, plan.digest)
+                self.disk.write(lambda: self.journal.fix_manifest(manifest, plan.digest))
             # Readers take no lock: they must never see the plan without its fragments.
             self.fragments = {f.id: FragmentState(f, self.cfg.sync, self.cfg.syncer)
                               for f in plan.for_shard(self.shard_index)}

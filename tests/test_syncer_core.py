@@ -1,6 +1,7 @@
 """The shard's decisions, driven directly with a fake clock: round closing, merging, staleness,
 the outer step, error feedback, membership and seeding. No gRPC, no sleeping."""
 import contextlib
+import errno
 import math
 
 import pytest
@@ -632,3 +633,69 @@ def test_a_push_ahead_of_the_shard_says_the_shard_lost_its_state():
         shard.push("a", 1, delta(1, shard.numel(1)), base=3)
     assert info.value.message.startswith(
         "base_version 3 is ahead of fragment 1's version 0: the shard lost its state or the learner holds another run's")
+
+
+# ---- a full disk ----------------------------------------------------------------------------
+
+class FillingJournal(KeepingJournal):
+    """A disk that fills up: the listed calls raise ENOSPC while `full`."""
+
+    def __init__(self):
+        super().__init__()
+        self.full, self.failing = False, {"append", "sync", "commit"}
+
+    def _write(self, call):
+        if self.full and call in self.failing:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def append(self, fragment_id, contribution):
+        self._write("append")
+        super().append(fragment_id, contribution)
+
+    def sync(self, fragment_id):
+        self._write("sync")
+
+    def commit(self, snapshot):
+        self._write("commit")
+        super().commit(snapshot)
+
+
+def test_a_full_disk_refuses_pushes_logs_once_and_loses_no_contribution(caplog):
+    sgd = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+    journal = FillingJournal()
+    shard = Shard(make_config(quorum=1, merge="mean", outer_optimizer=sgd), journal=journal)
+    shard.core = ShardCore(shard.cfg, 0, clock=shard.clock, journal=journal, state_location="/state/shard-0")
+    shard.core.restore(journal.restored())
+    for learner in LEARNERS:
+        shard.core.join(learner, 1, "r", MANIFEST)
+    n = shard.numel()
+    x, y = delta(1, n), delta(2, n)
+    shard.push("a", 0, x)
+    journal.full = True
+    with refused("RESOURCE_EXHAUSTED", "disk_full") as info:
+        shard.push("b", 0, y)
+    assert "/state/shard-0" in info.value.message and "No space left" in info.value.message
+    assert shard.core.fragments[0].round.count == 1
+    shard.clock.advance(5.0)  # a's round is due (quorum 1, grace passed), but cannot be committed
+    for _ in range(100):
+        assert shard.core.tick() == []
+    assert shard.core.counters.snapshot()["refusals.disk_full"] == 1
+    failures = [r for r in caplog.records if "cannot write the shard's state" in r.getMessage()]
+    assert len(failures) == 1 and not any(r.exc_info for r in caplog.records)
+    journal.full = False
+    assert shard.core.tick() == [0]  # a's contribution survived the full disk
+    assert torch.allclose(shard.value() - shard.seeds[0], -x, atol=1e-6)
+    assert sum("writing the shard's state in /state/shard-0 again" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_push_whose_round_cannot_be_committed_is_accepted_and_merged_once_the_disk_has_room():
+    journal = FillingJournal()
+    sgd = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+    shard = Shard(make_config(merge="mean", outer_optimizer=sgd), journal=journal, joined=("a",))
+    n = shard.numel()
+    journal.full, journal.failing = True, {"commit"}  # room for a log record, not for a snapshot
+    reply = shard.push("a", 0, delta(1, n))
+    assert reply.result == pb.PUSH_RESULT_ACCEPTED and not reply.committed and shard.version() == 0
+    journal.full = False
+    assert shard.core.tick() == [0] and shard.version() == 1
+    assert torch.allclose(shard.value() - shard.seeds[0], -delta(1, n), atol=1e-6)
