@@ -103,6 +103,10 @@ class SyncerConfig(_Section):
     history_versions: PositiveInt = 32  # L: decoded updates kept for catch-up pulls
     lease_seconds: PositiveFloat = 5.0
     max_update_norm: PositiveFloat = 1.0e4  # pushes whose decoded L2 norm is larger are refused
+    # The most tokens one learner (every process of its island) trains on per inner step: bounds
+    # what its pushes and heartbeats may claim (syncer/claims.py). None: trainer.batch_size x
+    # model.seq_len, the built-in GPT with one process per island; required with a model factory.
+    max_tokens_per_step: PositiveInt | None = None
 
 
 class InnerOptimizerConfig(_Section):

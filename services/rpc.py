@@ -16,7 +16,7 @@ import logging
 import signal
 import threading
 from concurrent import futures
-from typing import Iterable
+from typing import Callable, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -124,6 +124,18 @@ class RefuseUnparsableRequests(grpc.ServerInterceptor):
         return handler._replace(request_deserializer=None, **{kind: wrapped})
 
 
+def _bound_port(add_port: Callable[[], int], listen: str) -> int:
+    """The port add_port bound, or an OSError naming the address (grpcio raises RuntimeError
+    where older versions returned 0)."""
+    try:
+        port = add_port()
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}: the port is in use, or the address is not this machine's")
+    return port
+
+
 class Server:
     """A grpc.Server with health and reflection, stopped gracefully on SIGTERM.
 
@@ -160,17 +172,14 @@ class Server:
         """Binds `listen` (host:port, port 0 picks a free one) and, if given, the plaintext
         health-only `health_listen`, and starts serving."""
         if self.identity is None:
-            self.port = self.grpc_server.add_insecure_port(listen)
+            self.port = _bound_port(lambda: self.grpc_server.add_insecure_port(listen), listen)
         else:
-            self.port = self.grpc_server.add_secure_port(listen, self.identity.server_credentials())
-        if self.port == 0:
-            raise OSError(f"cannot bind gRPC server to {listen}")
+            credentials = self.identity.server_credentials()
+            self.port = _bound_port(lambda: self.grpc_server.add_secure_port(listen, credentials), listen)
         if health_listen is not None:
             self.health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-            self.health_port = self.health_server.add_insecure_port(health_listen)
-            if self.health_port == 0:
-                raise OSError(f"cannot bind the health port to {health_listen}")
+            self.health_port = _bound_port(lambda: self.health_server.add_insecure_port(health_listen), health_listen)
             self.health_server.start()
         self.grpc_server.start()
         for name in self._service_names + [""]:

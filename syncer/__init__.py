@@ -5,6 +5,8 @@ the outer optimizer (DESIGN.md §2.2, §2.5). Start it with `diloco syncer --con
     core.py            every decision, no I/O, injectable clock: the service, tests and a
                        simulator share it
       membership.py    learners, incarnations, leases
+      claims.py        bounds on what a learner may claim (steps, tokens, step times, rates)
+      disk.py          a full or failing disk: refusals, logged once per change
       fragment_state.py  one fragment: committed state (value, momentum, residual, version,
                        encoded history) and the open round
       merge.py         contribution weights, RDA / weighted mean as running sums

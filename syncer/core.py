@@ -23,11 +23,14 @@ import torch
 
 from services.config import Config
 from services.fragments import FragmentPlan, plan_for_config
+from services.client import state_hash
 from services.payload import ChecksumMismatch, PayloadError, Reassembler, decode_payload, leading_bytes
 from services.wire import pb
+from syncer.claims import ClaimBounds
 from syncer.counters import Counters
+from syncer.disk import DiskCondition
 from syncer.fragment_state import ClosedRound, ContributionKey, FragmentSnapshot, FragmentState, PullPlan
-from syncer.membership import Membership
+from syncer.membership import HeartbeatReport, Membership
 from syncer.merge import contribution_weight
 from syncer.refusal import Refusal
 
@@ -48,7 +51,8 @@ class Journal(Protocol):
     """Where the core makes its state durable. fix_manifest and commit return only once what
     they were given survives a crash; append only writes the record, and sync makes every
     record appended before it durable (so that the slow part runs outside the fragment's
-    lock). If a call raises, the core changes nothing."""
+    lock). If a call raises, the core changes nothing; an OSError (a full or failing disk)
+    refuses the request that needed the write (syncer/disk.py)."""
 
     def fix_manifest(self, manifest: Manifest, plan_digest: str) -> None: ...
 
@@ -133,11 +137,14 @@ class ShardStatus:
 
 class ShardCore:
     def __init__(self, cfg: Config, shard_index: int, *, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time, journal: Journal | None = None):
+                 wall_clock: Callable[[], float] = time.time, journal: Journal | None = None,
+                 state_location: str = "its journal"):
         cfg.shard(shard_index)  # validates the index
         self.cfg, self.shard_index = cfg, shard_index
         self.clock, self.wall_clock = clock, wall_clock
         self.journal = journal or NullJournal()
+        self.disk = DiskCondition(state_location)  # where the journal writes, for messages
+        self.claims = ClaimBounds.from_config(cfg)
         self.counters = Counters()
         self.membership = Membership([l.id for l in cfg.learners], cfg.syncer.lease_seconds, self.counters)
         self._plan_lock = threading.Lock()
@@ -162,11 +169,14 @@ class ShardCore:
     def heartbeat(self, learner_id: str, incarnation: int, step: int = 0, step_seconds: float = 0.0,
                   tokens_per_second: float = 0.0, held_versions: dict[int, int] | None = None,
                   sync_step: int | None = None, tokens: int = 0) -> dict[int, int]:
-        """The current version of every owned fragment."""
+        """The current version of every owned fragment. Numbers out of range or implausible
+        (syncer/claims.py) are refused before anything, the lease included, changes."""
         with self._counting():
-            self.membership.heartbeat(learner_id, incarnation, self.clock(), step, step_seconds,
-                                      tokens_per_second, held_versions or {},
-                                      step if sync_step is None else sync_step, tokens)
+            report = HeartbeatReport(step, step_seconds, tokens_per_second, held_versions or {},
+                                     step if sync_step is None else sync_step, tokens)
+            now = self.clock()
+            self.claims.check_heartbeat(report, self.membership.record(learner_id, incarnation), now)
+            self.membership.heartbeat(learner_id, incarnation, now, report)
             return {fid: state.version for fid, state in self.fragments.items()}
 
     def run_tokens(self) -> tuple[int, float]:
@@ -174,10 +184,13 @@ class ShardCore:
         on trainer.max_run_tokens. Heartbeats give every learner's count, live or gone; a live
         one's has grown at its rate since. The table is lost with a restart, so the count is
         never less than a fragment's merged tokens, which are durable but lag by the steps
-        since each learner's last contribution to it."""
+        since each learner's last contribution to it. No learner counts for more than its
+        whole step budget at the most tokens per step."""
         now = self.clock()
         learners = self.membership.learners(now)
-        heard = sum(l.tokens + (l.tokens_per_second * (now - l.tokens_at) if l.alive and l.tokens_at else 0.0)
+        budget = self.claims.max_steps * self.claims.tokens_per_step
+        heard = sum(min(budget, l.tokens + (l.tokens_per_second * (now - l.tokens_at) if l.alive and l.tokens_at
+                                            else 0.0))
                     for l in learners)
         merged = max((s.committed.merged_tokens for s in self.fragments.values() if s.committed), default=0)
         return max(round(heard), merged), sum(l.tokens_per_second for l in learners if l.alive)
@@ -221,35 +234,62 @@ class ShardCore:
             values = decode_payload(header.payload, b"".join(chunks))
             _finite_norm(state, values)
             return self._seed(state, header, values)
+        if header.kind == pb.PUSH_KIND_RESTORE:
+            values = decode_payload(header.payload, b"".join(chunks))
+            _finite_norm(state, values)
+            return self._restore(state, header, values)
         self._check_norm(state, header.payload, chunks)
         return self._contribute(state, header, chunks, transfer_seconds)
 
     def _check_header(self, header: pb.PushHeader) -> FragmentState:
         self.membership.authenticate(header.learner_id, header.incarnation, self.clock())
         state = self._fragment(header.fragment_id)
-        if header.kind not in (pb.PUSH_KIND_SEED, pb.PUSH_KIND_OUTER_GRADIENT):
+        if header.kind not in (pb.PUSH_KIND_SEED, pb.PUSH_KIND_OUTER_GRADIENT, pb.PUSH_KIND_RESTORE):
             raise Refusal("bad_kind", "INVALID_ARGUMENT",
-                          f"push kind {header.kind} is neither a seed nor an outer gradient")
+                          f"push kind {header.kind} is neither a seed, a restore nor an outer gradient")
         state.check_payload(header)
         if header.kind == pb.PUSH_KIND_SEED:
             if header.base_version != 0:
                 raise Refusal("bad_seed", "INVALID_ARGUMENT", f"a seed has base_version 0, got {header.base_version}")
             _check_unseeded(state)
+        elif header.kind == pb.PUSH_KIND_RESTORE:
+            if header.base_version < 1:
+                raise Refusal("bad_restore", "INVALID_ARGUMENT",
+                              "a restore has base_version >= 1 (the version of the value it carries), got 0")
+            state.check_restorable(header.base_version)
         else:
             for field in ("c_steps", "c_tokens"):
                 if getattr(header, field) == 0:
                     raise Refusal(f"zero_{field[2:]}", "INVALID_ARGUMENT",
                                   f"an outer gradient with {field}=0 has no merge weight (w = c_tokens * c_tokens / c_steps)")
+            self.claims.check_push(header)
         return state
 
     def _seed(self, state: FragmentState, header: pb.PushHeader, values: torch.Tensor) -> PushOutcome:
         with state.lock:
             _check_unseeded(state)  # another seed may have landed while this one streamed in
             snapshot = state.seeded(values)
-            self.journal.commit(snapshot)
+            self.disk.write(lambda: self.journal.commit(snapshot))
             state.install(snapshot)
         self.counters.add("seeds")
         return PushOutcome(pb.PUSH_RESULT_SEEDED, 0, 0, 0, committed=True)
+
+    def _restore(self, state: FragmentState, header: pb.PushHeader, values: torch.Tensor) -> PushOutcome:
+        """The fragment continues from the global value a learner holds at base_version: this
+        shard lost it (docs/protocol.md, RESTORE)."""
+        if state_hash(values) != header.state_hash:
+            raise Refusal("bad_state_hash", "INVALID_ARGUMENT",
+                          f"fragment {state.id}: state_hash {header.state_hash[:16]!r} is not the sha256 of the "
+                          "restore's decoded value")
+        with state.lock:
+            state.check_restorable(header.base_version)  # judged again: another may have landed
+            snapshot = state.seeded(values, header.base_version)
+            self.disk.write(lambda: self.journal.commit(snapshot))
+            state.install(snapshot)
+        self.counters.add("fragments.restored")
+        log.warning("fragment %d: restored at version %d from learner %r's copy (this shard had lost it)",
+                    state.id, header.base_version, header.learner_id)
+        return PushOutcome(pb.PUSH_RESULT_RESTORED, header.base_version, 0, 0, committed=True)
 
     def _check_norm(self, state: FragmentState, header: pb.PayloadHeader, chunks: tuple[bytes, ...]) -> None:
         """Refuses NaN or Inf values and a norm above syncer.max_update_norm. The codec's bound
@@ -276,7 +316,7 @@ class ShardCore:
             if staleness > self.cfg.syncer.max_staleness:
                 return self._refuse_stale(state, staleness)
             round_number, version = state.round.number, state.version
-            self.journal.append(state.id, LoggedContribution(round_number, header, chunks))
+            self.disk.write(lambda: self.journal.append(state.id, LoggedContribution(round_number, header, chunks)))
             self._admit(state, header, chunks, staleness, transfer_seconds)
             result = "accepted" if staleness == 0 else "stale_merged"
             self.counters.add(f"contributions.{result}")
@@ -284,7 +324,7 @@ class ShardCore:
                               header.c_steps * header.step_seconds * state.fragment.numel / self.plan.total_numel)
             try:
                 committed = self._close_if_due(state)
-            except Exception:  # e.g. a full disk: the contribution is safe, the ticker retries the close
+            except Exception:  # a bug, not the disk: the contribution is safe, the ticker retries the close
                 log.exception("fragment %d: closing round %d failed", state.id, round_number)
                 committed = False
         # Acknowledged only once its record is durable, but synced outside the lock, so that the
@@ -292,17 +332,20 @@ class ShardCore:
         # snapshot (synced before the new version shows) holds this contribution: the record was
         # needed only until then. An admitted push whose sync fails is refused here, and merged
         # all the same; its retry gets ALREADY_EXISTS, which learners take as delivered.
-        self.journal.sync(state.id)
+        self.disk.write(lambda: self.journal.sync(state.id))
         return PushOutcome(pb.PUSH_RESULT_ACCEPTED if staleness == 0 else pb.PUSH_RESULT_STALE_MERGED,
                            version, staleness, round_number, committed)
 
     def _admit(self, state: FragmentState, header: pb.PushHeader, chunks: tuple[bytes, ...], staleness: int,
                transfer_seconds: float) -> None:
+        """Adds a contribution whose claims are in range (syncer/claims.py). It counts for at
+        most one sync period of a learner at the most tokens per step, in weight and tokens."""
         weight = contribution_weight(header.c_tokens, header.c_steps, staleness,
-                                     self.cfg.syncer.stale_weight_decay)
+                                     self.cfg.syncer.stale_weight_decay, self.claims.max_weight)
         if header.step_seconds > 0:
             state.grace.step_seconds.observe(header.step_seconds)
-        state.admit(_key(header), header.payload, chunks, weight, header.c_tokens, self.clock(), transfer_seconds)
+        tokens = min(header.c_tokens, self.claims.max_contribution_tokens)
+        state.admit(_key(header), header.payload, chunks, weight, tokens, self.clock(), transfer_seconds)
 
     def _refuse_stale(self, state: FragmentState, staleness: int) -> PushOutcome:
         self.counters.add("contributions.refused_stale")
@@ -335,7 +378,10 @@ class ShardCore:
             return False
         round_ = state.round
         snapshot = state.closing(reason, live_ids, started, self.wall_clock())
-        self.journal.commit(snapshot)
+        try:
+            self.disk.write(lambda: self.journal.commit(snapshot))
+        except Refusal:  # logged by self.disk: the round stays open, the next push or tick retries
+            return False
         state.install(snapshot)
         state.observe_close(round_, self.clock() - started)
         self.counters.add(f"rounds.{reason}")
@@ -389,6 +435,7 @@ class ShardCore:
                              f"this config makes plan {self.plan.digest[:12]}: sync settings or shards changed")
         for fid, snapshot in restored.snapshots.items():
             state = self._fragment(fid)
+            state.restorable = False
             if snapshot.value.numel() != state.fragment.numel:
                 raise ValueError(f"fragment {fid}: stored state has {snapshot.value.numel()} elements, "
                                  f"the plan {state.fragment.numel}")
@@ -401,9 +448,22 @@ class ShardCore:
                 if state.committed is None or contribution.round > state.round.number:
                     raise ValueError(f"fragment {fid}: journal holds a contribution to round "
                                      f"{contribution.round}, but the open round is {state.round.number}")
-                header = contribution.header
+                header = self._in_range(fid, contribution.header)
                 self._admit(state, header, contribution.payload, state.version - header.base_version, 0.0)
                 self.counters.add("contributions.restored")
+
+    def _in_range(self, fragment_id: int, header: pb.PushHeader) -> pb.PushHeader:
+        """A logged contribution was acknowledged: one whose claims are out of range (logged
+        before they were checked, or under a larger bound) is merged with them clamped."""
+        try:
+            self.claims.check_push(header)
+            return header
+        except Refusal as refusal:
+            log.warning("fragment %d: round.log holds learner %r's contribution from base version %d with a "
+                        "claim out of range (%s): merging it with its claims clamped", fragment_id,
+                        header.learner_id, header.base_version, refusal.message)
+            self.counters.add("contributions.clamped")
+            return self.claims.clamped(header)
 
     # ---- helpers -------------------------------------------------------------------------
 
@@ -419,7 +479,7 @@ class ShardCore:
             except ValueError as error:
                 raise Refusal("bad_manifest", "INVALID_ARGUMENT", f"cannot plan fragments: {error}") from None
             if not durable:
-                self.journal.fix_manifest(manifest, plan.digest)
+                self.disk.write(lambda: self.journal.fix_manifest(manifest, plan.digest))
             # Readers take no lock: they must never see the plan without its fragments.
             self.fragments = {f.id: FragmentState(f, self.cfg.sync, self.cfg.syncer)
                               for f in plan.for_shard(self.shard_index)}

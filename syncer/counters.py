@@ -6,7 +6,8 @@ simulator; the metrics exporter turns `family.label` into `diloco_syncer_<family
 starts from zero (what survives a restart is the state itself, see store.py).
 
 Families: contributions.<result> (accepted, stale_merged, refused_stale, refused: any other
-refusal of an outer gradient once its header is read but a duplicate's, restored), seeds,
+refusal of an outer gradient once its header is read but a duplicate's, restored, clamped:
+restored with its claims brought into range), seeds, fragments.restored (a RESTORE taken),
 refusals.<reason>, rounds.<close reason>, learners.<event> (joined, rejoined, left, expired),
 kept_compute_seconds.
 """

@@ -11,6 +11,7 @@ bookkeeping that decides when it closes.
 """
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -122,10 +123,13 @@ class OpenRound:
         """The merged outer gradient. Contributions are folded in key order, not arrival
         order, so a round rebuilt from the journal after a restart merges to the same bits."""
         accumulator = RoundAccumulator(self.numel, self.merge)
+        total = math.fsum(c.weight for c in self.contributions.values())
+        if total == 0:  # every weight decayed to nothing
+            return torch.zeros(self.numel)
         for key in sorted(self.contributions):
             contribution = self.contributions[key]
             delta = decode_payload(contribution.header, b"".join(contribution.chunks))
-            accumulator.add(delta, contribution.weight, float(torch.linalg.vector_norm(delta)))
+            accumulator.add(delta, contribution.weight / total, float(torch.linalg.vector_norm(delta)))
         return accumulator.merged()
 
 
@@ -143,6 +147,10 @@ class FragmentState:
         self._feedback = ErrorFeedback(self.codec, fragment.numel, self.block_size)
         self.committed: FragmentSnapshot | None = None  # None until seeded
         self.round = OpenRound(1, fragment.numel, syncer.merge)
+        # A learner may RESTORE the fragment's global value (docs/protocol.md) while nothing
+        # here can be lost by it: no durable state when the process started, and since then
+        # no contribution admitted and no round closed.
+        self.restorable = True
 
     @property
     def id(self) -> int:
@@ -155,15 +163,15 @@ class FragmentState:
     # ---- what a push must look like ----------------------------------------------------
 
     def check_payload(self, header: pb.PushHeader) -> None:
-        """Seeds are fp32; outer gradients use the cluster codec and block size."""
-        seed = header.kind == pb.PUSH_KIND_SEED
-        expected = FP32 if seed else self.codec
+        """Seeds and restores are fp32 values; outer gradients use the cluster codec and block size."""
+        value = header.kind in (pb.PUSH_KIND_SEED, pb.PUSH_KIND_RESTORE)
+        expected = FP32 if value else self.codec
         payload = header.payload
         if payload.codec != expected.wire:
             raise Refusal("wrong_codec", "INVALID_ARGUMENT",
-                          f"fragment {self.id}: a {'seed' if seed else 'outer gradient'} must be "
+                          f"fragment {self.id}: a {_KIND_NAMES[header.kind]} must be "
                           f"{expected.name}, got {_codec_name(payload.codec)}")
-        if not seed and payload.block_size != self.block_size:
+        if not value and payload.block_size != self.block_size:
             raise Refusal("wrong_block_size", "INVALID_ARGUMENT",
                           f"fragment {self.id}: codec block size must be {self.block_size}, "
                           f"got {payload.block_size}")
@@ -180,14 +188,24 @@ class FragmentState:
                           f"fragment {self.id} has not been seeded: push its initial value "
                           "(PUSH_KIND_SEED) first")
         if key.base_version > committed.version:
-            raise Refusal("future_base_version", "FAILED_PRECONDITION",
-                          f"base_version {key.base_version} is ahead of fragment {self.id}'s version "
-                          f"{committed.version}: pull a snapshot and re-anchor")
+            raise self._ahead(key.base_version)
         if key in self.round.contributions or key in committed.recent_keys:
             raise Refusal("duplicate", "ALREADY_EXISTS",
                           f"learner {key.learner_id!r} incarnation {key.incarnation} already "
                           f"contributed to fragment {self.id} from base version {key.base_version}")
         return committed.version - key.base_version
+
+    def check_restorable(self, base_version: int) -> None:
+        """A RESTORE at base_version would lose nothing here (see `restorable`)."""
+        if not (self.restorable and (self.committed is None or self.version < base_version)):
+            raise Refusal("not_restorable", "ALREADY_EXISTS",
+                          f"fragment {self.id} is at version {self.version} on this shard: pull it")
+
+    def _ahead(self, base_version: int) -> Refusal:
+        return Refusal("future_base_version", "FAILED_PRECONDITION",
+                       f"base_version {base_version} is ahead of fragment {self.id}'s version {self.version}: "
+                       "the shard lost its state or the learner holds another run's (pull a snapshot and "
+                       "re-anchor, or RESTORE it)")
 
     # ---- the open round ------------------------------------------------------------------
 
@@ -195,6 +213,7 @@ class FragmentState:
               tokens: int, now: float, transfer_seconds: float) -> None:
         """Adds a checked outer gradient (finite, within the norm bound) to the open round."""
         round_ = self.round
+        self.restorable = False
         round_.contributions[key] = PendingContribution(header, chunks, weight, tokens)
         round_.contributors.add(key.learner_id)
         round_.transfer_seconds += transfer_seconds
@@ -228,9 +247,11 @@ class FragmentState:
 
     # ---- the next committed state ------------------------------------------------------
 
-    def seeded(self, values: torch.Tensor) -> FragmentSnapshot:
+    def seeded(self, values: torch.Tensor, version: int = 0) -> FragmentSnapshot:
+        """The fragment holding `values` at `version` with no history: a seed (version 0), or
+        a restore of the global value a learner holds. Momentum and residual start at zero."""
         zeros = torch.zeros(self.fragment.numel)
-        return FragmentSnapshot(self.id, 0, values, zeros, zeros.clone(), (), state_hash(values), 0, 0,
+        return FragmentSnapshot(self.id, version, values, zeros, zeros.clone(), (), state_hash(values), 0, 0,
                                 frozenset(), None, zeros.clone(), 0.0)
 
     def closing(self, reason: str, live_ids: frozenset[str], now: float, unix_now: float) -> FragmentSnapshot:
@@ -300,15 +321,16 @@ class FragmentState:
         if committed is None:
             raise Refusal("unseeded", "FAILED_PRECONDITION", f"fragment {self.id} has not been seeded yet")
         if base_version is not None and base_version > committed.version:
-            raise Refusal("future_base_version", "FAILED_PRECONDITION",
-                          f"base_version {base_version} is ahead of fragment {self.id}'s version "
-                          f"{committed.version}: pull a snapshot")
+            raise self._ahead(base_version)
         if base_version is not None and base_version >= committed.version - len(committed.history):
             updates = tuple(u for u in committed.history if u.version > base_version)
             return PullPlan(False, updates, committed.state_hash)
         payload = FP32.encode(committed.value, self.block_size)
         snapshot = Encoded(committed.version, describe(FP32, self.fragment.numel, payload, self.block_size), payload)
         return PullPlan(True, (snapshot,), committed.state_hash)
+
+
+_KIND_NAMES = {pb.PUSH_KIND_SEED: "seed", pb.PUSH_KIND_RESTORE: "restore", pb.PUSH_KIND_OUTER_GRADIENT: "outer gradient"}
 
 
 def _codec_name(wire: int) -> str:

@@ -22,6 +22,17 @@ from syncer.counters import Counters
 from syncer.refusal import Refusal
 
 
+@dataclass(frozen=True)
+class HeartbeatReport:
+    """What a heartbeat says about the learner's training (see HeartbeatRequest)."""
+    step: int = 0
+    step_seconds: float = 0.0
+    tokens_per_second: float = 0.0
+    held_versions: dict[int, int] = field(default_factory=dict)  # fragment id -> version held
+    sync_step: int = 0
+    tokens: int = 0
+
+
 @dataclass
 class Learner:
     id: str
@@ -84,14 +95,22 @@ class Membership:
             learner.last_seen = now
             learner.lease_expires = now + self._lease_seconds
 
-    def heartbeat(self, learner_id: str, incarnation: int, now: float, step: int, step_seconds: float,
-                  tokens_per_second: float, held_versions: dict[int, int], sync_step: int, tokens: int) -> None:
+    def heartbeat(self, learner_id: str, incarnation: int, now: float, report: HeartbeatReport) -> None:
         self.authenticate(learner_id, incarnation, now)
         with self._lock:
             learner = self._learners[learner_id]
-            learner.step, learner.step_seconds, learner.sync_step = step, step_seconds, sync_step
-            learner.tokens_per_second, learner.tokens, learner.tokens_at = tokens_per_second, tokens, now
-            learner.held_versions = dict(held_versions)
+            learner.step, learner.step_seconds, learner.sync_step = report.step, report.step_seconds, report.sync_step
+            learner.tokens_per_second, learner.tokens, learner.tokens_at = report.tokens_per_second, report.tokens, now
+            learner.held_versions = dict(report.held_versions)
+
+    def record(self, learner_id: str, incarnation: int) -> Learner | None:
+        """A copy of this incarnation's record as last reported, None if it has not joined;
+        renews nothing."""
+        with self._lock:
+            learner = self._learners.get(learner_id)
+            if learner is None or learner.incarnation != incarnation:
+                return None
+            return dataclasses.replace(learner, held_versions=dict(learner.held_versions))
 
     def leave(self, learner_id: str, incarnation: int, now: float) -> None:
         with self._lock:

@@ -2,7 +2,10 @@
 
 Each contribution is weighted by "quantity x quality", w = c_tokens * (c_tokens / c_steps):
 learners that processed more tokens, and processed them faster per step, count more; a stale
-contribution is down-weighted by stale_weight_decay ** staleness.
+contribution is down-weighted by stale_weight_decay ** staleness. Both numbers are the
+learner's own claims: w is capped (syncer/claims.py), computed in float64, and the round's
+weights are normalised to sum to 1 before they touch a float32 tensor, so no claim can
+overflow the merge or drown the other contributions in rounding.
 
 Two merges (DESIGN.md §2.2):
 - "rda", radial-directional averaging (the default): the norm is the weighted mean of the
@@ -15,13 +18,16 @@ Both are running sums over the round's contributions, folded in when the round c
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 METHODS = ("rda", "mean")
 
 
-def contribution_weight(c_tokens: int, c_steps: int, staleness: int, stale_weight_decay: float) -> float:
-    return c_tokens * (c_tokens / c_steps) * stale_weight_decay ** staleness
+def contribution_weight(c_tokens: int, c_steps: int, staleness: int, stale_weight_decay: float,
+                        max_weight: float = math.inf) -> float:
+    return min(c_tokens * (c_tokens / c_steps), max_weight) * stale_weight_decay ** staleness
 
 
 class RoundAccumulator:
@@ -34,14 +40,14 @@ class RoundAccumulator:
         self._norm = 0.0  # rda: sum of w * |delta|
 
     def add(self, delta: torch.Tensor, weight: float, norm: float) -> None:
-        """Folds in one outer gradient with its weight and L2 norm."""
+        """Folds in one outer gradient with its weight (normalised: at most 1) and L2 norm."""
         if self._sum is None:
             self._sum = torch.zeros(self.numel)
         if self.method == "rda":
             # A zero outer gradient has no direction: it adds only its (zero) norm, which
             # pulls the merged norm down, as a learner that made no progress should.
-            if norm > 0:
-                self._sum.add_(delta, alpha=weight / norm)
+            if norm > 0:  # divided first: weight / norm overflows float32 for a tiny norm
+                self._sum.add_(torch.div(delta, norm), alpha=weight)
             self._norm += weight * norm
         else:
             self._sum.add_(delta, alpha=weight)

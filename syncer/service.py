@@ -16,6 +16,8 @@ import inspect
 import logging
 import math
 import os
+import pathlib
+import tempfile
 import threading
 from dataclasses import dataclass
 
@@ -198,7 +200,7 @@ class Ticker:
             try:
                 if self.core.tick():
                     self.on_new_version()
-            except Exception:  # e.g. a full disk: the round stays open and is retried
+            except Exception:  # a bug: a full disk is the core's to report (syncer/disk.py), once
                 log.exception("closing a round failed")
 
     def stop(self) -> None:
@@ -212,6 +214,15 @@ def worker_threads(cfg: Config) -> int:
     heartbeat, plus a few for Status and health."""
     fragments_per_shard = -(-cfg.sync.fragments // len(cfg.shards)) + 1
     return len(cfg.learners) * (2 * fragments_per_shard + 1) + 8
+
+
+def _check_writable(folder: pathlib.Path) -> None:
+    """Fails at start, naming the folder, rather than on the first learner's Join."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise OSError(error.errno, f"the state folder {folder} is not writable: {error.strerror}") from None
 
 
 @dataclass
@@ -238,11 +249,16 @@ def start_shard(cfg: Config, shard_index: int, listen: str = "127.0.0.1:0",
     `tls_dir`, else <tls.dir>/shard-<i>. `health_listen`: also a plaintext health-only port."""
     identity = load_identity(cfg, shard_name(shard_index), tls_dir)
     store = ShardStore(shard_state_dir(cfg.run.state_dir if state_dir is None else state_dir, shard_index))
-    core = ShardCore(cfg, shard_index, journal=store)
-    core.restore(store.load())
-    servicer = SyncerServicer(core)
-    server = Server(cfg.rpc, [SERVICE_NAME], max_workers=worker_threads(cfg), identity=identity)
-    pb_grpc.add_SyncerServicer_to_server(servicer, server.grpc_server)
-    port = server.start(listen, health_listen)
+    try:
+        _check_writable(store.directory)
+        core = ShardCore(cfg, shard_index, journal=store, state_location=str(store.directory))
+        core.restore(store.load())
+        servicer = SyncerServicer(core)
+        server = Server(cfg.rpc, [SERVICE_NAME], max_workers=worker_threads(cfg), identity=identity)
+        pb_grpc.add_SyncerServicer_to_server(servicer, server.grpc_server)
+        port = server.start(listen, health_listen)
+    except BaseException:
+        store.close()
+        raise
     ticker = Ticker(core, servicer.versions_changed)
     return ShardHandle(core, server, store, ticker, port)

@@ -201,8 +201,10 @@ def _step_of(cfg, learner_id: str) -> int:
 def test_island_of_two_processes_stays_identical_after_every_applied_fragment(tmp_path, cluster_factory):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     assert torchrun, "torchrun (installed with torch) not found"
+    # Two processes: twice the tokens per step of one (batch_size 8 x seq_len 32) to claim.
     cfg = tiny_cluster(tmp_path / "state", shards=1, learners=1, steps=80,
-                       sync={"fragments": 2, "interval_steps": 10, "overlap_steps": 1})
+                       sync={"fragments": 2, "interval_steps": 10, "overlap_steps": 1},
+                       syncer={"max_tokens_per_step": 2 * 8 * 32})
     cluster = cluster_factory(cfg)
     cluster.start_shards()
     learner = cfg.learners[0]

@@ -1,6 +1,7 @@
 """The shard's decisions, driven directly with a fake clock: round closing, merging, staleness,
 the outer step, error feedback, membership and seeding. No gRPC, no sleeping."""
 import contextlib
+import errno
 import math
 
 import pytest
@@ -8,10 +9,10 @@ import torch
 
 from services.client import apply_update, state_hash
 from services.codecs import get_codec
-from services.config import parse_config
+from services.config import ConfigError, parse_config
 from services.payload import decode_payload, describe, iter_chunks
 from services.wire import pb
-from syncer.core import ShardCore
+from syncer.core import NullJournal, Restored, ShardCore
 from syncer.grace import GraceWindow
 from syncer.merge import RoundAccumulator, contribution_weight
 from syncer.refusal import Refusal
@@ -112,8 +113,8 @@ def test_round_closes_at_once_when_every_live_learner_contributed():
 def test_run_tokens_count_every_learner_live_or_gone():
     shard = Shard(make_config(quorum=3, lease_seconds=10.0))
     core = shard.core
-    core.heartbeat("a", 1, tokens=1000, tokens_per_second=100.0)
-    core.heartbeat("b", 1, tokens=500, tokens_per_second=50.0)
+    core.heartbeat("a", 1, step=10, tokens=1000, tokens_per_second=100.0, step_seconds=1.0)
+    core.heartbeat("b", 1, step=5, tokens=500, tokens_per_second=50.0, step_seconds=2.0)
     assert core.run_tokens() == (1500, 150.0)  # c joined, never reported
     shard.clock.advance(2.0)  # live learners have trained on at their rate since
     assert core.run_tokens() == (1500 + 2 * 150, 150.0)
@@ -390,3 +391,311 @@ def test_the_first_seed_wins_and_unseeded_fragments_take_no_gradients():
     # The outer gradient pushed before any seed was a refused contribution; the seeds were not.
     assert shard.core.counters.snapshot()["contributions.refused"] == 1
     assert shard.core.status().fragments[0].state_hash == state_hash(first)
+
+
+# ---- what a learner may claim (syncer/claims.py) ------------------------------------------
+# make_config: trainer.batch_size 8 x model.seq_len 128 -> at most T = 1024 tokens per step;
+# trainer.max_steps 1000; sync.interval_steps H = 4.
+
+T = 8 * 128
+
+
+class KeepingJournal(NullJournal):
+    """Keeps in memory what a ShardStore keeps on disk, and reads it back as after a restart."""
+
+    def __init__(self):
+        self.manifest, self.plan_digest = None, ""
+        self.snapshots, self.contributions = {}, {}
+
+    def fix_manifest(self, manifest, plan_digest):
+        self.manifest, self.plan_digest = manifest, plan_digest
+
+    def append(self, fragment_id, contribution):
+        self.contributions.setdefault(fragment_id, []).append(contribution)
+
+    def commit(self, snapshot):
+        self.snapshots[snapshot.fragment_id] = snapshot
+        self.contributions[snapshot.fragment_id] = []
+
+    def restored(self):
+        return Restored(self.manifest, self.plan_digest, dict(self.snapshots),
+                        {fid: list(logged) for fid, logged in self.contributions.items()})
+
+
+HONEST_HEARTBEAT = {"step": 10, "step_seconds": 0.5, "tokens_per_second": T / 0.5, "tokens": 10 * T, "sync_step": 11}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("step_seconds", float("nan")), ("step_seconds", float("inf")), ("step_seconds", -1.0),
+    ("step_seconds", 1e300), ("step_seconds", 5e-324),
+    ("tokens_per_second", float("inf")), ("tokens_per_second", float("nan")), ("tokens_per_second", -1.0),
+    ("tokens_per_second", 10 * T / 0.5),  # ten steps' tokens in one step's time
+    ("tokens", 2**64 - 1), ("tokens", 10**9), ("tokens", 10 * T + 1),
+    ("step", 1001), ("sync_step", 2**63),
+])
+def test_a_heartbeat_number_out_of_range_is_refused_naming_it_and_changes_nothing(field, value):
+    shard = Shard(make_config(lease_seconds=10.0), joined=("a", "b"))
+    core = shard.core
+    core.heartbeat("a", 1, **HONEST_HEARTBEAT)
+    shard.clock.advance(1.0)
+    before = core.status()
+    with refused("INVALID_ARGUMENT", f"bad_{field}") as info:
+        core.heartbeat("a", 1, **{**HONEST_HEARTBEAT, field: value})
+    assert field in info.value.message
+    after = core.status()  # still answers, with what the last good heartbeat said
+    assert after.learners == before.learners and core.run_tokens()[0] < 10**6
+    assert core.counters.snapshot()[f"refusals.bad_{field}"] == 1
+    # The refused heartbeat renewed nothing: not even a's lease.
+    assert after.learners[0].seconds_since_heartbeat == pytest.approx(1.0)
+
+
+def test_heartbeat_tokens_grow_no_faster_than_the_claimed_rate_allows():
+    shard = Shard(make_config(lease_seconds=2.0), joined=("a",))
+    core = shard.core
+    core.heartbeat("a", 1, step=10, step_seconds=0.5, tokens_per_second=T / 0.5, tokens=10 * T)
+    shard.clock.advance(1.0)  # at 2 steps a second: 2 steps, and the lease's 2 s of slack, 4 more
+    with refused("INVALID_ARGUMENT", "bad_tokens") as info:
+        core.heartbeat("a", 1, step=20, step_seconds=0.5, tokens_per_second=T / 0.5, tokens=20 * T)
+    assert "grew by" in info.value.message
+    core.heartbeat("a", 1, step=16, step_seconds=0.5, tokens_per_second=T / 0.5, tokens=16 * T)
+    assert core.status().learners[0].tokens == 16 * T
+
+
+def test_the_run_token_count_counts_no_learner_beyond_its_budget():
+    shard = Shard(make_config(lease_seconds=10.0), joined=("a",))
+    core = shard.core
+    budget = 1000 * T  # trainer.max_steps at T tokens per step
+    core.heartbeat("a", 1, step=1000, step_seconds=1e-6, tokens_per_second=T / 1e-6, tokens=budget)
+    shard.clock.advance(5.0)  # a rate of a billion tokens a second, extrapolated
+    assert core.run_tokens()[0] == budget
+
+
+@pytest.mark.parametrize("claims, reason", [
+    ({"step_seconds": float("nan")}, "bad_step_seconds"), ({"step_seconds": float("inf")}, "bad_step_seconds"),
+    ({"step_seconds": -1.0}, "bad_step_seconds"), ({"step_seconds": 1e300}, "bad_step_seconds"),
+    ({"c_tokens": 10 * 10 * T}, "bad_c_tokens"),  # ten times the honest tokens of 10 steps
+    ({"c_tokens": 2**64 - 1}, "bad_c_tokens"), ({"c_steps": 1001, "c_tokens": 1001}, "bad_c_steps"),
+])
+def test_a_push_claiming_out_of_range_numbers_is_refused_before_it_is_logged(claims, reason):
+    journal = KeepingJournal()
+    shard = Shard(make_config(), journal=journal)
+    field = reason.removeprefix("bad_")
+    with refused("INVALID_ARGUMENT", reason) as info:
+        shard.push("a", 0, delta(1, shard.numel()), **claims)
+    assert field in info.value.message
+    assert not any(journal.contributions.values()) and shard.core.fragments[0].round.count == 0
+    counters = shard.core.counters.snapshot()
+    assert counters[f"refusals.{reason}"] == 1 and counters["contributions.refused"] == 1
+    assert "kept_compute_seconds" not in counters
+    shard.push("a", 0, delta(1, shard.numel()), c_steps=10, c_tokens=10 * T)  # the honest claim
+    assert len(journal.contributions[0]) == 1
+
+
+def test_no_contribution_weighs_more_than_one_sync_period_at_the_most_tokens_per_step():
+    # b claims 100 steps at T tokens each: honest after failed syncs, or a learner inflating
+    # its share. Either way it weighs as a max-rate learner's one period of H = 4 steps.
+    sgd = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+    shard = Shard(make_config(merge="mean", outer_optimizer=sgd), joined=("a", "b"))
+    n = shard.numel()
+    x, y = delta(1, n), delta(2, n)
+    shard.push("a", 0, x, c_steps=4, c_tokens=4 * T)  # w = 4 T^2
+    shard.push("b", 0, y, c_steps=100, c_tokens=100 * T)  # w = 100 T^2, capped to 4 T^2
+    assert torch.allclose(shard.value() - shard.seeds[0], -(x + y) / 2, atol=1e-6)
+    # And it adds one period's tokens, not a hundred steps', to the run's count.
+    assert shard.core.status().fragments[0].merged_tokens == 4 * T + 4 * T
+
+
+def test_the_merge_stays_finite_for_any_weight_and_any_norm():
+    assert contribution_weight(2**64 - 1, 1, 0, 1.0) == pytest.approx(float(2**64 - 1) ** 2)
+    for method in ("rda", "mean"):
+        accumulator = RoundAccumulator(8, method)
+        tiny = torch.full((8,), 1e-40)  # subnormal: weight / norm overflows float32
+        accumulator.add(tiny, weight=0.5, norm=float(tiny.double().norm()))
+        accumulator.add(torch.ones(8), weight=0.5, norm=float(torch.ones(8).norm()))
+        assert torch.isfinite(accumulator.merged()).all(), method
+
+
+def test_a_logged_contribution_out_of_range_is_merged_with_its_claims_clamped_on_restart(caplog):
+    """A round.log written before the claims were checked: 2^64-1 tokens made every close fail,
+    after every restart."""
+    cfg = make_config(merge="mean", outer_optimizer={"lr": 1.0, "momentum": 0.0, "nesterov": False})
+    journal = KeepingJournal()
+    shard = Shard(cfg, journal=journal, joined=("a", "b"))
+    n = shard.numel()
+    x, y = delta(1, n), delta(2, n)
+    shard.push("a", 0, x, c_steps=4, c_tokens=4 * T)
+    logged = journal.contributions[0][0]
+    logged.header.c_tokens, logged.header.step_seconds = 2**64 - 1, float("nan")  # as an old shard took it
+    restarted = ShardCore(cfg, 0, clock=shard.clock, journal=NullJournal())
+    restarted.restore(journal.restored())
+    assert "claim out of range" in caplog.text and restarted.counters.snapshot()["contributions.clamped"] == 1
+    restarted.join("a", 1, "r", MANIFEST)
+    restarted.join("b", 1, "r", MANIFEST)
+    header = pb.PushHeader(learner_id="b", incarnation=1, fragment_id=0, kind=pb.PUSH_KIND_OUTER_GRADIENT,
+                           c_steps=4, c_tokens=4 * T, step_seconds=0.5,
+                           payload=describe(get_codec("fp32"), n, get_codec("fp32").encode(y, 128), 128))
+    assert restarted.push(push_requests(header, get_codec("fp32").encode(y, 128))).committed
+    state = restarted.fragments[0].committed
+    assert torch.allclose(state.value - shard.seeds[0], -(x + y) / 2, atol=1e-6)  # a's weight: one period
+    assert state.merged_tokens == 4 * T + 4 * T
+    assert restarted.status().counters  # and Status answers
+
+
+def test_a_shard_of_a_model_factory_needs_the_tokens_per_step_bound():
+    data = {"shards": [{"address": "127.0.0.1:1"}], "learners": [{"id": "a", "region": "r"}],
+            "model": "tests.user_plugins:make_model"}
+    with pytest.raises(ConfigError, match="syncer.max_tokens_per_step"):
+        ShardCore(parse_config(data), 0)
+    core = ShardCore(parse_config({**data, "syncer": {"max_tokens_per_step": 128}}), 0)
+    assert core.claims.tokens_per_step == 128
+
+
+# ---- RESTORE: a shard that lost its state continues from a learner's copy ------------------
+
+def restore(shard, learner, fid, values, version, *, hash_of=None):
+    payload = get_codec("fp32").encode(values, 128)
+    header = pb.PushHeader(learner_id=learner, incarnation=1, fragment_id=fid, kind=pb.PUSH_KIND_RESTORE,
+                           base_version=version, state_hash=state_hash(values if hash_of is None else hash_of),
+                           payload=describe(get_codec("fp32"), values.numel(), payload, 128))
+    return shard.core.push(push_requests(header, payload))
+
+
+def test_an_empty_shard_takes_a_restore_and_continues_from_it():
+    shard = Shard(make_config(), seed=False)
+    n = shard.numel()
+    value = delta(7, n, scale=1.0)
+    reply = restore(shard, "a", 0, value, 5)
+    assert (reply.result, reply.current_version, reply.committed) == (pb.PUSH_RESULT_RESTORED, 5, True)
+    assert shard.version() == 5 and torch.equal(shard.value(), value)
+    committed = shard.core.fragments[0].committed
+    assert not committed.momentum.any() and not committed.residual.any()
+    assert shard.core.status().fragments[0].state_hash == state_hash(value)
+    assert shard.core.counters.snapshot()["fragments.restored"] == 1
+    # A learner a version behind is stale-merged as usual; one further behind is refused.
+    assert shard.push("b", 0, delta(1, n), base=4).result == pb.PUSH_RESULT_STALE_MERGED
+    assert shard.push("c", 0, delta(2, n), base=0).result == pb.PUSH_RESULT_REFUSED_STALE
+
+
+def test_a_fragment_that_had_durable_state_at_start_takes_no_restore():
+    journal = KeepingJournal()
+    shard = Shard(make_config(), journal=journal)
+    restarted = ShardCore(shard.cfg, 0, clock=shard.clock, journal=journal)
+    restarted.restore(journal.restored())
+    restarted.join("a", 1, "r", MANIFEST)
+    shard.core = restarted
+    with refused("ALREADY_EXISTS", "not_restorable") as info:
+        restore(shard, "a", 0, delta(7, shard.numel()), 3)
+    assert "fragment 0 is at version 0 on this shard: pull it" in info.value.message
+    assert shard.version() == 0 and torch.equal(shard.value(), shard.seeds[0])
+
+
+def test_no_restore_once_a_contribution_was_admitted_or_a_round_closed():
+    shard = Shard(make_config(quorum=1), seed=False, joined=("a", "b"))
+    n = shard.numel()
+    restore(shard, "a", 0, delta(7, n), 2)
+    restore(shard, "a", 1, delta(8, shard.numel(1)), 2)
+    shard.push("a", 0, delta(1, n), base=2)  # admitted: the open round holds it
+    with refused("ALREADY_EXISTS", "not_restorable"):
+        restore(shard, "b", 0, delta(9, n), 9)
+    shard.push("a", 1, delta(2, shard.numel(1)), base=2)
+    shard.push("b", 1, delta(3, shard.numel(1)), base=2)  # round closed: version 3
+    with refused("ALREADY_EXISTS", "not_restorable") as info:
+        restore(shard, "b", 1, delta(9, shard.numel(1)), 9)
+    assert "at version 3" in info.value.message and shard.version(1) == 3
+
+
+def test_a_restore_whose_hash_does_not_match_its_value_is_refused():
+    shard = Shard(make_config(), seed=False)
+    with refused("INVALID_ARGUMENT", "bad_state_hash") as info:
+        restore(shard, "a", 0, delta(7, shard.numel()), 4, hash_of=delta(8, shard.numel()))
+    assert "state_hash" in info.value.message
+    with refused("INVALID_ARGUMENT", "bad_restore"):
+        restore(shard, "a", 0, delta(7, shard.numel()), 0)
+    assert shard.core.fragments[0].committed is None and shard.core.fragments[0].restorable
+
+
+def test_a_higher_restore_replaces_a_lower_one_or_a_reseed_while_nothing_was_merged():
+    shard = Shard(make_config(), seed=True)  # re-seeded with a learner's local weights: version 0
+    n = shard.numel()
+    low, high = delta(7, n, scale=1.0), delta(8, n, scale=1.0)
+    assert restore(shard, "a", 0, low, 3).result == pb.PUSH_RESULT_RESTORED
+    assert restore(shard, "b", 0, high, 6).result == pb.PUSH_RESULT_RESTORED
+    assert shard.version() == 6 and torch.equal(shard.value(), high)
+    with refused("ALREADY_EXISTS", "not_restorable"):  # not higher: nothing to gain
+        restore(shard, "c", 0, low, 6)
+    with refused("ALREADY_EXISTS", "already_seeded"):
+        shard.push("c", 0, low, kind=pb.PUSH_KIND_SEED)
+
+
+def test_a_push_ahead_of_the_shard_says_the_shard_lost_its_state():
+    shard = Shard(make_config())
+    with refused("FAILED_PRECONDITION", "future_base_version") as info:
+        shard.push("a", 1, delta(1, shard.numel(1)), base=3)
+    assert info.value.message.startswith(
+        "base_version 3 is ahead of fragment 1's version 0: the shard lost its state or the learner holds another run's")
+
+
+# ---- a full disk ----------------------------------------------------------------------------
+
+class FillingJournal(KeepingJournal):
+    """A disk that fills up: the listed calls raise ENOSPC while `full`."""
+
+    def __init__(self):
+        super().__init__()
+        self.full, self.failing = False, {"append", "sync", "commit"}
+
+    def _write(self, call):
+        if self.full and call in self.failing:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def append(self, fragment_id, contribution):
+        self._write("append")
+        super().append(fragment_id, contribution)
+
+    def sync(self, fragment_id):
+        self._write("sync")
+
+    def commit(self, snapshot):
+        self._write("commit")
+        super().commit(snapshot)
+
+
+def test_a_full_disk_refuses_pushes_logs_once_and_loses_no_contribution(caplog):
+    sgd = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+    journal = FillingJournal()
+    shard = Shard(make_config(quorum=1, merge="mean", outer_optimizer=sgd), journal=journal)
+    shard.core = ShardCore(shard.cfg, 0, clock=shard.clock, journal=journal, state_location="/state/shard-0")
+    shard.core.restore(journal.restored())
+    for learner in LEARNERS:
+        shard.core.join(learner, 1, "r", MANIFEST)
+    n = shard.numel()
+    x, y = delta(1, n), delta(2, n)
+    shard.push("a", 0, x)
+    journal.full = True
+    with refused("RESOURCE_EXHAUSTED", "disk_full") as info:
+        shard.push("b", 0, y)
+    assert "/state/shard-0" in info.value.message and "No space left" in info.value.message
+    assert shard.core.fragments[0].round.count == 1
+    shard.clock.advance(5.0)  # a's round is due (quorum 1, grace passed), but cannot be committed
+    for _ in range(100):
+        assert shard.core.tick() == []
+    assert shard.core.counters.snapshot()["refusals.disk_full"] == 1
+    failures = [r for r in caplog.records if "cannot write the shard's state" in r.getMessage()]
+    assert len(failures) == 1 and not any(r.exc_info for r in caplog.records)
+    journal.full = False
+    assert shard.core.tick() == [0]  # a's contribution survived the full disk
+    assert torch.allclose(shard.value() - shard.seeds[0], -x, atol=1e-6)
+    assert sum("writing the shard's state in /state/shard-0 again" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_push_whose_round_cannot_be_committed_is_accepted_and_merged_once_the_disk_has_room():
+    journal = FillingJournal()
+    sgd = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+    shard = Shard(make_config(merge="mean", outer_optimizer=sgd), journal=journal, joined=("a",))
+    n = shard.numel()
+    journal.full, journal.failing = True, {"commit"}  # room for a log record, not for a snapshot
+    reply = shard.push("a", 0, delta(1, n))
+    assert reply.result == pb.PUSH_RESULT_ACCEPTED and not reply.committed and shard.version() == 0
+    journal.full = False
+    assert shard.core.tick() == [0] and shard.version() == 1
+    assert torch.allclose(shard.value() - shard.seeds[0], -delta(1, n), atol=1e-6)

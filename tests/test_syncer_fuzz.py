@@ -1,13 +1,18 @@
 """Fuzzing a live shard over real gRPC with mutual TLS (an in-process shard): hypothesis makes
 streams of pushes — valid ones, random bytes as chunks, truncated and reordered streams,
 header fields that lie (element counts, sizes, checksums, codecs, kinds, versions, learner
-ids), huge declared sizes, NaN/Inf payloads, messages that are not protobuf at all, replays
-of accepted pushes — and sends them one after another or interleaved.
+ids, and every number a learner claims: c_steps, c_tokens, step_seconds), huge declared sizes,
+NaN/Inf payloads, messages that are not protobuf at all, replays of accepted pushes — and
+sends them one after another or interleaved. A second test sends heartbeats with every
+number of HeartbeatRequest drawn from plausible values and from extremes (NaN, Inf, negative,
+subnormal, 2^64-1, beyond the learner's budget).
 
 After every case: the shard answers health checks (on its port and on its plaintext health
-port), every call was answered OK or refused with a specific status code and a message, a
-fragment's version grew by exactly the pushes accepted for it and its hash changed only with
-its version (nothing refused left a trace), and every refusal the core made was counted.
+port) and Status, every call was answered OK or refused with a specific status code and a
+message, a fragment's version grew by exactly the pushes accepted for it and its hash changed
+only with its version (nothing refused left a trace), a refused heartbeat left the learner's
+record as it was, an honest heartbeat is still answered, and every refusal the core made was
+counted.
 
 Learner a is the only live learner, so each accepted push closes a round at once: what a
 push changes is visible right after it. Derandomized, so CI runs the same cases every time.
@@ -32,7 +37,11 @@ from services.wire import pb
 from syncer.service import start_shard
 from tests.test_syncer_service import BLOCK, MANIFEST, identity, write_config
 
-CASES = 500
+CASES = 400
+HEARTBEAT_CASES = 250
+T = 8 * 128  # the most tokens per step: write_config's trainer.batch_size x model.seq_len
+EXTREME_FLOATS = [float("nan"), float("inf"), -float("inf"), -1.0, -0.0, 5e-324, 1e-7, 1e300, 86_401.0]
+EXTREME_INTS = [0, 1, 2**32, 2**63, 2**64 - 1]
 # What a shard may answer a hostile push with; never UNKNOWN, INTERNAL or UNAVAILABLE.
 REFUSAL_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
                  grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.DATA_LOSS,
@@ -69,6 +78,12 @@ class Shard:
                                          request_serializer=lambda request: request,  # bytes as sent
                                          response_deserializer=pb.PushResponse.FromString)
         self.health = [health_pb2_grpc.HealthStub(c) for c in (channel, health_channel)]
+        self.heartbeat = channel.unary_unary("/diloco.v1.Syncer/Heartbeat",
+                                             request_serializer=pb.HeartbeatRequest.SerializeToString,
+                                             response_deserializer=pb.HeartbeatResponse.FromString)
+        self.status = channel.unary_unary("/diloco.v1.Syncer/Status",
+                                          request_serializer=pb.StatusRequest.SerializeToString,
+                                          response_deserializer=pb.StatusResponse.FromString)
         self.accepted: list[list[bytes]] = []  # every accepted push's messages, for replays
 
     def state(self):
@@ -105,15 +120,22 @@ def pushes(draw, fragments, versions):
     if special is not None:  # encoders refuse NaN and Inf: write one over the first block scale
         payload = struct.pack("<f", special) + payload[4:]  # (fp32: the first value)
         header.payload.crc32 = zlib.crc32(payload)
-    kind = draw(st.sampled_from(["valid", "valid", "random_chunks", "lying_header", "truncated",
+    kind = draw(st.sampled_from(["valid", "valid", "random_chunks", "lying_header", "claims", "truncated",
                                  "reordered", "bad_messages", "garbage"]))
-    if kind == "random_chunks":  # random bytes of the right length, checksum and all
+    if kind == "claims":  # what the learner says it did: in range, at the bound, or far beyond
+        header.c_steps = draw(st.sampled_from([1, 4, 1000, 1001] + EXTREME_INTS))
+        header.c_tokens = draw(st.sampled_from([min(tokens, 2**64 - 1) for tokens in (
+            1, header.c_steps * T, header.c_steps * T + 1, 10 * header.c_steps * T)] + EXTREME_INTS))
+        header.step_seconds = draw(st.sampled_from([0.1, 0.0, 1e-6, 86_400.0] + EXTREME_FLOATS))
+    elif kind == "random_chunks":  # random bytes of the right length, checksum and all
         payload = draw(st.binary(min_size=len(payload), max_size=len(payload)))
         header.payload.crc32 = zlib.crc32(payload)
     elif kind == "lying_header":
         field = draw(st.sampled_from(["numel", "payload_bytes", "chunk_count", "crc32", "codec", "block_size",
-                                      "kind", "c_steps", "incarnation", "learner_id", "huge"]))
-        if field == "huge":
+                                      "kind", "c_steps", "incarnation", "learner_id", "huge", "fragment_id"]))
+        if field == "fragment_id":
+            header.fragment_id = draw(st.sampled_from([2**32 - 1, 2**31]))
+        elif field == "huge":
             header.payload.numel, header.payload.payload_bytes = 2**62, 2**63
         elif field == "learner_id":
             header.learner_id = draw(st.sampled_from(["b", "mallory", "", "a" * 300]))
@@ -208,11 +230,67 @@ def test_hostile_pushes_change_nothing_they_are_refused(shard):
             if not merged.get(fid):
                 assert state_hash == before[fid][1], f"fragment {fid} changed by refused pushes: {outcomes}"
         assert world.refusals() - refused_before == core_refusals, outcomes
-        for health in world.health:
-            reply = health.Check(health_pb2.HealthCheckRequest(service="diloco.v1.Syncer"), timeout=5)
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        _check_answering(world)
         versions.update({fid: version for fid, (version, _) in after.items()})
 
     ran = []
     run()
     assert len(ran) >= CASES and world.accepted, (len(ran), len(world.accepted))
+
+
+def _check_answering(world):
+    """Health, Status and an honest heartbeat are answered, whatever came before."""
+    for health in world.health:
+        reply = health.Check(health_pb2.HealthCheckRequest(service="diloco.v1.Syncer"), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    world.status(pb.StatusRequest(), timeout=5)
+    reply = world.heartbeat(pb.HeartbeatRequest(learner_id="a", incarnation=1), timeout=5)
+    assert 0 <= reply.run_tokens <= 1000 * T  # learner a's budget: trainer.max_steps x T
+
+
+@st.composite
+def heartbeats(draw):
+    """A heartbeat of learner a: plausible numbers, some replaced by extremes."""
+    step = draw(st.integers(0, 1000))
+    step_seconds = draw(st.sampled_from([0.0, 1e-3, 0.05, 2.0]))
+    rate = draw(st.integers(1, T)) / step_seconds if step_seconds else 0.0
+    fields = {"step": step, "step_seconds": step_seconds, "tokens_per_second": rate,
+              "tokens": draw(st.integers(0, step * T)), "sync_step": step + draw(st.integers(0, 7))}
+    for field in draw(st.sets(st.sampled_from(sorted(fields) + ["incarnation", "held_versions"]), max_size=2)):
+        if field in ("step_seconds", "tokens_per_second"):
+            fields[field] = draw(st.sampled_from(EXTREME_FLOATS))
+        elif field == "held_versions":
+            fields[field] = {draw(st.sampled_from([0, 1, 2**32 - 1])): draw(st.sampled_from(EXTREME_INTS))}
+        else:
+            fields[field] = draw(st.sampled_from(EXTREME_INTS + [1001, step * T + 1]))
+    return pb.HeartbeatRequest(learner_id="a", incarnation=fields.pop("incarnation", 1), **fields)
+
+
+def _record(world):
+    """Learner a as Status reports it, but for the time since its last call."""
+    learner = next(l for l in world.handle.core.status().learners if l.id == "a")
+    return learner.step, learner.step_seconds, learner.tokens_per_second, learner.tokens, learner.sync_step
+
+
+def test_hostile_heartbeats_are_refused_and_break_no_learners_heartbeat(shard):
+    world = shard
+
+    @settings(max_examples=HEARTBEAT_CASES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(request=heartbeats())
+    def run(request):
+        before, refused_before = _record(world), world.refusals()
+        try:
+            world.heartbeat(request, timeout=5)
+            answered.append(request)
+            assert _record(world) == (request.step, request.step_seconds, request.tokens_per_second,
+                                      request.tokens, request.sync_step)
+        except grpc.RpcError as error:
+            assert error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION), error
+            assert error.details()
+            assert _record(world) == before and world.refusals() == refused_before + 1
+        _check_answering(world)
+
+    answered = []
+    run()
+    assert answered  # some were plausible

@@ -508,3 +508,71 @@ def test_kill_9_loses_no_acknowledged_contribution(cluster):
     finally:
         for learner in learners:
             learner.close()
+
+
+# ---- a full disk, a port in use, a state folder that cannot be written ---------------------
+
+def test_a_full_disk_refuses_pushes_with_resource_exhausted_naming_the_state_folder(tmp_path, caplog):
+    _, cfg = write_config(tmp_path, lease_seconds=3600.0, grace={"mode": "fixed", "seconds": 600.0})
+    handle = start_shard(cfg, 0)
+    store, full = handle.store, threading.Event()
+    for name in ("append", "commit"):  # the disk fills up under the running shard
+        def failing(*args, write=getattr(store, name)):
+            if full.is_set():
+                raise OSError(28, "No space left on device")
+            return write(*args)
+        setattr(store, name, failing)
+    try:
+        with ShardClient(f"127.0.0.1:{handle.port}", cfg.rpc, "a", 1, identity=identity(cfg, "a")) as a, \
+                ShardClient(f"127.0.0.1:{handle.port}", cfg.rpc, "b", 1, identity=identity(cfg, "b")) as b:
+            fragment, numel = next((f.fragment_id, f.numel) for f in a.join("r", MANIFEST).fragments)
+            b.join("r", MANIFEST)
+            a.push(fragment, torch.zeros(numel), codec="fp32", block_size=BLOCK, kind=pb.PUSH_KIND_SEED)
+            push = dict(codec="int4", block_size=BLOCK, c_steps=4, c_tokens=64, step_seconds=0.1)
+            a.push(fragment, torch.full((numel,), 0.01), **push)  # accepted; the round waits for b
+            full.set()
+            time.sleep(0.5)  # ten ticks
+            with pytest.raises(grpc.RpcError) as info:
+                b.push(fragment, torch.full((numel,), 0.02), **push)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert str(store.directory) in info.value.details()
+            assert handle.core.counters_snapshot()["refusals.disk_full"] == 1
+            b.leave()  # a's round is due now: the ticker tries to commit it, every tick
+            time.sleep(0.5)
+            assert handle.core.version(fragment) == 0
+            full.clear()
+            deadline = time.monotonic() + 10
+            while handle.core.version(fragment) == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert handle.core.version(fragment) == 1  # a's contribution was kept
+    finally:
+        handle.stop()
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("syncer")]
+    assert sum("cannot write the shard's state" in m for m in messages) == 1, messages
+    assert not any(r.exc_info for r in caplog.records)
+
+
+def _start_fails(config_path, *args):
+    result = subprocess.run([sys.executable, "-m", "services.cli", "syncer", "--config", str(config_path),
+                             "--shard-index", "0", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    ours = [line for line in (result.stdout + result.stderr).splitlines() if "syncer:" in line]
+    return result.returncode, ours, result.stdout + result.stderr
+
+
+def test_a_shard_whose_port_is_taken_says_so_in_one_line(tmp_path):
+    path, cfg = write_config(tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        code, lines, output = _start_fails(path, "--listen", f"127.0.0.1:{taken.getsockname()[1]}")
+    assert code != 0 and "Traceback" not in output, output
+    assert len(lines) == 1 and "port is in use" in lines[0], output
+
+
+def test_a_shard_whose_state_folder_cannot_be_written_says_so_in_one_line(tmp_path):
+    path, cfg = write_config(tmp_path)
+    not_a_folder = tmp_path / "state-file"
+    not_a_folder.write_text("")
+    code, lines, output = _start_fails(path, "--listen", "127.0.0.1:0", "--state-dir", str(not_a_folder))
+    assert code != 0 and "Traceback" not in output, output
+    assert len(lines) == 1 and str(not_a_folder) in lines[0], output
