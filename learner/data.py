@@ -29,8 +29,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from learner.model import load_factory
-from services.config import Config, CorpusConfig
+from services.config import Config, CorpusConfig, resolve_factory
 
 # Between files, so no window reads one file's end as if it ran on into the next one's start.
 # Source files never contain a NUL byte.
@@ -216,12 +215,12 @@ def build_data(cfg: Config, learner_index: int, seq_len: int, *, rank: int = 0,
     num_learners = len(cfg.learners)
     if isinstance(cfg.data, str):
         seed = cfg.run.seed if rank == 0 else sampling_seed(cfg.run.seed, learner_index, rank)
-        data = load_factory(cfg.data, "data")(
+        data = resolve_factory(cfg.data, "data")(
             learner_index=learner_index, num_learners=num_learners, seq_len=seq_len,
             batch_size=cfg.trainer.batch_size, seed=seed,
         )
         if not isinstance(data, DataSource):
-            raise ValueError(f"data factory {cfg.data!r}: returned {type(data).__name__}, which lacks "
+            raise ValueError(f"data: {cfg.data!r}: returned {type(data).__name__}, which lacks "
                              f"the DataSource methods next_batch, validation_batches, state_dict, "
                              f"load_state_dict")
         return data

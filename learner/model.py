@@ -19,15 +19,13 @@ layer index, hence `blocks.<i>.` for the transformer blocks.
 
 from __future__ import annotations
 
-import importlib
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.config import GPTConfig
+from services.config import GPTConfig, resolve_factory
 
 VOCAB_SIZE = 256  # bytes are the tokens
 
@@ -141,29 +139,10 @@ def build_model(model_cfg: GPTConfig | str, seed: int) -> nn.Module:
             from learner.llama import Llama  # here: learner.llama imports this module
             return Llama(model_cfg)
         return GPT(model_cfg)
-    model = load_factory(model_cfg, "model")(seed=seed)
+    model = resolve_factory(model_cfg, "model")(seed=seed)
     if not isinstance(model, nn.Module):
-        raise ValueError(f"model factory {model_cfg!r}: returned {type(model).__name__}, "
-                         f"not a torch.nn.Module")
+        raise ValueError(f"model: {model_cfg!r}: returned {type(model).__name__}, not a torch.nn.Module")
     if not isinstance(getattr(model, "seq_len", None), int):
-        raise ValueError(f"model factory {model_cfg!r}: returned a module without an int `seq_len` "
+        raise ValueError(f"model: {model_cfg!r}: returned a module without an int `seq_len` "
                          f"attribute (the context length the data is cut to)")
     return model
-
-
-def load_factory(spec: str, kind: str) -> Callable:
-    """The callable a "pkg.module:factory" string names. `kind` ("model", "data") only words
-    the error: a ValueError that names the string and what is wrong with it."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"{kind} factory {spec!r}: expected the form 'pkg.module:factory'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"{kind} factory {spec!r}: cannot import module {module_name!r}: {exc}") from exc
-    factory = getattr(module, attr, None)
-    if factory is None:
-        raise ValueError(f"{kind} factory {spec!r}: module {module_name!r} has no attribute {attr!r}")
-    if not callable(factory):
-        raise ValueError(f"{kind} factory {spec!r}: {attr!r} is a {type(factory).__name__}, not callable")
-    return factory

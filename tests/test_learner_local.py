@@ -358,7 +358,7 @@ def test_user_model_and_data_factories(state_dir):
 ])
 def test_bad_factories_are_named(state_dir, key, factory, complaint):
     cfg = make_config(state_dir, **{key: factory})
-    with pytest.raises(ValueError, match=rf"{key} factory '{factory}': .*{complaint}"):
+    with pytest.raises(ValueError, match=rf"{key}: '{factory}': .*{complaint}"):
         Trainer.from_config(cfg, "learner-0")
 
 
