@@ -42,13 +42,22 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def wait_serving(address: str, timeout: float, identity: Identity | None) -> None:
+class ExitedBeforeServing(RuntimeError):
+    """A shard process that ended before it served: its error is in the message."""
+
+
+def wait_serving(address: str, timeout: float, identity: Identity | None,
+                 proc: Proc | None = None) -> None:
     """Blocks until the gRPC health service at `address` says the syncer is SERVING
-    (asked over mutual TLS with `identity`, in plaintext with None)."""
+    (asked over mutual TLS with `identity`, in plaintext with None). If `proc`, the process
+    that should serve it, ends first: ExitedBeforeServing with the end of its log."""
     deadline = time.monotonic() + timeout
     with open_channel(address, RpcConfig(), identity) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
+            if proc is not None and proc.popen is not None and proc.returncode is not None:
+                raise ExitedBeforeServing(f"{proc.name} exited with status {proc.returncode} before serving "
+                                          f"(log {proc.log_path}):\n{proc.log_tail()}")
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=SYNCER_SERVICE), timeout=1)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -161,12 +170,12 @@ class LocalCluster:
     def start_shards(self, timeout: float = 60) -> None:
         for proc in self.shards:
             proc.start()
-        for shard in self.cfg.shards:
-            wait_serving(shard.address, timeout, self.operator)
+        for shard, proc in zip(self.cfg.shards, self.shards):
+            wait_serving(shard.address, timeout, self.operator, proc)
 
     def restart_shard(self, index: int, timeout: float = 60) -> None:
         self.shards[index].start()
-        wait_serving(self.cfg.shards[index].address, timeout, self.operator)
+        wait_serving(self.cfg.shards[index].address, timeout, self.operator, self.shards[index])
 
     def start_learners(self) -> None:
         for proc in self.learners:

@@ -247,6 +247,9 @@ def _check_relations(cfg: Config) -> None:
         if shard.health_port and str(shard.health_port) == shard.address.rsplit(":", 1)[1]:
             raise ConfigError(f"shards[{i}].health_port: {shard.health_port} is the port of "
                               f"shards[{i}].address; the plaintext health port needs a port of its own")
+    if isinstance(cfg.model, str) and syncer.max_tokens_per_step is None:
+        raise ConfigError("syncer.max_tokens_per_step: required with a model factory (a shard cannot know its "
+                          "seq_len): trainer.batch_size x seq_len x processes per learner island")
     if isinstance(cfg.model, GPTConfig) and cfg.model.n_embd % cfg.model.n_head:
         raise ConfigError(f"model.n_embd: {cfg.model.n_embd} is not divisible by "
                           f"model.n_head ({cfg.model.n_head})")

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
           f"merge={syncer.merge} max_staleness={syncer.max_staleness} "
           f"outer lr={syncer.outer_optimizer.lr} momentum={syncer.outer_optimizer.momentum}")
     model = cfg.model if isinstance(cfg.model, str) else (
-        f"GPT {cfg.model.n_layer} layers x {cfg.model.n_embd}, context {cfg.model.seq_len}")
+        f"{cfg.model.family} {cfg.model.n_layer} layers x {cfg.model.n_embd}, context {cfg.model.seq_len}")
     print(f"  model      {model}")
     tls = cfg.tls.mode if cfg.tls.mode == "plaintext" else f"mtls, certificates in {certs_dir(cfg)} (diloco certs)"
     print(f"  transport  {tls}")

@@ -37,7 +37,7 @@ import grpc
 import yaml
 
 from services.client import ShardClient
-from services.cluster import LocalCluster, Proc, free_ports
+from services.cluster import ExitedBeforeServing, LocalCluster, Proc, free_ports
 from services.config import Config, ConfigError, ConfigLoader, check_factories, load_config, parse_config
 from services.metrics import write_file_sd
 from services.tls import Identity
@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     write_file_sd(cfg, args.prometheus_targets or run_dir / "prometheus-targets.json")
     try:
         report = simulate(cfg, cluster, args)
-    except StartupFailure as failure:
+    except (StartupFailure, ExitedBeforeServing) as failure:
         print(f"error: {failure}", file=sys.stderr)
         return 1
     finally:

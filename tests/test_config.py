@@ -133,8 +133,10 @@ def test_lookup_of_unknown_learner_and_shard():
 ])
 def test_config_check_resolves_the_factories_and_names_the_key_of_one_that_does_not_resolve(
         tmp_path, capsys, key, spec, expected):
+    data = mutate(key, spec)
+    data["syncer"]["max_tokens_per_step"] = 2048  # a config with a model factory gives it
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(mutate(key, spec)))
+    path.write_text(yaml.safe_dump(data))
     assert main(["config", "check", str(path)]) == 2
     out, err = capsys.readouterr()
     assert expected in err and "valid" not in out
@@ -145,6 +147,7 @@ def test_config_check_accepts_factories_that_resolve_without_calling_them(tmp_pa
 
     data = mutate("model", "tests.user_plugins:make_model")
     data["data"] = "tests.user_plugins:make_data"
+    data["syncer"]["max_tokens_per_step"] = 2048
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(data))
     calls = len(user_plugins.calls)

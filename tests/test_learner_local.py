@@ -45,6 +45,8 @@ def make_config(state_dir, *, learners=2, trainer=None, model=None, data=None):
                     **(trainer or {})},
         "model": TINY_GPT if model is None else model,
         "data": CORPUS if data is None else data,
+        # A model factory's config bounds what its learners may claim (seq_len is the factory's).
+        "syncer": {"max_tokens_per_step": 8 * 64} if isinstance(model, str) else {},
     })
 
 

@@ -161,16 +161,30 @@ def test_sim_stops_a_learner_that_fails_at_start_up_twice_the_same_way_and_print
     """The model factory resolves but returns no module: every learner fails before it
     trains. The sim used to restart them forever, the error only in their logs."""
     result = subprocess.run(sim_command(tmp_path, "--learners", "2", "--shards", "1", "--restart-delay", "0.5",
-                                        "--set", "model=tests.user_plugins:make_not_a_module"),
+                                        "--set", "model=tests.user_plugins:make_not_a_module",
+                                        "--set", "syncer.max_tokens_per_step=256"),
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "failed at start-up twice with the same error" in result.stderr
-    assert "model factory 'tests.user_plugins:make_not_a_module': returned str, not a torch.nn.Module" in result.stderr
+    assert "model: 'tests.user_plugins:make_not_a_module': returned str, not a torch.nn.Module" in result.stderr
     assert not of_the_run(all_pids(), str(tmp_path / "run"))
 
 
+def test_sim_stops_at_once_with_the_error_of_a_shard_that_cannot_start(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")  # the run's state folder is a file: no shard can keep its state there
+    started = time.monotonic()
+    result = subprocess.run(sim_command(tmp_path, "--set", "tls.mode=plaintext", "--set", f"run.state_dir={blocker}"),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "shard-0 exited with status 1 before serving" in result.stderr
+    assert str(blocker) in result.stderr and "Traceback" not in result.stderr
+    assert time.monotonic() - started < 30  # not the 60 s wait for a shard that serves
+
+
 def test_sim_refuses_a_factory_that_does_not_resolve_before_it_starts_anything(tmp_path):
-    result = subprocess.run(sim_command(tmp_path, "--set", "model=tests.user_plugins:make_modle"),
+    result = subprocess.run(sim_command(tmp_path, "--set", "model=tests.user_plugins:make_modle",
+                                        "--set", "syncer.max_tokens_per_step=256"),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "model: 'tests.user_plugins:make_modle': module 'tests.user_plugins' has no attribute" in result.stderr

@@ -541,11 +541,11 @@ def test_a_logged_contribution_out_of_range_is_merged_with_its_claims_clamped_on
     assert restarted.status().counters  # and Status answers
 
 
-def test_a_shard_of_a_model_factory_needs_the_tokens_per_step_bound():
+def test_a_config_with_a_model_factory_must_give_the_tokens_per_step_bound():
     data = {"shards": [{"address": "127.0.0.1:1"}], "learners": [{"id": "a", "region": "r"}],
             "model": "tests.user_plugins:make_model"}
-    with pytest.raises(ConfigError, match="syncer.max_tokens_per_step"):
-        ShardCore(parse_config(data), 0)
+    with pytest.raises(ConfigError, match="syncer.max_tokens_per_step: required with a model factory"):
+        parse_config(data)
     core = ShardCore(parse_config({**data, "syncer": {"max_tokens_per_step": 128}}), 0)
     assert core.claims.tokens_per_step == 128
 

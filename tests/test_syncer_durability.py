@@ -243,8 +243,7 @@ def test_an_update_file_left_by_a_failed_commit_is_rewritten_when_the_round_clos
 
     with monkeypatch.context() as patch:
         patch.setattr(store, "_write_atomically", disk_full)
-        with pytest.raises(OSError, match="No space left"):
-            shard.core.tick()
+        assert shard.core.tick() == []  # the close failed: the round stays open
     assert (tmp_path / "fragment-0" / "update-1").exists() and shard.version() == 0
     shard.push("c", 0, delta(3, n))  # closes round 1 with three contributions
     (update,) = shard.core.fragments[0].committed.history
