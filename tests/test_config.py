@@ -98,6 +98,9 @@ def test_missing_required_section_is_named():
 def test_user_factories_are_accepted():
     data = mutate("model", "mypkg.models:tiny_transformer")
     data["data"] = "mypkg.data:my_shards"
+    with pytest.raises(ConfigError, match="syncer.max_tokens_per_step: required with a model factory"):
+        parse_config(data)
+    data["syncer"]["max_tokens_per_step"] = 4096
     cfg = parse_config(data)
     assert cfg.model == "mypkg.models:tiny_transformer" and cfg.data == "mypkg.data:my_shards"
 
