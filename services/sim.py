@@ -28,6 +28,7 @@ import random
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -39,6 +40,7 @@ import yaml
 from services.client import ShardClient
 from services.cluster import ExitedBeforeServing, LocalCluster, Proc, free_ports
 from services.config import Config, ConfigError, ConfigLoader, check_factories, load_config, parse_config
+from services.export import MODEL_FILE, ExportError, fetch_global_model, write_export
 from services.metrics import write_file_sd
 from services.tls import Identity
 
@@ -383,7 +385,26 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
     report = summarise(cfg, args, reports, observer, learner_chaos, shard_chaos,
                        {name: at - started for name, at in finished_at.items()}, wall, timeline)
     observer.close()
+    report["final_eval_loss"] = evaluate_global_model(cluster)
     return report
+
+
+def evaluate_global_model(cluster: LocalCluster) -> float | None:
+    """The validation loss of what the run produced: the global model, exported from the shards
+    to <run-dir>/export and evaluated by `diloco evaluate` (the model is learner code, which
+    services/ does not import). None, with a warning, when there is no global model."""
+    out = cluster.run_dir / "export"
+    try:
+        write_export(fetch_global_model(cluster.cfg, cluster.operator), out)
+    except ExportError as error:
+        log.warning("no global model to evaluate: %s", error)
+        return None
+    result = subprocess.run([sys.executable, "-m", "services.cli", "evaluate", "--config", str(cluster.config_path),
+                             "--weights", str(out / MODEL_FILE), "--json"], capture_output=True, text=True)
+    if result.returncode != 0:
+        log.warning("evaluating the global model failed: %s", result.stderr.strip()[-2000:])
+        return None
+    return json.loads(result.stdout)["eval_loss"]
 
 
 def _status_of(client: ShardClient, retry_seconds: float):
@@ -481,7 +502,8 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         "useful_seconds": useful,
         "provisioned_seconds": provisioned_total,
         "initial_eval_loss": min(first_evaluations)[3] if first_evaluations else None,
-        "final_eval_loss": sum(last_losses) / len(last_losses) if last_losses else None,
+        "final_eval_loss": None,  # the global model's: simulate evaluates it once the learners are done
+        "final_eval_loss_learners": sum(last_losses) / len(last_losses) if last_losses else None,
         "bytes_up": totals["bytes_up"],
         "bytes_down": totals["bytes_down"],
         # Data parallel moves one fp32 gradient up and one fp32 model (or gradient) down per
@@ -519,8 +541,7 @@ def print_summary(report: dict, report_path: pathlib.Path) -> None:
                  f"{report['shards']} shards)"),
         ("wall time", f"{report['wall_seconds']:.1f} s"),
         ("inner / outer steps", f"{report['inner_steps']} / {report['outer_steps']}"),
-        ("validation loss", f"{report['initial_eval_loss']:.3f} -> {report['final_eval_loss']:.3f}"
-         if report["final_eval_loss"] is not None else "n/a"),
+        ("validation loss", _losses(report)),
         ("goodput", f"{report['goodput']:.1%}"),
         ("badput", ", ".join(f"{k} {v:.1f}s" for k, v in badput.items())),
         ("contributions", ", ".join(f"{k} {v}" for k, v in report["contributions"].items())),
@@ -535,6 +556,15 @@ def print_summary(report: dict, report_path: pathlib.Path) -> None:
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
     print(f"\nreport: {report_path}")
+
+
+def _losses(report: dict) -> str:
+    """initial -> the global model's final loss, and the learners' own final losses beside it."""
+    def loss(key: str) -> str:
+        return "n/a" if report[key] is None else f"{report[key]:.3f}"
+
+    return (f"{loss('initial_eval_loss')} -> {loss('final_eval_loss')} (global model; "
+            f"learners' local models {loss('final_eval_loss_learners')})")
 
 
 def plot(report: dict, path: pathlib.Path) -> None:

@@ -52,6 +52,7 @@ def test_sim_with_learner_and_shard_chaos_keeps_training_and_agrees(tmp_path):
     assert report["inner_steps"] == 3 * 300
     assert report["state_hashes_agree"] is True
     assert report["final_eval_loss"] < 0.8 * report["initial_eval_loss"]
+    assert_the_final_loss_is_the_exported_global_models(tmp_path, report)
     assert 0 < report["goodput"] < 1
     assert report["badput_seconds"]["down"] > 0
     assert report["badput_seconds"]["evaluation"] > 0 and report["badput_seconds"]["checkpoint"] > 0
@@ -59,6 +60,23 @@ def test_sim_with_learner_and_shard_chaos_keeps_training_and_agrees(tmp_path):
     assert report["dp_equivalent_bytes"] > 10 * (report["bytes_up"] + report["bytes_down"])
     assert all(link["bytes_per_second"] > 0 for link in report["links"].values())
     assert (tmp_path / "run.png").stat().st_size > 10_000
+
+
+def assert_the_final_loss_is_the_exported_global_models(tmp_path, report: dict) -> None:
+    """The sim exported the global model to <run>/export: it holds the bits every learner ends
+    with, and evaluated on its own it has the loss the report gives."""
+    export = tmp_path / "run" / "export"
+    held = {f["fragment_id"]: (f["version"], f["state_hash"])
+            for f in json.loads((export / "export.json").read_text())["fragments"]}
+    state = pathlib.Path(tmp_path / "run" / "state")
+    for learner in report["per_learner"]:
+        learner_report = json.loads((state / f"learner-{learner}" / "report.json").read_text())
+        assert {int(fid): (f["version"], f["state_hash"]) for fid, f in learner_report["fragments"].items()} == held
+    evaluated = subprocess.run([sys.executable, "-m", "services.cli", "evaluate", "--config",
+                                str(tmp_path / "run" / "cluster.yaml"), "--weights", str(export / "model.safetensors"),
+                                "--json"], capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(evaluated.stdout)["eval_loss"] == report["final_eval_loss"]
+    assert report["final_eval_loss_learners"] is not None
 
 
 def test_sim_dp_mode_syncs_every_step_uncompressed(tmp_path):
