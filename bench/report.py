@@ -38,7 +38,7 @@ def table(header: list[str], rows: list[list]) -> list[str]:
 
 
 def config_name(row: dict) -> str:
-    name = f"M={row['learners']} H={row['H']} {row['codec']}"
+    name = f"{row.get('model', 'gpt')} M={row['learners']} H={row['H']} {row['codec']}"
     if row.get("slow_learner", 1.0) != 1.0:
         name += f", one learner {row['slow_learner']:g}x slower (measured {row['slow_learner_step_ratio']:.2f}x)"
     return name
@@ -62,7 +62,8 @@ def save(fig, ax, out: pathlib.Path, name: str, **axes) -> str:
 def quality(section: dict, out: pathlib.Path) -> list[str]:
     rows = section["rows"]
     first = rows[0]["diloco"]
-    lines = [f"Final validation loss (mean over learners, which end on the same global model; start "
+    lines = [f"Final validation loss of the global model (what the run produced: exported from the shards "
+             f"and evaluated; the learners' own final models beside it; start "
              f"{first['initial_eval_loss']:.3f}) at the same model, data, seed and token budget "
              f"({first['steps_per_learner']:.0f} inner steps per learner, {first['tokens']:,} tokens for "
              f"M={rows[0]['learners']}; so H=100 syncs each fragment only {first['steps_per_learner'] / 100:.0f} "
@@ -72,10 +73,11 @@ def quality(section: dict, out: pathlib.Path) -> list[str]:
              f"trains until the run's tokens, as the shards count them, reach it, so the fast ones train more steps; "
              f"it ends within a few percent of the budget, and its dp run trains the tokens it ended with.", ""]
     lines += table(
-        ["configuration", "diloco loss", "dp loss", "diloco vs dp", "target", "tokens diloco / dp",
-         "wall s diloco / dp", "command (diloco)"],
+        ["configuration", "diloco loss", "dp loss", "diloco vs dp", "target", "diloco learners' loss",
+         "tokens diloco / dp", "wall s diloco / dp", "command (diloco)"],
         [[config_name(r), f"{r['diloco']['final_eval_loss']:.4f}", f"{r['dp']['final_eval_loss']:.4f}",
           pct(r["loss_vs_dp"], signed=True), verdict(r["within_target"]),
+          _loss(r["diloco"].get("final_eval_loss_learners")),
           f"{r['diloco']['tokens']:,} / {r['dp']['tokens']:,}",
           f"{r['diloco']['wall_seconds']:.0f} / {r['dp']['wall_seconds']:.0f}", code(r["diloco"]["command"])]
          for r in rows])
@@ -89,6 +91,10 @@ def quality(section: dict, out: pathlib.Path) -> list[str]:
     ax.set_xticks(list(x), names, rotation=20, fontsize="small")
     return lines + [save(fig, ax, out, "quality", ylabel="final validation loss", ylim=(low * 0.9, None),
                          title="quality at equal tokens"), ""]
+
+
+def _loss(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
 
 
 def bandwidth(section: dict, out: pathlib.Path) -> list[str]:

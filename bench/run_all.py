@@ -62,6 +62,7 @@ class Profile:
     learners: tuple[int, ...]  # M of the quality runs
     intervals: tuple[int, ...]  # H
     codecs: tuple[str, ...]
+    llama_intervals: tuple[int, ...]  # H of the second model family's quality runs (int4)
     goodput_learners: int
     goodput_seconds: float  # each goodput run lasts this long
     down_shares: tuple[float, ...]  # share of time each learner is down (SIGKILLed, not restarted yet)
@@ -72,11 +73,12 @@ class Profile:
 
 
 FULL = Profile("full", steps=400, learners=(4, 8), intervals=(25, 100), codecs=("int4", "bf16"),
+               llama_intervals=(25, 50),  # the bench's H and the demo's
                goodput_learners=4, goodput_seconds=120, down_shares=(0.05, 0.10, 0.25), restart_delay=12.0,
                overlap=("--steps", "80", "--repeats", "3", "--wan-mbps", "50", "5"),
                transport=("--params", "16000000", "--rounds", "3", "--shards", "1", "2"),
                recovery=("--sizes", "2x64", "4x256", "4x512", "--kills", "3"))
-QUICK = Profile("quick", steps=60, learners=(2,), intervals=(25,), codecs=("int4",),
+QUICK = Profile("quick", steps=60, learners=(2,), intervals=(25,), codecs=("int4",), llama_intervals=(25,),
                 goodput_learners=2, goodput_seconds=20, down_shares=(0.25,), restart_delay=4.0,
                 overlap=("--steps", "30", "--repeats", "1", "--wan-mbps", "5"),
                 transport=("--params", "1000000", "--rounds", "1", "--shards", "1", "2"),
@@ -119,17 +121,23 @@ class Runner:
 # ---- 1 and 2: quality and bandwidth, from the same runs ------------------------------------
 
 def quality_runs(runner: Runner, profile: Profile) -> list[tuple[dict, dict]]:
-    """(diloco report, dp report) pairs: every diloco configuration, and one learner slowed 2x."""
+    """(diloco report, dp report) pairs: every diloco configuration of the GPT and of the
+    Llama-style family (model.family=llama, same sizes), and one learner slowed 2x."""
     pairs = []
-    for learners in profile.learners:
-        common = ["--learners", str(learners), "--shards", "1", "--steps", str(profile.steps), "--seed", "1",
-                  "--set", f"syncer.quorum={learners}"]  # K = M, as the demo (dp mode sets its own)
-        dp = runner.sim(f"quality-dp-m{learners}", [*common, "--mode", "dp"])
-        for interval in profile.intervals:
-            for codec in profile.codecs:
-                diloco = runner.sim(f"quality-m{learners}-h{interval}-{codec}",
-                                    [*common, "--set", f"sync.interval_steps={interval}", "--set", f"sync.codec={codec}"])
-                pairs.append((diloco, dp))
+    families = (("gpt", [], profile.intervals, profile.codecs),
+                ("llama", ["--set", "model.family=llama"], profile.llama_intervals, ("int4",)))
+    for family, family_flags, intervals, codecs in families:
+        prefix = "quality" if family == "gpt" else f"quality-{family}"
+        for learners in profile.learners:
+            common = ["--learners", str(learners), "--shards", "1", "--steps", str(profile.steps), "--seed", "1",
+                      "--set", f"syncer.quorum={learners}", *family_flags]  # K = M, as the demo (dp sets its own)
+            dp = runner.sim(f"{prefix}-dp-m{learners}", [*common, "--mode", "dp"])
+            for interval in intervals:
+                for codec in codecs:
+                    diloco = runner.sim(f"{prefix}-m{learners}-h{interval}-{codec}",
+                                        [*common, "--set", f"sync.interval_steps={interval}",
+                                         "--set", f"sync.codec={codec}"])
+                    pairs.append((diloco, dp))
     # One learner 2x slower, on the run's token budget: every learner trains what it can until
     # the run has its tokens, and dp trains the same tokens the diloco run ended with (a few
     # percent off the budget: the shards' count is estimated between heartbeats).
@@ -152,6 +160,7 @@ def quality_runs(runner: Runner, profile: Profile) -> list[tuple[dict, dict]]:
 def run_figures(report: dict) -> dict:
     """The figures of one sim run that the tables show."""
     return {"final_eval_loss": report["final_eval_loss"], "initial_eval_loss": report["initial_eval_loss"],
+            "final_eval_loss_learners": report["final_eval_loss_learners"],
             "wall_seconds": report["wall_seconds"], "tokens": report["tokens"], "goodput": report["goodput"],
             "steps_per_learner": report["inner_steps"] / report["learners"],
             "bytes": report["bytes_up"] + report["bytes_down"], "state_hashes_agree": report["state_hashes_agree"],
@@ -163,7 +172,8 @@ def quality_section(pairs: list[tuple[dict, dict]]) -> dict:
     for diloco, dp in pairs:
         vs_dp = diloco["final_eval_loss"] / dp["final_eval_loss"] - 1
         step_seconds = [l["step_seconds"] for l in diloco["per_learner"].values()]
-        rows.append({"learners": diloco["learners"], "H": diloco["config"]["H"], "P": diloco["config"]["P"],
+        rows.append({"model": diloco["config"]["model"], "learners": diloco["learners"],
+                     "H": diloco["config"]["H"], "P": diloco["config"]["P"],
                      "codec": diloco["config"]["codec"], "slow_learner": diloco["config"]["slow_learner"],
                      # Measured: the first learner's mean step time over the others' median.
                      "slow_learner_step_ratio": step_seconds[0] / statistics.median(step_seconds[1:]),
@@ -201,7 +211,8 @@ def bandwidth_section(pairs: list[tuple[dict, dict]]) -> dict:
         if diloco["config"]["slow_learner"] != 1.0:
             continue
         ours, theirs = link_needs(diloco), link_needs(dp)
-        rows.append({"learners": diloco["learners"], "H": diloco["config"]["H"], "P": diloco["config"]["P"],
+        rows.append({"model": diloco["config"]["model"], "learners": diloco["learners"],
+                     "H": diloco["config"]["H"], "P": diloco["config"]["P"],
                      "tau": diloco["config"]["tau"], "codec": diloco["config"]["codec"],
                      "model_parameters": diloco["model_parameters"], "diloco": ours, "dp": theirs,
                      "dp_over_diloco": theirs["bytes_per_token"] / ours["bytes_per_token"]})
