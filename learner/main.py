@@ -35,6 +35,7 @@ from learner.sync import JoinRefused, StreamingSync
 from learner.train import Trainer, manifest, named_parameters
 from services.client import ShardClient
 from services.config import Config, ConfigError, load_config
+from services.export import ExportedFragment, GlobalModel, write_export
 from services.fragments import FragmentPlan, gather, plan_for_config, scatter
 from services.metrics import LearnerMetrics, serve
 from services.tls import Identity, learner_name, load_identity
@@ -57,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(or until SIGTERM), so the learner ends with the run's final values")
     parser.add_argument("--verify-island", action="store_true",
                         help="after every applied fragment, check that all ranks hold the same bits")
+    parser.add_argument("--export", metavar="DIR",
+                        help="at the end, write the run's global model as this learner holds it (after its "
+                             "catch-up: the shards' final values) to DIR, as `diloco export` does")
     parser.add_argument("--no-sync", action="store_true",
                         help="train alone, never talking to the syncer (a baseline for benchmarks)")
 
@@ -293,6 +297,8 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
             report.write("catching_up", trainer, sync, island)
         # Hold the run's final global values: until it is quiet (or we are stopped).
         sync.catch_up(args.catch_up_seconds, should_stop=stop.is_set)
+        if args.export:
+            export_global_model(cfg, sync, pathlib.Path(args.export))
     evaluate()
     save(trainer, sync, report, checkpoints)
     checkpoints.wait()  # "done" means on disk
@@ -305,6 +311,14 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
     log.info("learner %s %s at step %d", report.learner_id, "finished" if finished else "stopped",
              trainer.step)
     return 0
+
+
+def export_global_model(cfg: Config, sync: StreamingSync, out: pathlib.Path) -> None:
+    """The global values this learner holds, written as `diloco export` writes the shards'."""
+    fragments = tuple(ExportedFragment(fid, sync.plan.fragments[fid].shard, version, digest, None)
+                      for fid, (version, digest) in sorted(sync.fragment_hashes().items()))
+    write_export(GlobalModel(cfg.run.name, sync.plan.digest, fragments, sync.global_state_dict()), out)
+    log.info("wrote the global model at fragment versions %s to %s", [f.version for f in fragments], out)
 
 
 def process_started() -> float:

@@ -789,6 +789,14 @@ class StreamingSync:
         """(version, sha256) of the global value this learner holds, per fragment."""
         return {fid: (s.version, state_hash(s.anchor)) for fid, s in self.fragments.items()}
 
+    def global_state_dict(self) -> dict[str, torch.Tensor]:
+        """The run's global model as this learner holds it (the anchors: after catch_up, the
+        shards' final values), fp32, by parameter name; the local model stays as it is."""
+        tensors = {name: torch.empty(tuple(shape), dtype=torch.float32) for name, shape in self.manifest}
+        for state in self.fragments.values():
+            scatter(state.fragment, state.anchor, tensors)
+        return tensors
+
     def state_dict(self) -> dict:
         """What a checkpoint needs to resume syncing without a full pull (the tensors
         themselves, not copies; checkpoint_state copies them)."""

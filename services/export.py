@@ -46,7 +46,7 @@ class ExportedFragment:
     shard: int
     version: int
     state_hash: str
-    merged_tokens: int
+    merged_tokens: int | None  # None where it was not asked of the shard (a learner's own export)
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class GlobalModel:
     def info(self) -> dict:
         return {"run": self.run, "plan_digest": self.plan_digest,
                 "parameters": sum(t.numel() for t in self.tensors.values()),
-                "merged_tokens": max((f.merged_tokens for f in self.fragments), default=0),
+                "merged_tokens": max((f.merged_tokens or 0 for f in self.fragments), default=0),
                 "fragments": [asdict(f) for f in self.fragments]}
 
 

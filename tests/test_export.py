@@ -4,6 +4,8 @@ is refused by name, and nothing is written. `diloco evaluate` gives a weights fi
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from learner.train import Trainer, named_parameters
 from services.cli import main
 from services.client import ShardClient, state_hash
+from services.cluster import LocalCluster
 from services.config import dump_config
 from services.fragments import plan_for_config, scatter
 from services.tls import certs_dir, issue_cluster_certs, learner_name, load_identity
@@ -118,3 +121,27 @@ def test_evaluate_gives_the_loss_of_the_model_in_a_weights_file(tmp_path, capsys
     save_file({"head": torch.zeros(3)}, str(weights))
     assert main(["evaluate", "--config", str(config_path), "--weights", str(weights)]) == 1
     assert "the weights do not fit the config's model: missing ['blocks.0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_learner_exports_the_global_model_it_ends_with_as_the_shards_hold_it(tmp_path):
+    cfg = tiny_cluster(tmp_path / "state", shards=2, learners=1, steps=30)
+    cluster = LocalCluster(cfg, tmp_path / "run")
+    try:
+        cluster.start_shards()
+        learner = cfg.learners[0]
+        subprocess.run([sys.executable, "-m", "services.cli", "learner", "--config", str(cluster.config_path),
+                        "--learner-id", learner.id, "--region", learner.region, "--catch-up-seconds", "0.5",
+                        "--export", str(tmp_path / "by-learner")], check=True, capture_output=True, timeout=180)
+        assert main(["export", "--config", str(cluster.config_path), "--out", str(tmp_path / "by-shards")]) == 0
+    finally:
+        cluster.stop()
+    by_learner = load_file(tmp_path / "by-learner" / "model.safetensors")
+    by_shards = load_file(tmp_path / "by-shards" / "model.safetensors")
+    assert by_learner.keys() == by_shards.keys()
+    assert all(torch.equal(by_learner[name], by_shards[name]) for name in by_shards)
+    info = json.loads((tmp_path / "by-learner" / "export.json").read_text())
+    shards = json.loads((tmp_path / "by-shards" / "export.json").read_text())
+    assert [(f["version"], f["state_hash"]) for f in info["fragments"]] == \
+        [(f["version"], f["state_hash"]) for f in shards["fragments"]]
+    assert max(f["version"] for f in info["fragments"]) >= 1  # the run synced
