@@ -217,7 +217,9 @@ def run(args: argparse.Namespace) -> int:
     if metrics:
         metrics.started(restore_seconds)
         if sync:
-            metrics.watch_sync(sync.held_versions, lambda: sync.stats.blocked_seconds)
+            metrics.watch_sync(sync.held_versions, lambda: sync.stats.blocked_seconds, lambda: {
+                "refused": sync.stats.syncs_refused, "reanchored": sync.stats.reanchored,
+                "hash_mismatch": sync.stats.hash_mismatches})
 
     report = Report(state_dir / "report.json", learner.id, learner.region, extra.get("report"))
     report.begin_incarnation(sync.incarnation if sync else 0, trainer.step, startup_seconds,

@@ -104,6 +104,7 @@ class LearnerMetrics:
         self._badput = dict.fromkeys(LEARNER_BADPUT, 0.0)
         self._blocked_seconds: Callable[[], float] = lambda: 0.0
         self._held_versions: Callable[[], Mapping[int, int]] = dict
+        self._sync_faults: Callable[[], Mapping[str, int]] = dict
         self._shard_versions: dict[int, int] = {}
         self._lost_steps_unpriced = 0  # lost steps waiting for a measured step time
         _Collector(self._collect_seconds, r)
@@ -152,10 +153,12 @@ class LearnerMetrics:
         self._add_badput("startup", time.monotonic() - self._serving_since - restore_seconds)
         self._add_badput("restore", restore_seconds)
 
-    def watch_sync(self, held_versions: Callable[[], Mapping[int, int]],
-                   blocked_seconds: Callable[[], float]) -> None:
-        """Reads the sync client's state at scrape time (after it started: its fragments are fixed)."""
+    def watch_sync(self, held_versions: Callable[[], Mapping[int, int]], blocked_seconds: Callable[[], float],
+                   sync_faults: Callable[[], Mapping[str, int]]) -> None:
+        """Reads the sync client's state at scrape time (after it started: its fragments are fixed).
+        `sync_faults`: how often each kind of fault was met, by kind."""
         self._held_versions, self._blocked_seconds = held_versions, blocked_seconds
+        self._sync_faults = sync_faults
 
     def steps_lost(self, steps: int, step_seconds: float | None) -> None:
         """Steps a previous incarnation ran that this one will run again. Without a known step
@@ -233,6 +236,14 @@ class LearnerMetrics:
         for category, seconds in badput.items():
             family.add_metric([category], seconds)
         yield family
+        faults = CounterMetricFamily("diloco_learner_sync_faults",
+                                     "Syncs that met a fault, by kind: refused (a push the shard refused), "
+                                     "reanchored (a shard served a fragment below our version: its value "
+                                     "taken), hash_mismatch (a pull's result was not the shard's value: "
+                                     "pulled again whole).", labels=["kind"])
+        for kind, count in self._sync_faults().items():
+            faults.add_metric([kind], count)
+        yield faults
 
 
 class SyncerMetrics:
