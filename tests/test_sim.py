@@ -79,6 +79,14 @@ def assert_the_final_loss_is_the_exported_global_models(tmp_path, report: dict) 
     assert report["final_eval_loss_learners"] is not None
 
 
+def test_the_llama_family_trains_in_the_cluster_and_ends_with_the_shards_bits(tmp_path):
+    report = run_sim(tmp_path, "--learners", "2", "--shards", "2", "--steps", "100", "--set", "model.family=llama")
+    assert report["config"]["model"] == "llama"
+    assert report["state_hashes_agree"] is True
+    assert report["final_eval_loss"] < 0.85 * report["initial_eval_loss"]
+    assert_the_final_loss_is_the_exported_global_models(tmp_path, report)
+
+
 def test_sim_dp_mode_syncs_every_step_uncompressed(tmp_path):
     report = run_sim(tmp_path, "--mode", "dp", "--learners", "2", "--steps", "40")
     assert report["mode"] == "dp"
