@@ -30,15 +30,15 @@ import torch.distributed as dist
 
 from torch.nn.parallel import DistributedDataParallel
 
-from learner.checkpoint import CheckpointWriter, load_checkpoint
-from learner.sync import JoinRefused, StreamingSync
-from learner.train import Trainer, manifest, named_parameters
-from services.client import ShardClient
-from services.config import Config, ConfigError, load_config
-from services.export import ExportedFragment, GlobalModel, write_export
-from services.fragments import FragmentPlan, gather, plan_for_config, scatter
-from services.metrics import LearnerMetrics, serve
-from services.tls import Identity, learner_name, load_identity
+from diloco.learner.checkpoint import CheckpointWriter, load_checkpoint
+from diloco.learner.sync import JoinRefused, StreamingSync
+from diloco.learner.train import Trainer, manifest, named_parameters
+from diloco.services.client import ShardClient
+from diloco.services.config import Config, ConfigError, load_config
+from diloco.services.export import ExportedFragment, GlobalModel, write_export
+from diloco.services.fragments import FragmentPlan, gather, plan_for_config, scatter
+from diloco.services.metrics import LearnerMetrics, serve
+from diloco.services.tls import Identity, learner_name, load_identity
 
 log = logging.getLogger(__name__)
 

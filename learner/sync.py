@@ -34,12 +34,12 @@ from typing import Callable, Mapping
 import grpc
 import torch
 
-from services.client import PullResult, ShardClient, StateHashMismatch, TransferObserver, WanLink, state_hash
-from services.codecs import ErrorFeedback, get_codec
-from services.config import Config
-from services.fragments import Fragment, FragmentPlan, gather, scatter
-from services.tls import Identity
-from services.wire import pb
+from diloco.services.client import PullResult, ShardClient, StateHashMismatch, TransferObserver, WanLink, state_hash
+from diloco.services.codecs import ErrorFeedback, get_codec
+from diloco.services.config import Config
+from diloco.services.fragments import Fragment, FragmentPlan, gather, scatter
+from diloco.services.tls import Identity
+from diloco.services.wire import pb
 
 log = logging.getLogger(__name__)
 

@@ -16,12 +16,12 @@ from typing import Iterator, Mapping, Protocol, Sequence
 
 import torch
 
-from services.codecs import Codec, get_codec
-from services.config import RpcConfig
-from services.payload import Reassembler, decode_payload, describe, iter_chunks
-from services.rpc import open_channel, stream_deadline
-from services.tls import Identity
-from services.wire import pb, pb_grpc
+from diloco.services.codecs import Codec, get_codec
+from diloco.services.config import RpcConfig
+from diloco.services.payload import Reassembler, decode_payload, describe, iter_chunks
+from diloco.services.rpc import open_channel, stream_deadline
+from diloco.services.tls import Identity
+from diloco.services.wire import pb, pb_grpc
 
 
 def state_hash(values: torch.Tensor) -> str:

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from learner.adamw import AdamW
-from learner.checkpoint import CheckpointWriter, checkpoint_state, load_checkpoint, save_checkpoint
-from learner.data import (FILE_SEPARATOR, CorpusShard, build_data, is_validation, load_corpus,
+from diloco.learner.adamw import AdamW
+from diloco.learner.checkpoint import CheckpointWriter, checkpoint_state, load_checkpoint, save_checkpoint
+from diloco.learner.data import (FILE_SEPARATOR, CorpusShard, build_data, is_validation, load_corpus,
                           read_corpus)
-from learner.model import build_model
-import learner.train
-from learner.train import Trainer, lr_at, manifest, named_parameters
-from services.config import GPTConfig, InnerOptimizerConfig, parse_config
+from diloco.learner.model import build_model
+import diloco.learner.train
+from diloco.learner.train import Trainer, lr_at, manifest, named_parameters
+from diloco.services.config import GPTConfig, InnerOptimizerConfig, parse_config
 from tests import user_plugins
 
 TINY_GPT = {"n_layer": 2, "n_head": 4, "n_embd": 64, "seq_len": 64}
@@ -250,8 +250,8 @@ def test_a_slowed_learner_sleeps_for_the_extra_share_of_each_step(state_dir, mon
                         "learners": [{"id": "learner-0", "region": "local", "slowdown": 2.0},
                                      {"id": "learner-1", "region": "local"}]})
     slept = []
-    real_sleep = learner.train.time.sleep
-    monkeypatch.setattr(learner.train.time, "sleep", lambda s: (slept.append(s), real_sleep(s)))
+    real_sleep = diloco.learner.train.time.sleep
+    monkeypatch.setattr(diloco.learner.train.time, "sleep", lambda s: (slept.append(s), real_sleep(s)))
     normal = Trainer.from_config(cfg, "learner-1").train_step()
     assert slept == []
     slow = Trainer.from_config(cfg, "learner-0").train_step()
@@ -377,7 +377,7 @@ def test_learner_command_refuses_an_unknown_id_or_a_wrong_region():
     for learner_id, region, message in (
             ("eu-0", "eu", "learners: no learner with id 'eu-0'"),
             ("us-east-0", "eu", "--region eu: learner us-east-0 is in region us-east")):
-        result = subprocess.run([sys.executable, "-m", "services.cli", "learner", "--config", config,
+        result = subprocess.run([sys.executable, "-m", "diloco.services.cli", "learner", "--config", config,
                                  "--learner-id", learner_id, "--region", region],
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and message in result.stderr, result.stderr
@@ -389,10 +389,10 @@ def _sync_with_a_held_result(tmp_path, monkeypatch):
     """A StreamingSync of one fragment (H 4, tau 1, never blocking) whose push + pull is
     replaced by one that returns the global value 100 once `release` is set."""
     import threading
-    from learner.sync import FragmentSync, StreamingSync, SyncOutcome
-    from services.codecs import ErrorFeedback, get_codec
-    from services.fragments import plan_for_config
-    from services.wire import pb
+    from diloco.learner.sync import FragmentSync, StreamingSync, SyncOutcome
+    from diloco.services.codecs import ErrorFeedback, get_codec
+    from diloco.services.fragments import plan_for_config
+    from diloco.services.wire import pb
     from tests.cluster_config import tiny_cluster
 
     cfg = tiny_cluster(tmp_path, shards=1, learners=1, tls={"mode": "plaintext"},
