@@ -315,7 +315,7 @@ def test_damaged_checkpoints_are_refused(state_dir, tmp_path, caplog):
     blob = path.read_bytes()
 
     path.write_bytes(blob[: len(blob) // 2])  # torn write
-    with caplog.at_level(logging.WARNING, logger="learner.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="diloco.learner.checkpoint"):
         assert load_checkpoint(path) is None
     assert "not a whole checkpoint" in caplog.text
 
@@ -323,7 +323,7 @@ def test_damaged_checkpoints_are_refused(state_dir, tmp_path, caplog):
     damaged[len(blob) // 2] ^= 0xFF  # one flipped byte; torch.load alone would accept it
     path.write_bytes(bytes(damaged))
     assert torch.load(path, weights_only=True)["step"] == 1
-    with caplog.at_level(logging.WARNING, logger="learner.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="diloco.learner.checkpoint"):
         assert load_checkpoint(path) is None
     assert "checksum mismatch" in caplog.text
 
