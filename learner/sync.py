@@ -34,10 +34,11 @@ from typing import Callable, Mapping
 import grpc
 import torch
 
-from diloco.services.client import PullResult, ShardClient, StateHashMismatch, TransferObserver, WanLink, state_hash
+from diloco.services.client import PullResult, ShardClient, StateHashMismatch, TransferObserver, WanLink
 from diloco.services.codecs import ErrorFeedback, get_codec
 from diloco.services.config import Config
 from diloco.services.fragments import Fragment, FragmentPlan, gather, scatter
+from diloco.services.state import state_hash
 from diloco.services.tls import Identity
 from diloco.services.wire import pb
 
