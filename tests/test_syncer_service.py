@@ -548,7 +548,7 @@ def test_a_full_disk_refuses_pushes_with_resource_exhausted_naming_the_state_fol
             assert handle.core.version(fragment) == 1  # a's contribution was kept
     finally:
         handle.stop()
-    messages = [r.getMessage() for r in caplog.records if r.name.startswith("syncer")]
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("diloco.syncer")]
     assert sum("cannot write the shard's state" in m for m in messages) == 1, messages
     assert not any(r.exc_info for r in caplog.records)
 
