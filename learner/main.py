@@ -257,7 +257,7 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
         """This learner's step and token budgets, and the run's token budget (on rank 0 only:
         ranks learn when to stop from island.stopping)."""
         tokens = trainer.tokens * island.world_size
-        run_tokens_left = budget.max_run_tokens is None or sync is None or sync.run_tokens() < budget.max_run_tokens
+        run_tokens_left = sync is None or not sync.schedule.run_over()
         return trainer.step < budget.max_steps and (budget.max_tokens is None or tokens < budget.max_tokens) \
             and run_tokens_left
 

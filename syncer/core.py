@@ -23,8 +23,8 @@ import torch
 
 from diloco.services.config import Config
 from diloco.services.fragments import FragmentPlan, plan_for_config
-from diloco.services.client import state_hash
 from diloco.services.payload import ChecksumMismatch, PayloadError, Reassembler, decode_payload, leading_bytes
+from diloco.services.state import state_hash
 from diloco.services.wire import pb
 from diloco.syncer.claims import ClaimBounds
 from diloco.syncer.counters import Counters

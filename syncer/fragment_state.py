@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from diloco.services.client import apply_update, state_hash
+from diloco.services.state import apply_update, state_hash
 from diloco.services.codecs import ErrorFeedback, get_codec
 from diloco.services.config import SyncConfig, SyncerConfig
 from diloco.services.fragments import Fragment

@@ -13,10 +13,11 @@ from safetensors.torch import load_file, save_file
 
 from diloco.learner.train import Trainer, named_parameters
 from diloco.services.cli import main
-from diloco.services.client import ShardClient, state_hash
+from diloco.services.client import ShardClient
 from diloco.services.cluster import LocalCluster
 from diloco.services.config import dump_config
 from diloco.services.fragments import plan_for_config, scatter
+from diloco.services.state import state_hash
 from diloco.services.tls import certs_dir, issue_cluster_certs, learner_name, load_identity
 from diloco.services.wire import pb
 from diloco.syncer.service import start_shard

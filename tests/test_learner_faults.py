@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from diloco.learner.sync import StreamingSync
-from diloco.services.client import ShardClient, state_hash
+from diloco.services.client import ShardClient
 from diloco.services.cluster import LocalCluster
 from diloco.services.config import dump_config, parse_config
 from diloco.services.fragments import plan_for_config
+from diloco.services.state import state_hash
 from diloco.services.wire import pb
 from diloco.syncer.store import shard_state_dir
 from tests.cluster_config import tiny_cluster

@@ -428,7 +428,7 @@ def test_a_result_in_on_time_replaces_the_fragment(tmp_path, monkeypatch):
     applied = _train_until_applied(sync, params, release, release_after_step=started)
     assert applied == started + 1  # tau steps after the sync started
     assert torch.equal(params["w"], torch.full((8,), 100.0))  # alpha 0: the global value
-    assert sync.fragments[0].steps_since_sync == 0 and sync.stats.syncs_late == 0
+    assert sync.schedule.fragments[0].steps_since_sync == 0 and sync.stats.syncs_late == 0
     sync.close(leave=False)
 
 
@@ -440,7 +440,7 @@ def test_a_late_result_keeps_the_steps_trained_past_its_apply_step(tmp_path, mon
     # Applied on time it would have replaced the fragment after step started + 1; the two
     # steps since are added back, and the next outer gradient counts them.
     assert torch.equal(params["w"], torch.full((8,), 102.0))
-    assert sync.fragments[0].steps_since_sync == 2 and sync.fragments[0].tokens_since_sync == 20
+    assert sync.schedule.fragments[0].steps_since_sync == 2 and sync.schedule.fragments[0].tokens_since_sync == 20
     assert torch.equal(sync.fragments[0].anchor, torch.full((8,), 100.0))
     # The others reached the round two steps after this learner needed it: its schedule stands
     # still two steps, so its next sync starts H + 2 steps after the last, in phase with theirs.

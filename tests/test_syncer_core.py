@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from diloco.services.client import apply_update, state_hash
+from diloco.services.state import apply_update, state_hash
 from diloco.services.codecs import get_codec
 from diloco.services.config import ConfigError, parse_config
 from diloco.services.payload import decode_payload, describe, iter_chunks

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from diloco.services.client import apply_update, state_hash
+from diloco.services.state import apply_update, state_hash
 from diloco.services.payload import decode_payload
 
 from diloco.syncer.core import ShardCore

@@ -16,11 +16,12 @@ import torch
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from diloco.services.client import ShardClient, state_hash
+from diloco.services.client import ShardClient
 from diloco.services.codecs import get_codec
 from diloco.services.rpc import open_channel
 from diloco.services.config import RpcConfig, load_config, parse_config
 from diloco.services.payload import describe, iter_chunks
+from diloco.services.state import state_hash
 from diloco.services.tls import OPERATOR, certs_dir, issue_cluster_certs, learner_name, load_identity
 from diloco.services.wire import pb
 from diloco.syncer.service import start_shard
