@@ -21,6 +21,7 @@ RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 
 WORKDIR /src
 COPY pyproject.toml constraints.txt README.md ./
+COPY diloco diloco
 COPY services services
 COPY learner learner
 COPY syncer syncer

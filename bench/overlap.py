@@ -23,10 +23,10 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from services.client import ShardClient  # noqa: E402
-from services.cluster import LocalCluster, free_ports  # noqa: E402
-from services.codecs import get_codec  # noqa: E402
-from services.config import load_config, parse_config  # noqa: E402
+from diloco.services.client import ShardClient  # noqa: E402
+from diloco.services.cluster import LocalCluster, free_ports  # noqa: E402
+from diloco.services.codecs import get_codec  # noqa: E402
+from diloco.services.config import load_config, parse_config  # noqa: E402
 
 
 def bench_config(state_dir: pathlib.Path, steps: int, wan_mbps: float | None):
@@ -45,7 +45,7 @@ def loop_step_seconds(cluster: LocalCluster, state_dir: pathlib.Path,
                       extra_args: list[str]) -> tuple[float, dict]:
     """Runs a fresh learner to the end of its budget; mean loop seconds per step, its record."""
     learner = cluster.cfg.learners[0]
-    command = [sys.executable, "-m", "services.cli", "learner", "--config", str(cluster.config_path),
+    command = [sys.executable, "-m", "diloco.services.cli", "learner", "--config", str(cluster.config_path),
                "--learner-id", learner.id, "--region", learner.region, "--catch-up-seconds", "0",
                "--state-dir", str(state_dir), *extra_args]
     subprocess.run(command, check=True, capture_output=True, timeout=1800)

@@ -38,8 +38,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from bench.report import render  # noqa: E402
-from services.config import load_config  # noqa: E402
-from services.sim import Chaos  # noqa: E402
+from diloco.services.config import load_config  # noqa: E402
+from diloco.services.sim import Chaos  # noqa: E402
 
 SECTIONS = ("quality", "bandwidth", "goodput", "overlap", "transport", "recovery")
 QUALITY_TARGET = 0.02  # diloco's final loss within 2 % of dp's (issue #8)
@@ -105,7 +105,7 @@ class Runner:
         """One `diloco sim` run; its JSON report with the command that made it."""
         shown = ["diloco", "sim", "--config", config, *flags]
         report = self.work / f"{name}.json"
-        self.run(name, shown, [sys.executable, "-m", "services.cli", "sim", "--config", config, *flags,
+        self.run(name, shown, [sys.executable, "-m", "diloco.services.cli", "sim", "--config", config, *flags,
                                "--quiet", "--run-dir", str(self.work / "runs" / name), "--report", str(report)])
         return {**json.loads(report.read_text()), "command": shlex.join(shown)}
 

@@ -53,16 +53,17 @@ sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from services.client import ShardClient, apply_update, state_hash  # noqa: E402
-from services.cluster import free_ports  # noqa: E402
-from services.codecs import ErrorFeedback, get_codec  # noqa: E402
-from services.config import RpcConfig, load_config  # noqa: E402
-from services.payload import iter_chunks  # noqa: E402
-from services.rpc import Server  # noqa: E402
-from services.wire import pb, pb_grpc  # noqa: E402
-from syncer.main import keep_freed_memory  # noqa: E402
-from syncer.merge import RoundAccumulator  # noqa: E402
-from syncer.outer import OuterOptimizer  # noqa: E402
+from diloco.services.client import ShardClient  # noqa: E402
+from diloco.services.state import apply_update, state_hash  # noqa: E402
+from diloco.services.cluster import free_ports  # noqa: E402
+from diloco.services.codecs import ErrorFeedback, get_codec  # noqa: E402
+from diloco.services.config import RpcConfig, load_config  # noqa: E402
+from diloco.services.payload import iter_chunks  # noqa: E402
+from diloco.services.rpc import Server  # noqa: E402
+from diloco.services.wire import pb, pb_grpc  # noqa: E402
+from diloco.syncer.main import keep_freed_memory  # noqa: E402
+from diloco.syncer.merge import RoundAccumulator  # noqa: E402
+from diloco.syncer.outer import OuterOptimizer  # noqa: E402
 
 TARGET_VS_RAW = 0.7
 BLOCK = 128
@@ -194,7 +195,7 @@ def measure_shards(args: argparse.Namespace, num_shards: int, in_process: InProc
     shard_addresses = [shard.address for shard in cfg.shards]
     sink_addresses = [f"127.0.0.1:{port}" for port in ports[num_shards:]]
     processes = [
-        subprocess.Popen([sys.executable, "-m", "services.cli", "--log-level", "WARNING", "syncer",
+        subprocess.Popen([sys.executable, "-m", "diloco.services.cli", "--log-level", "WARNING", "syncer",
                           "--config", str(config_path), "--shard-index", str(index), "--listen", address],
                          cwd=ROOT, env=env)
         for index, address in enumerate(shard_addresses)

@@ -23,7 +23,7 @@ import zipfile
 import torch
 from torch import nn
 
-from learner.adamw import AdamW
+from diloco.learner.adamw import AdamW
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from learner.train import Trainer, named_parameters
-from services.config import ConfigError, load_config
+from diloco.learner.train import Trainer, named_parameters
+from diloco.services.config import ConfigError, load_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

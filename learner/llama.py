@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from learner.model import VOCAB_SIZE
-from services.config import GPTConfig
+from diloco.learner.model import VOCAB_SIZE
+from diloco.services.config import GPTConfig
 
 ROPE_BASE = 10000.0
 

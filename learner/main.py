@@ -30,15 +30,15 @@ import torch.distributed as dist
 
 from torch.nn.parallel import DistributedDataParallel
 
-from learner.checkpoint import CheckpointWriter, load_checkpoint
-from learner.sync import JoinRefused, StreamingSync
-from learner.train import Trainer, manifest, named_parameters
-from services.client import ShardClient
-from services.config import Config, ConfigError, load_config
-from services.export import ExportedFragment, GlobalModel, write_export
-from services.fragments import FragmentPlan, gather, plan_for_config, scatter
-from services.metrics import LearnerMetrics, serve
-from services.tls import Identity, learner_name, load_identity
+from diloco.learner.checkpoint import CheckpointWriter, load_checkpoint
+from diloco.learner.sync import JoinRefused, StreamingSync
+from diloco.learner.train import Trainer, manifest, named_parameters
+from diloco.services.client import ShardClient
+from diloco.services.config import Config, ConfigError, load_config
+from diloco.services.export import ExportedFragment, GlobalModel, write_export
+from diloco.services.fragments import FragmentPlan, gather, plan_for_config, scatter
+from diloco.services.metrics import LearnerMetrics, serve
+from diloco.services.tls import Identity, learner_name, load_identity
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,7 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
         """This learner's step and token budgets, and the run's token budget (on rank 0 only:
         ranks learn when to stop from island.stopping)."""
         tokens = trainer.tokens * island.world_size
-        run_tokens_left = budget.max_run_tokens is None or sync is None or sync.run_tokens() < budget.max_run_tokens
+        run_tokens_left = sync is None or not sync.schedule.run_over()
         return trainer.step < budget.max_steps and (budget.max_tokens is None or tokens < budget.max_tokens) \
             and run_tokens_left
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.config import GPTConfig, resolve_factory
+from diloco.services.config import GPTConfig, resolve_factory
 
 VOCAB_SIZE = 256  # bytes are the tokens
 
@@ -136,7 +136,7 @@ def build_model(model_cfg: GPTConfig | str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     if not isinstance(model_cfg, str):
         if model_cfg.family == "llama":
-            from learner.llama import Llama  # here: learner.llama imports this module
+            from diloco.learner.llama import Llama  # here: learner.llama imports this module
             return Llama(model_cfg)
         return GPT(model_cfg)
     model = resolve_factory(model_cfg, "model")(seed=seed)

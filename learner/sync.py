@@ -1,22 +1,14 @@
-"""Streaming fragment sync: the learner's side of the outer loop.
+"""Streaming fragment sync: the learner's side of the outer loop, the I/O around the
+decisions of learner/schedule.py (when each fragment syncs, when and how its result is
+applied, when the schedule holds, when the run is over).
 
-After every inner step the training loop calls `after_step(step, tokens, seconds)`.
-Fragment p starts syncing after step t when `(t + sync_offset) % H == t_p`: its outer
-gradient `anchor_p - theta_p` is compressed (with error feedback) and pushed, and the new
-global value is pulled, all on a background thread while training goes on. tau
-steps later the result is applied:
-`theta_p <- alpha*theta_p + (1-alpha)*g_p`, `anchor_p <- g_p`. The loop blocks
-only when the result is late, and that wait is measured as badput. It blocks for at most
-`sync.max_block_seconds` per sync, then trains on and applies the result after the first
-step that finds it in, keeping the steps trained past the apply step: a round waits for
-its contributors, and learners that each wait for a round the other has yet to
-contribute to would otherwise wait for ever.
-
-A result is late because the others reached the round after this learner did. Rather than
-wait at every round, a learner that found a result late lets its sync schedule stand still
-for as many steps as it was ahead (`held_steps`), training on, so that its syncs fall back
-into phase with theirs. Learners start seconds apart and their step times wander; without
-this only waiting brings them back into phase.
+After every inner step the training loop calls `after_step(step, tokens, seconds)`. A sync
+due now snapshots its fragment; its outer gradient `anchor_p - theta_p` is compressed (with
+error feedback) and pushed, and the new global value is pulled, all on a background thread
+while training goes on. When its result is due the loop waits for it as long as the
+schedule allows (that wait is badput), then merges it, or trains on and merges it after the
+first step that finds it in: a round waits for its contributors, and learners that each
+wait for a round the other has yet to contribute to would otherwise wait for ever.
 
 A shard that cannot be reached never stops training: the sync is skipped (the
 next outer gradient still carries all local progress, since it is taken against
@@ -34,12 +26,14 @@ from typing import Callable, Mapping
 import grpc
 import torch
 
-from services.client import PullResult, ShardClient, StateHashMismatch, TransferObserver, WanLink, state_hash
-from services.codecs import ErrorFeedback, get_codec
-from services.config import Config
-from services.fragments import Fragment, FragmentPlan, gather, scatter
-from services.tls import Identity
-from services.wire import pb
+from diloco.learner.schedule import LearnerSchedule, merged_fragment
+from diloco.services.client import PullResult, ShardClient, StateHashMismatch, TransferObserver, WanLink
+from diloco.services.codecs import ErrorFeedback, get_codec
+from diloco.services.config import Config
+from diloco.services.fragments import Fragment, FragmentPlan, gather, scatter
+from diloco.services.state import state_hash
+from diloco.services.tls import Identity
+from diloco.services.wire import pb
 
 log = logging.getLogger(__name__)
 
@@ -86,29 +80,27 @@ def settings_differences(shard_index: int, settings: pb.ClusterSettings, cfg: Co
 
 @dataclass
 class FragmentSync:
-    """What a learner keeps per fragment between syncs."""
+    """What a learner keeps per fragment between syncs, besides its schedule
+    (LearnerSchedule.fragments)."""
     fragment: Fragment
     anchor: torch.Tensor  # the global value g_p at `version`, fp32 flat
     version: int
     feedback: ErrorFeedback
-    steps_since_sync: int = 0  # c_steps: inner steps since the last delivered sync
-    tokens_since_sync: int = 0  # c_tokens
     in_flight: Future | None = None
     pushed: threading.Event = field(default_factory=threading.Event)  # the in-flight push was answered
-    apply_at: int = -1  # the step after which the in-flight result is applied
-    blocked_seconds: float = 0.0  # how long the loop has waited for the in-flight result
-    late: LateResult | None = None  # set once the in-flight result missed its apply step
-    held_at_start: int = 0  # SyncStats.held_steps when the in-flight sync started
+    # The fragment after the apply step of a result that was not in by then: the steps
+    # trained since are kept on top of the result (merged_fragment).
+    local_at_apply: torch.Tensor | None = None
 
 
-@dataclass
-class LateResult:
-    """The fragment and its counters as they were after the apply step of a result that was
-    not in by then: the steps trained since are kept on top of the result (_merge_into_model)
-    and carried by the next outer gradient."""
-    local_at_apply: torch.Tensor
-    steps_at_apply: int
-    tokens_at_apply: int
+@dataclass(frozen=True)
+class PushMeta:
+    """What an outer gradient's push says besides its payload."""
+    fragment_id: int
+    base_version: int
+    c_steps: int
+    c_tokens: int
+    step_seconds: float
 
 
 @dataclass
@@ -153,6 +145,10 @@ class ShardLink:
 
 
 class StreamingSync:
+    """One learner's sync with every shard: joins, seeds or restores, pushes and pulls on
+    background threads with retries, heartbeats and rejoins; every decision of when and how
+    is its `schedule`'s (LearnerSchedule)."""
+
     def __init__(self, cfg: Config, learner_id: str, region: str,
                  params: Mapping[str, torch.Tensor], plan: FragmentPlan,
                  incarnation: int | None = None, observer: TransferObserver | None = None, *,
@@ -170,14 +166,12 @@ class StreamingSync:
                                                  identity=identity))
                       for i, s in enumerate(cfg.shards)]
         self.fragments: dict[int, FragmentSync] = {}
+        self.schedule = LearnerSchedule(cfg, plan)
         self.stats = SyncStats()
         self.step = 0
-        self.sync_offset = 0  # this learner's sync schedule runs at step + sync_offset (see start)
-        self._hold = 0  # steps the schedule is yet to stand still (see _finish_sync)
         self.step_seconds = 0.0
         self.tokens_per_second = 0.0
         self.tokens = 0  # trained by this learner (every rank of its island)
-        self._heard_run_tokens = (0, 0.0, 0.0)  # (the run's tokens, per second, when) from the last heartbeat
         self._lock = threading.Lock()  # guards link.joined and heartbeat-visible fields
         self._stop = threading.Event()
         self._should_stop: Callable[[], bool] = lambda: False  # set by start()
@@ -210,7 +204,7 @@ class StreamingSync:
         self._restored = (restored or {}).get("fragments", {})
         for link in self.links:
             self._join_with_retry(link, should_stop)
-        self.sync_offset = self._phase_of_the_others()
+        self._join_in_phase()
         behind = 0
         for fragment in self.plan.fragments:
             link = self.links[fragment.shard]
@@ -227,16 +221,16 @@ class StreamingSync:
             feedback = ErrorFeedback(self.codec, fragment.numel, self.cfg.sync.codec_block_size)
             if saved and not reanchored:  # a residual built on another value means nothing
                 feedback.residual = saved["residual"].clone()
-            self.fragments[fragment.id] = FragmentSync(fragment, anchor, version, feedback)
+            state = self.fragments[fragment.id] = FragmentSync(fragment, anchor, version, feedback)
             if saved:
                 # Keep local progress since the checkpoint's anchor, like any merge.
-                self._merge_into_model(fragment, anchor)
+                self._adopt(state, anchor, version)
             else:
                 scatter(fragment, anchor, self.params)
         self._restored = {}
         self.stats.versions_behind_at_join = behind
         log.info("learner %s (incarnation %d) joined %d shards; %d versions behind; syncing at step + %d",
-                 self.learner_id, self.incarnation, len(self.links), behind, self.sync_offset)
+                 self.learner_id, self.incarnation, len(self.links), behind, self.schedule.sync_offset)
         # One heartbeat thread per shard: a shard that does not answer must not keep the
         # others from hearing this learner before its lease on them runs out.
         self._heartbeats = [threading.Thread(target=self._heartbeat_loop, args=(link,), daemon=True,
@@ -245,23 +239,16 @@ class StreamingSync:
             thread.start()
         return behind
 
-    def _phase_of_the_others(self) -> int:
-        """The offset that puts this learner's sync schedule in phase with the live learners
-        already training (0 when there are none). A learner restored from a checkpoint is
-        behind them by some steps; syncing on its own step count, every round of a fragment
-        would wait for it (or it for them) for the rest of the run."""
+    def _join_in_phase(self) -> None:
+        """Starts the sync schedule in phase with the learners already training, as the first
+        shard that answers Status sees them (none answers: at this learner's own step)."""
         for link in self.links:
             try:
                 learners = link.client.status(timeout=self.cfg.rpc.deadline_seconds).learners
             except grpc.RpcError:
                 continue
-            schedule = sorted(
-                l.sync_step + (round(l.seconds_since_heartbeat / l.step_seconds) if l.step_seconds > 0 else 0)
-                for l in learners if l.alive and l.learner_id != self.learner_id and l.last_step > 0)
-            if not schedule:
-                return 0
-            return (schedule[len(schedule) // 2] - self.step) % self.cfg.sync.interval_steps
-        return 0
+            self.schedule.join_in_phase(learners, self.learner_id, self.step)
+            return
 
     def _join(self, link: ShardLink) -> None:
         """Joins one shard, checking it runs this learner's model with its sync settings (else
@@ -407,36 +394,17 @@ class StreamingSync:
         self.tokens += tokens
         self.step_seconds = step_seconds
         self.tokens_per_second = tokens / step_seconds if step_seconds > 0 else 0.0
-        for state in self.fragments.values():
-            state.steps_since_sync += 1
-            state.tokens_since_sync += tokens
-        if self._hold:  # the schedule stands still this step: no sync falls due
-            self._hold -= 1
-            self.sync_offset -= 1
+        actions = self.schedule.step_done(step, tokens)
+        if actions.held:
             self.stats.held_steps += 1
-        else:
-            for fragment in self.plan.due_at(step + self.sync_offset):
-                state = self.fragments[fragment.id]
-                # Never two syncs of one fragment in flight (only possible if tau >= H, which
-                # the config refuses).
-                if state.in_flight is None:
-                    self._start_sync(state, apply_at=step + self.cfg.sync.overlap_steps)
+        for fragment_id in actions.start:
+            self._start_sync(self.fragments[fragment_id])
         applied = []
-        for state in self.fragments.values():
-            if state.in_flight is not None and state.apply_at <= step:
-                if self._finish_sync(state, self._wait_limit(state)):
-                    applied.append(state.fragment.id)
+        for fragment_id in actions.apply:
+            wait_limit = self.schedule.fragments[fragment_id].wait_limit()
+            if self._finish_sync(self.fragments[fragment_id], wait_limit):
+                applied.append(fragment_id)
         return applied
-
-    def run_tokens(self) -> int:
-        """The whole run's tokens now: the last heartbeat's count, grown at the run's rate since."""
-        tokens, per_second, heard_at = self._heard_run_tokens
-        return round(tokens + per_second * (time.monotonic() - heard_at)) if heard_at else 0
-
-    def _wait_limit(self, state: FragmentSync) -> float | None:
-        if self.cfg.sync.overlap_steps == 0:
-            return None
-        return max(0.0, self.cfg.sync.max_block_seconds - state.blocked_seconds)
 
     def flush(self) -> None:
         """Applies every in-flight sync (training stopped before its end), waiting as long as it
@@ -454,27 +422,23 @@ class StreamingSync:
             if state.in_flight is not None:
                 state.pushed.wait()
 
-    def _start_sync(self, state: FragmentSync, apply_at: int) -> None:
+    def _start_sync(self, state: FragmentSync) -> None:
         """Snapshots the fragment now; everything else runs on the background thread."""
         fragment = state.fragment
         local = gather(fragment, self.params)  # the only work on the training thread
-        meta = dict(fragment_id=fragment.id, numel=fragment.numel, codec=self.codec,
-                    block_size=self.cfg.sync.codec_block_size, base_version=state.version,
-                    c_steps=state.steps_since_sync, c_tokens=state.tokens_since_sync,
-                    step_seconds=self.step_seconds)
+        counters = self.schedule.fragments[fragment.id]
+        meta = PushMeta(fragment.id, state.version, counters.steps_since_sync, counters.tokens_since_sync,
+                        self.step_seconds)
         state.pushed.clear()
         if self._take_reanchor_due(fragment.id):
             state.in_flight = self._pool.submit(self._reanchor, self.links[fragment.shard], state)
         else:
             state.in_flight = self._pool.submit(self._push_and_pull, self.links[fragment.shard], state,
                                                 state.anchor, local, meta)
-        state.apply_at = apply_at
-        state.blocked_seconds = 0.0
-        state.held_at_start = self.stats.held_steps
         self.stats.syncs_started += 1
 
     def _push_and_pull(self, link: ShardLink, state: FragmentSync, anchor: torch.Tensor,
-                       local: torch.Tensor, meta: dict) -> SyncOutcome:
+                       local: torch.Tensor, meta: PushMeta) -> SyncOutcome:
         """Runs on the sync thread: compress the outer gradient, push it, pull the result.
         While it runs the training thread leaves `state.feedback` and `anchor` alone."""
         try:
@@ -483,9 +447,9 @@ class StreamingSync:
             state.pushed.set()  # also when the push never went out
 
     def _push_then_pull(self, link: ShardLink, state: FragmentSync, anchor: torch.Tensor,
-                        local: torch.Tensor, meta: dict) -> SyncOutcome:
+                        local: torch.Tensor, meta: PushMeta) -> SyncOutcome:
         started = time.perf_counter()
-        fragment_id, version = meta["fragment_id"], meta["base_version"]
+        fragment_id, version = meta.fragment_id, meta.base_version
         if not link.joined:
             return SyncOutcome(None, version)
         residual_before = state.feedback.residual
@@ -557,19 +521,22 @@ class StreamingSync:
             state.pushed.set()
         return outcome
 
-    def _deliver(self, link: ShardLink, payload: bytes, meta: dict) -> tuple[int, int]:
+    def _deliver(self, link: ShardLink, payload: bytes, meta: PushMeta) -> tuple[int, int]:
         """Pushes an outer gradient: (the shard's answer, the version of the round that holds
         it). ALREADY_EXISTS is an answer too: an earlier attempt of this push (its reply lost
         to a shard restart) is held by the shard, so it is delivered, in the round after its
         base version at the earliest."""
         try:
-            reply = link.client.push(values=payload, **meta)
+            reply = link.client.push(meta.fragment_id, payload, codec=self.codec,
+                                     block_size=self.cfg.sync.codec_block_size, base_version=meta.base_version,
+                                     c_steps=meta.c_steps, c_tokens=meta.c_tokens, step_seconds=meta.step_seconds,
+                                     numel=self.plan.fragments[meta.fragment_id].numel)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
                 raise
-            log.info("fragment %d: shard %d already holds this contribution: %s", meta["fragment_id"],
+            log.info("fragment %d: shard %d already holds this contribution: %s", meta.fragment_id,
                      link.index, exc.details())
-            return pb.PUSH_RESULT_ACCEPTED, meta["base_version"] + 1
+            return pb.PUSH_RESULT_ACCEPTED, meta.base_version + 1
         return reply.result, reply.current_version + 1
 
     def _stopping(self) -> bool:
@@ -603,24 +570,21 @@ class StreamingSync:
         """Applies the in-flight result, waiting up to `wait_limit` seconds for it (None: as
         long as it takes). Returns whether a new global value was applied; False also while
         the result is still out (it stays in flight)."""
+        fragment_schedule = self.schedule.fragments[state.fragment.id]
         future = state.in_flight
         if not future.done() and wait_limit != 0:
             started = time.perf_counter()
             wait([future], timeout=wait_limit)
             waited = time.perf_counter() - started
-            state.blocked_seconds += waited
+            fragment_schedule.waited(waited)
             self.stats.blocked_seconds += waited
         if not future.done():
-            if state.late is None:
+            if fragment_schedule.missed():
                 log.debug("fragment %d: result still out after %.2fs; training on", state.fragment.id,
-                         state.blocked_seconds)
-                state.late = LateResult(gather(state.fragment, self.params), state.steps_since_sync,
-                                        state.tokens_since_sync)
+                          fragment_schedule.blocked_seconds)
+                state.local_at_apply = gather(state.fragment, self.params)
             return False
         outcome: SyncOutcome = future.result()
-        late_steps = self.step - 1 - state.apply_at
-        if late_steps > 0:
-            self.stats.syncs_late += 1
         state.in_flight = None
         self.stats.bytes_up += outcome.bytes_up
         self.stats.bytes_down += outcome.bytes_down
@@ -628,8 +592,11 @@ class StreamingSync:
         if not outcome.reanchored:
             name = pb.PushResult.Name(outcome.push_result)
             self.stats.push_results[name] = self.stats.push_results.get(name, 0) + 1
-        late, state.late = state.late, None
-        if outcome.anchor is None:
+        local_at_apply, state.local_at_apply = state.local_at_apply, None
+        applied = outcome.anchor is not None
+        if self.schedule.result_arrived(state.fragment.id, self.step - 1, self.step_seconds, applied):
+            self.stats.syncs_late += 1
+        if not applied:
             self.stats.syncs_skipped += 1
             return False
         if outcome.push_result == pb.PUSH_RESULT_REFUSED_STALE:
@@ -638,43 +605,19 @@ class StreamingSync:
         if outcome.reanchored:
             self._count_reanchor(state.fragment.id, state.version, outcome.version)
             state.feedback.residual.zero_()  # what it held was built on a value the run lost
-        # How far ahead of the round's last contributor this learner was: the steps it trained
-        # past the apply step plus the steps it could have trained while it waited.
-        waited_steps = round(state.blocked_seconds / self.step_seconds) if self.step_seconds > 0 else 0
-        if late_steps + waited_steps > 0:
-            self._fall_back_into_phase(late_steps + waited_steps - (self.stats.held_steps - state.held_at_start))
-        self._merge_into_model(state.fragment, outcome.anchor, late.local_at_apply if late else None)
-        with self._lock:  # read as a pair by a rejoin's _held
-            state.anchor, state.version = outcome.anchor, outcome.version
-        state.steps_since_sync -= late.steps_at_apply if late else state.steps_since_sync
-        state.tokens_since_sync -= late.tokens_at_apply if late else state.tokens_since_sync
+        self._adopt(state, outcome.anchor, outcome.version, local_at_apply)
         self.stats.syncs_applied += 1
         return True
 
-    def _fall_back_into_phase(self, lead_steps: int) -> None:
-        """A round's result came `lead_steps` steps (beyond tau, net of the steps held since its
-        sync started) after this learner needed it: the others reached the round that much
-        later, and every sync of this learner would keep finding its result late, waiting or
-        training on without it. Instead, its schedule stands still that many steps while it
-        trains on: its next syncs start when theirs do. At most H / 2P steps at a time, so that
-        one very late round (a member that died holds it for its lease) cannot stop this
-        learner syncing."""
-        cap = self.cfg.sync.interval_steps // (2 * self.cfg.sync.fragments)
-        self._hold = max(self._hold, min(lead_steps, cap))
-
-    def _merge_into_model(self, fragment: Fragment, global_value: torch.Tensor,
-                          local_at_apply: torch.Tensor | None = None) -> None:
-        """theta_p <- alpha*theta_p + (1-alpha)*g_p. A late result (`local_at_apply` given) is
-        merged with the fragment as it was at its apply step, and the steps trained since are
-        added back: applying late then discards no more local progress than applying on time,
-        and the next outer gradient carries those steps."""
-        alpha = self.cfg.sync.mix_alpha
-        local = gather(fragment, self.params)
-        at_apply = local if local_at_apply is None else local_at_apply
-        merged = global_value if alpha == 0 else alpha * at_apply + (1 - alpha) * global_value
-        if local_at_apply is not None:
-            merged = merged + (local - local_at_apply)
-        scatter(fragment, merged, self.params)
+    def _adopt(self, state: FragmentSync, global_value: torch.Tensor, version: int,
+               local_at_apply: torch.Tensor | None = None) -> None:
+        """The one way a new global value is taken: it becomes the anchor, and the model's
+        fragment is merged with it (merged_fragment; `local_at_apply` for a late result)."""
+        with self._lock:  # read as a pair by a rejoin's _held
+            state.anchor, state.version = global_value, version
+        local = gather(state.fragment, self.params)
+        scatter(state.fragment, merged_fragment(self.cfg.sync.mix_alpha, global_value, local, local_at_apply),
+                self.params)
 
     # ---- heartbeats, leave, final state ---------------------------------------------
 
@@ -708,9 +651,9 @@ class StreamingSync:
                 held = {fid: v for fid, v in self.held_versions().items()
                         if self.plan.fragments[fid].shard == link.index}
                 reply = link.client.heartbeat(self.step, self.step_seconds, self.tokens_per_second, held,
-                                              sync_step=self.step + self.sync_offset, tokens=self.tokens,
+                                              sync_step=self.step + self.schedule.sync_offset, tokens=self.tokens,
                                               timeout=deadline)
-                self._heard_run_tokens = (reply.run_tokens, reply.run_tokens_per_second, time.monotonic())
+                self.schedule.heard_run_tokens(reply.run_tokens, reply.run_tokens_per_second)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     with self._lock:
@@ -754,10 +697,8 @@ class StreamingSync:
                 reached_all = False
                 continue
             if result.items:
-                with self._lock:
-                    state.anchor, state.version = value, result.version
+                self._adopt(state, value, result.version)
                 self.stats.bytes_down += result.payload_bytes
-                self._merge_into_model(state.fragment, state.anchor)
                 changed = True
         return changed, reached_all
 

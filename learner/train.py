@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from learner.adamw import AdamW
-from learner.checkpoint import checkpoint_state
-from learner.data import DataSource, build_data
-from learner.model import build_model
-from services.config import Config, InnerOptimizerConfig, TrainerConfig
+from diloco.learner.adamw import AdamW
+from diloco.learner.checkpoint import checkpoint_state
+from diloco.learner.data import DataSource, build_data
+from diloco.learner.model import build_model
+from diloco.services.config import Config, InnerOptimizerConfig, TrainerConfig
 
 
 @dataclass(frozen=True)

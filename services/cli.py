@@ -22,14 +22,14 @@ _PR_SET_PDEATHSIG = 1
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
-    "syncer": ("syncer.main", "run one syncer shard"),
-    "learner": ("learner.main", "run one learner island"),
-    "sim": ("services.sim", "run a whole multi-region cluster as local processes"),
-    "export": ("services.export", "write the run's global model from its shards as safetensors"),
-    "evaluate": ("learner.evaluate", "the validation loss of a model file (the run's global model)"),
-    "status": ("services.status", "show a cluster's learners and fragments from its shards"),
-    "config": ("services.config_cli", "validate a config file and print what it describes"),
-    "certs": ("services.tls", "make a CA and a certificate for every shard, learner and operator of a config"),
+    "syncer": ("diloco.syncer.main", "run one syncer shard"),
+    "learner": ("diloco.learner.main", "run one learner island"),
+    "sim": ("diloco.services.sim", "run a whole multi-region cluster as local processes"),
+    "export": ("diloco.services.export", "write the run's global model from its shards as safetensors"),
+    "evaluate": ("diloco.learner.evaluate", "the validation loss of a model file (the run's global model)"),
+    "status": ("diloco.services.status", "show a cluster's learners and fragments from its shards"),
+    "config": ("diloco.services.config_cli", "validate a config file and print what it describes"),
+    "certs": ("diloco.services.tls", "make a CA and a certificate for every shard, learner and operator of a config"),
 }
 
 

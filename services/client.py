@@ -8,7 +8,6 @@ decide on retries by status code.
 """
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from dataclasses import dataclass
@@ -16,24 +15,13 @@ from typing import Iterator, Mapping, Protocol, Sequence
 
 import torch
 
-from services.codecs import Codec, get_codec
-from services.config import RpcConfig
-from services.payload import Reassembler, decode_payload, describe, iter_chunks
-from services.rpc import open_channel, stream_deadline
-from services.tls import Identity
-from services.wire import pb, pb_grpc
-
-
-def state_hash(values: torch.Tensor) -> str:
-    """sha256 of a fragment's fp32 value: equal hashes mean equal bits."""
-    flat = values.detach().to(torch.float32).contiguous().view(-1)
-    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
-
-
-def apply_update(value: torch.Tensor, update: torch.Tensor) -> None:
-    """The one way a decoded update is applied, on shards and learners alike, so
-    both hold the same bits after the same chain of updates."""
-    value.add_(update)
+from diloco.services.codecs import Codec, get_codec
+from diloco.services.config import RpcConfig
+from diloco.services.payload import Reassembler, decode_payload, describe, iter_chunks
+from diloco.services.rpc import open_channel, stream_deadline
+from diloco.services.state import apply_update, state_hash
+from diloco.services.tls import Identity
+from diloco.services.wire import pb, pb_grpc
 
 
 class PacedDirection:

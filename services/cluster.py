@@ -1,8 +1,8 @@
 """Real local processes of a cluster: start, health-check, kill, restart, stop.
 
 `diloco sim`, the integration tests and the benchmarks share this, so each starts
-shards and learners exactly as a user would: `python -m services.cli syncer ...`
-and `python -m services.cli learner ...` in their own processes.
+shards and learners exactly as a user would: `python -m diloco.services.cli syncer ...`
+and `python -m diloco.services.cli learner ...` in their own processes.
 
 With tls.mode mtls (the default) and no tls.dir of its own, the cluster issues its
 certificates into the run's state folder first, as `diloco certs` would.
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.cli import DIE_WITH_PARENT_ENV
-from services.config import Config, RpcConfig, dump_config
-from services.rpc import open_channel
-from services.tls import OPERATOR, Identity, certs_dir, issue_cluster_certs, load_identity
+from diloco.services.cli import DIE_WITH_PARENT_ENV
+from diloco.services.config import Config, RpcConfig, dump_config
+from diloco.services.rpc import open_channel
+from diloco.services.tls import OPERATOR, Identity, certs_dir, issue_cluster_certs, load_identity
 
 SYNCER_SERVICE = "diloco.v1.Syncer"
 
@@ -154,7 +154,7 @@ class LocalCluster:
             issue_cluster_certs(cfg, certs_dir(cfg))
         # What the harness presents to the shards: health checks and Status.
         self.operator = load_identity(cfg, OPERATOR)
-        cli = [sys.executable, "-m", "services.cli"]
+        cli = [sys.executable, "-m", "diloco.services.cli"]
         self.shards = [
             Proc(f"shard-{i}", cli + ["syncer", "--config", str(self.config_path), "--shard-index", str(i)],
                  run_dir / "logs" / f"shard-{i}.log")

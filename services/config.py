@@ -18,7 +18,7 @@ from typing import Annotated, Callable, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from services.codecs import CODEC_NAMES
+from diloco.services.codecs import CODEC_NAMES
 
 
 class ConfigError(ValueError):

@@ -26,11 +26,11 @@ import grpc
 import torch
 from safetensors.torch import save_file
 
-from services.client import ShardClient, StateHashMismatch
-from services.config import Config, ConfigError, load_config
-from services.fragments import plan_for_config, scatter
-from services.tls import OPERATOR, Identity, load_identity
-from services.wire import pb
+from diloco.services.client import ShardClient, StateHashMismatch
+from diloco.services.config import Config, ConfigError, load_config
+from diloco.services.fragments import plan_for_config, scatter
+from diloco.services.tls import OPERATOR, Identity, load_identity
+from diloco.services.wire import pb
 
 MODEL_FILE = "model.safetensors"
 INFO_FILE = "export.json"

@@ -31,9 +31,9 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Pro
                                disable_created_metrics, start_http_server)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from services.codecs import get_codec
-from services.config import Config
-from services.wire import pb
+from diloco.services.codecs import get_codec
+from diloco.services.config import Config
+from diloco.services.wire import pb
 
 # Counter reset times are not needed (rate() detects resets) and would double the series.
 disable_created_metrics()

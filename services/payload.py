@@ -22,8 +22,8 @@ from collections.abc import Iterator
 
 import torch
 
-from services.codecs import Codec, get_codec
-from services.wire import pb
+from diloco.services.codecs import Codec, get_codec
+from diloco.services.wire import pb
 
 CHUNK_BYTES = 1 << 20
 

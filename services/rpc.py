@@ -22,8 +22,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.config import RpcConfig
-from services.tls import Identity
+from diloco.services.config import RpcConfig
+from diloco.services.tls import Identity
 
 log = logging.getLogger(__name__)
 

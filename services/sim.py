@@ -37,12 +37,12 @@ from dataclasses import dataclass
 import grpc
 import yaml
 
-from services.client import ShardClient
-from services.cluster import ExitedBeforeServing, LocalCluster, Proc, free_ports
-from services.config import Config, ConfigError, ConfigLoader, check_factories, load_config, parse_config
-from services.export import MODEL_FILE, ExportError, fetch_global_model, write_export
-from services.metrics import write_file_sd
-from services.tls import Identity
+from diloco.services.client import ShardClient
+from diloco.services.cluster import ExitedBeforeServing, LocalCluster, Proc, free_ports
+from diloco.services.config import Config, ConfigError, ConfigLoader, check_factories, load_config, parse_config
+from diloco.services.export import MODEL_FILE, ExportError, fetch_global_model, write_export
+from diloco.services.metrics import write_file_sd
+from diloco.services.tls import Identity
 
 log = logging.getLogger(__name__)
 
@@ -399,7 +399,7 @@ def evaluate_global_model(cluster: LocalCluster) -> float | None:
     except ExportError as error:
         log.warning("no global model to evaluate: %s", error)
         return None
-    result = subprocess.run([sys.executable, "-m", "services.cli", "evaluate", "--config", str(cluster.config_path),
+    result = subprocess.run([sys.executable, "-m", "diloco.services.cli", "evaluate", "--config", str(cluster.config_path),
                              "--weights", str(out / MODEL_FILE), "--json"], capture_output=True, text=True)
     if result.returncode != 0:
         log.warning("evaluating the global model failed: %s", result.stderr.strip()[-2000:])

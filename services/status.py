@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from services.client import ShardClient
-from services.config import ConfigError, RpcConfig, load_config
-from services.tls import OPERATOR, Identity, load_identity, read_identity
-from services.wire import pb
+from diloco.services.client import ShardClient
+from diloco.services.config import ConfigError, RpcConfig, load_config
+from diloco.services.tls import OPERATOR, Identity, load_identity, read_identity
+from diloco.services.wire import pb
 
 HASH_PREFIX = 12
 

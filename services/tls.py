@@ -29,7 +29,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from services.config import Config, ConfigError, load_config
+from diloco.services.config import Config, ConfigError, load_config
 
 SPIFFE_PREFIX = "spiffe://diloco/"
 LEARNER_PREFIX = SPIFFE_PREFIX + "learner/"

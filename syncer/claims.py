@@ -23,10 +23,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from services.config import Config
-from services.wire import pb
-from syncer.membership import HeartbeatReport, Learner
-from syncer.refusal import Refusal
+from diloco.services.config import Config
+from diloco.services.wire import pb
+from diloco.syncer.membership import HeartbeatReport, Learner
+from diloco.syncer.refusal import Refusal
 
 # No inner step of a real model takes less than a microsecond, nor more than a day; a learner
 # divides by the step times other learners report.

@@ -21,18 +21,18 @@ from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
-from services.config import Config
-from services.fragments import FragmentPlan, plan_for_config
-from services.client import state_hash
-from services.payload import ChecksumMismatch, PayloadError, Reassembler, decode_payload, leading_bytes
-from services.wire import pb
-from syncer.claims import ClaimBounds
-from syncer.counters import Counters
-from syncer.disk import DiskCondition
-from syncer.fragment_state import ClosedRound, ContributionKey, FragmentSnapshot, FragmentState, PullPlan
-from syncer.membership import HeartbeatReport, Membership
-from syncer.merge import contribution_weight
-from syncer.refusal import Refusal
+from diloco.services.config import Config
+from diloco.services.fragments import FragmentPlan, plan_for_config
+from diloco.services.payload import ChecksumMismatch, PayloadError, Reassembler, decode_payload, leading_bytes
+from diloco.services.state import state_hash
+from diloco.services.wire import pb
+from diloco.syncer.claims import ClaimBounds
+from diloco.syncer.counters import Counters
+from diloco.syncer.disk import DiskCondition
+from diloco.syncer.fragment_state import ClosedRound, ContributionKey, FragmentSnapshot, FragmentState, PullPlan
+from diloco.syncer.membership import HeartbeatReport, Membership
+from diloco.syncer.merge import contribution_weight
+from diloco.syncer.refusal import Refusal
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import logging
 import threading
 from typing import Callable
 
-from syncer.refusal import Refusal
+from diloco.syncer.refusal import Refusal
 
 log = logging.getLogger(__name__)
 

@@ -18,16 +18,16 @@ from typing import NamedTuple
 
 import torch
 
-from services.client import apply_update, state_hash
-from services.codecs import ErrorFeedback, get_codec
-from services.config import SyncConfig, SyncerConfig
-from services.fragments import Fragment
-from services.payload import decode_payload, describe
-from services.wire import pb
-from syncer.grace import GraceWindow
-from syncer.merge import RoundAccumulator
-from syncer.outer import OuterOptimizer
-from syncer.refusal import Refusal
+from diloco.services.state import apply_update, state_hash
+from diloco.services.codecs import ErrorFeedback, get_codec
+from diloco.services.config import SyncConfig, SyncerConfig
+from diloco.services.fragments import Fragment
+from diloco.services.payload import decode_payload, describe
+from diloco.services.wire import pb
+from diloco.syncer.grace import GraceWindow
+from diloco.syncer.merge import RoundAccumulator
+from diloco.syncer.outer import OuterOptimizer
+from diloco.syncer.refusal import Refusal
 
 FP32 = get_codec("fp32")
 

@@ -24,12 +24,12 @@ from typing import Callable, Iterator, TypeVar
 
 import grpc
 
-from services.config import Config
-from services.rpc import stream_deadline
-from services.tls import LEARNER_PREFIX, learner_of, peer_spiffe_id
-from services.wire import pb
-from syncer.counters import Counters
-from syncer.refusal import Refusal
+from diloco.services.config import Config
+from diloco.services.rpc import stream_deadline
+from diloco.services.tls import LEARNER_PREFIX, learner_of, peer_spiffe_id
+from diloco.services.wire import pb
+from diloco.syncer.counters import Counters
+from diloco.syncer.refusal import Refusal
 
 T = TypeVar("T")
 

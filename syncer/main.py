@@ -11,10 +11,10 @@ import ctypes
 import logging
 import sys
 
-from services.config import ConfigError, load_config
-from services.metrics import SyncerMetrics, serve
-from syncer.service import start_shard
-from syncer.store import StoreError
+from diloco.services.config import ConfigError, load_config
+from diloco.services.metrics import SyncerMetrics, serve
+from diloco.syncer.service import start_shard
+from diloco.syncer.store import StoreError
 
 log = logging.getLogger("syncer")
 

@@ -18,8 +18,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from syncer.counters import Counters
-from syncer.refusal import Refusal
+from diloco.syncer.counters import Counters
+from diloco.syncer.refusal import Refusal
 
 
 @dataclass(frozen=True)

@@ -23,16 +23,16 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.codecs import get_codec
-from services.config import Config
-from services.payload import iter_chunks
-from services.rpc import Server
-from services.tls import load_identity, shard_name
-from services.wire import pb, pb_grpc
-from syncer.core import FragmentView, ShardCore
-from syncer.guard import CallGuard
-from syncer.refusal import Refusal
-from syncer.store import ShardStore, shard_state_dir
+from diloco.services.codecs import get_codec
+from diloco.services.config import Config
+from diloco.services.payload import iter_chunks
+from diloco.services.rpc import Server
+from diloco.services.tls import load_identity, shard_name
+from diloco.services.wire import pb, pb_grpc
+from diloco.syncer.core import FragmentView, ShardCore
+from diloco.syncer.guard import CallGuard
+from diloco.syncer.refusal import Refusal
+from diloco.syncer.store import ShardStore, shard_state_dir
 
 log = logging.getLogger(__name__)
 

@@ -56,9 +56,9 @@ from typing import Iterator
 
 import torch
 
-from services.wire import pb
-from syncer.core import LoggedContribution, Manifest, Restored
-from syncer.fragment_state import ClosedRound, ContributionKey, Encoded, FragmentSnapshot
+from diloco.services.wire import pb
+from diloco.syncer.core import LoggedContribution, Manifest, Restored
+from diloco.syncer.fragment_state import ClosedRound, ContributionKey, Encoded, FragmentSnapshot
 
 _FRAME = struct.Struct("<QI")  # body length, crc32 of body
 _LENGTH = struct.Struct("<I")  # of an embedded message

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pathlib
 
-from services.cluster import free_ports
-from services.config import Config, parse_config
+from diloco.services.cluster import free_ports
+from diloco.services.config import Config, parse_config
 
 
 def tiny_cluster(state_dir: pathlib.Path, *, shards: int = 2, learners: int = 3,

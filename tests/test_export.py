@@ -11,15 +11,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from learner.train import Trainer, named_parameters
-from services.cli import main
-from services.client import ShardClient, state_hash
-from services.cluster import LocalCluster
-from services.config import dump_config
-from services.fragments import plan_for_config, scatter
-from services.tls import certs_dir, issue_cluster_certs, learner_name, load_identity
-from services.wire import pb
-from syncer.service import start_shard
+from diloco.learner.train import Trainer, named_parameters
+from diloco.services.cli import main
+from diloco.services.client import ShardClient
+from diloco.services.cluster import LocalCluster
+from diloco.services.config import dump_config
+from diloco.services.fragments import plan_for_config, scatter
+from diloco.services.state import state_hash
+from diloco.services.tls import certs_dir, issue_cluster_certs, learner_name, load_identity
+from diloco.services.wire import pb
+from diloco.syncer.service import start_shard
 from tests.cluster_config import tiny_cluster
 
 MANIFEST = [("embed", (64, 8)), ("block.w", (32, 8)), ("block.b", (32,)), ("head", (8,))]
@@ -130,7 +131,7 @@ def test_a_learner_exports_the_global_model_it_ends_with_as_the_shards_hold_it(t
     try:
         cluster.start_shards()
         learner = cfg.learners[0]
-        subprocess.run([sys.executable, "-m", "services.cli", "learner", "--config", str(cluster.config_path),
+        subprocess.run([sys.executable, "-m", "diloco.services.cli", "learner", "--config", str(cluster.config_path),
                         "--learner-id", learner.id, "--region", learner.region, "--catch-up-seconds", "0.5",
                         "--export", str(tmp_path / "by-learner")], check=True, capture_output=True, timeout=180)
         assert main(["export", "--config", str(cluster.config_path), "--out", str(tmp_path / "by-shards")]) == 0

@@ -243,7 +243,7 @@ def test_crd_objects_have_the_shape_the_operator_expects(renders):
 # ---------------------------------------------------------------- the cluster config
 
 def test_rendered_cluster_config_passes_the_projects_validation(renders, tmp_path):
-    from services.config import load_config, parse_config
+    from diloco.services.config import load_config, parse_config
 
     for name, docs in renders.items():
         text = one(docs, "ConfigMap", "-config")["data"]["cluster.yaml"]
@@ -258,10 +258,10 @@ def test_rendered_runs_have_a_fragment_plan_for_their_model(renders):
     """P fragments need at least P tensors and S <= P: what learners and shards check
     when they start, checked here for the chart's default and example runs."""
     import torch
-    from learner.model import build_model
-    from learner.train import manifest
-    from services.config import parse_config
-    from services.fragments import plan_for_config
+    from diloco.learner.model import build_model
+    from diloco.learner.train import manifest
+    from diloco.services.config import parse_config
+    from diloco.services.fragments import plan_for_config
 
     for name in ("default", "diloco"):
         cfg = parse_config(cluster_config(renders[name]), source=name)
@@ -274,8 +274,8 @@ def test_rendered_runs_have_a_fragment_plan_for_their_model(renders):
 def test_schema_knows_exactly_the_keys_of_the_projects_config():
     """values.schema.json mirrors services/config.py, so helm refuses what the processes
     would refuse; this keeps the two from drifting apart."""
-    from services import config as c
-    from services.codecs import CODEC_NAMES
+    from diloco.services import config as c
+    from diloco.services.codecs import CODEC_NAMES
 
     schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["config"]
 
@@ -408,7 +408,7 @@ def test_learners_as_an_indexed_job_take_the_completion_index_as_id(renders):
 def test_learner_islands_get_torchrun_gpus_and_region_placement(renders):
     east = one(renders["learners-us-east"], "StatefulSet", "-learner")
     argv = run_entrypoint(east, "learners-us-east-learner-1")
-    assert argv[:6] == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=8", "-m", "services.cli"]
+    assert argv[:6] == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=8", "-m", "diloco.services.cli"]
     assert argv[6] == "learner" and flag(argv, "--learner-id") == "us-east-1"
     assert container(east)["resources"]["limits"]["nvidia.com/gpu"] == 8
     pod = east["spec"]["template"]["spec"]

@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from services.client import ShardClient
-from services.cluster import LocalCluster
-from services.tls import OPERATOR, load_identity
+from diloco.services.client import ShardClient
+from diloco.services.cluster import LocalCluster
+from diloco.services.tls import OPERATOR, load_identity
 from tests.cluster_config import tiny_cluster
 
 pytestmark = pytest.mark.slow
@@ -208,7 +208,7 @@ def test_island_of_two_processes_stays_identical_after_every_applied_fragment(tm
     cluster = cluster_factory(cfg)
     cluster.start_shards()
     learner = cfg.learners[0]
-    command = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "services.cli", "learner",
+    command = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "diloco.services.cli", "learner",
                "--config", str(cluster.config_path), "--learner-id", learner.id, "--region", learner.region,
                "--verify-island", "--catch-up-seconds", "0.5"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT,

@@ -14,13 +14,14 @@ import time
 import pytest
 import torch
 
-from learner.sync import StreamingSync
-from services.client import ShardClient, state_hash
-from services.cluster import LocalCluster
-from services.config import dump_config, parse_config
-from services.fragments import plan_for_config
-from services.wire import pb
-from syncer.store import shard_state_dir
+from diloco.learner.sync import StreamingSync
+from diloco.services.client import ShardClient
+from diloco.services.cluster import LocalCluster
+from diloco.services.config import dump_config, parse_config
+from diloco.services.fragments import plan_for_config
+from diloco.services.state import state_hash
+from diloco.services.wire import pb
+from diloco.syncer.store import shard_state_dir
 from tests.cluster_config import tiny_cluster
 
 pytestmark = pytest.mark.slow
@@ -252,7 +253,7 @@ def run_learner(cfg, tmp_path, *extra: str) -> subprocess.CompletedProcess:
     path = tmp_path / "learner.yaml"
     path.write_text(dump_config(cfg))
     learner = cfg.learners[0]
-    return subprocess.run([sys.executable, "-m", "services.cli", "learner", "--config", str(path),
+    return subprocess.run([sys.executable, "-m", "diloco.services.cli", "learner", "--config", str(path),
                            "--learner-id", learner.id, "--region", learner.region, "--catch-up-seconds", "0.5",
                            *extra], capture_output=True, text=True, timeout=120)
 

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from learner.adamw import AdamW
-from learner.checkpoint import CheckpointWriter, checkpoint_state, load_checkpoint, save_checkpoint
-from learner.data import (FILE_SEPARATOR, CorpusShard, build_data, is_validation, load_corpus,
+from diloco.learner.adamw import AdamW
+from diloco.learner.checkpoint import CheckpointWriter, checkpoint_state, load_checkpoint, save_checkpoint
+from diloco.learner.data import (FILE_SEPARATOR, CorpusShard, build_data, is_validation, load_corpus,
                           read_corpus)
-from learner.model import build_model
-import learner.train
-from learner.train import Trainer, lr_at, manifest, named_parameters
-from services.config import GPTConfig, InnerOptimizerConfig, parse_config
+from diloco.learner.model import build_model
+import diloco.learner.train
+from diloco.learner.train import Trainer, lr_at, manifest, named_parameters
+from diloco.services.config import GPTConfig, InnerOptimizerConfig, parse_config
 from tests import user_plugins
 
 TINY_GPT = {"n_layer": 2, "n_head": 4, "n_embd": 64, "seq_len": 64}
@@ -250,8 +250,8 @@ def test_a_slowed_learner_sleeps_for_the_extra_share_of_each_step(state_dir, mon
                         "learners": [{"id": "learner-0", "region": "local", "slowdown": 2.0},
                                      {"id": "learner-1", "region": "local"}]})
     slept = []
-    real_sleep = learner.train.time.sleep
-    monkeypatch.setattr(learner.train.time, "sleep", lambda s: (slept.append(s), real_sleep(s)))
+    real_sleep = diloco.learner.train.time.sleep
+    monkeypatch.setattr(diloco.learner.train.time, "sleep", lambda s: (slept.append(s), real_sleep(s)))
     normal = Trainer.from_config(cfg, "learner-1").train_step()
     assert slept == []
     slow = Trainer.from_config(cfg, "learner-0").train_step()
@@ -315,7 +315,7 @@ def test_damaged_checkpoints_are_refused(state_dir, tmp_path, caplog):
     blob = path.read_bytes()
 
     path.write_bytes(blob[: len(blob) // 2])  # torn write
-    with caplog.at_level(logging.WARNING, logger="learner.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="diloco.learner.checkpoint"):
         assert load_checkpoint(path) is None
     assert "not a whole checkpoint" in caplog.text
 
@@ -323,7 +323,7 @@ def test_damaged_checkpoints_are_refused(state_dir, tmp_path, caplog):
     damaged[len(blob) // 2] ^= 0xFF  # one flipped byte; torch.load alone would accept it
     path.write_bytes(bytes(damaged))
     assert torch.load(path, weights_only=True)["step"] == 1
-    with caplog.at_level(logging.WARNING, logger="learner.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="diloco.learner.checkpoint"):
         assert load_checkpoint(path) is None
     assert "checksum mismatch" in caplog.text
 
@@ -377,7 +377,7 @@ def test_learner_command_refuses_an_unknown_id_or_a_wrong_region():
     for learner_id, region, message in (
             ("eu-0", "eu", "learners: no learner with id 'eu-0'"),
             ("us-east-0", "eu", "--region eu: learner us-east-0 is in region us-east")):
-        result = subprocess.run([sys.executable, "-m", "services.cli", "learner", "--config", config,
+        result = subprocess.run([sys.executable, "-m", "diloco.services.cli", "learner", "--config", config,
                                  "--learner-id", learner_id, "--region", region],
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and message in result.stderr, result.stderr
@@ -389,10 +389,10 @@ def _sync_with_a_held_result(tmp_path, monkeypatch):
     """A StreamingSync of one fragment (H 4, tau 1, never blocking) whose push + pull is
     replaced by one that returns the global value 100 once `release` is set."""
     import threading
-    from learner.sync import FragmentSync, StreamingSync, SyncOutcome
-    from services.codecs import ErrorFeedback, get_codec
-    from services.fragments import plan_for_config
-    from services.wire import pb
+    from diloco.learner.sync import FragmentSync, StreamingSync, SyncOutcome
+    from diloco.services.codecs import ErrorFeedback, get_codec
+    from diloco.services.fragments import plan_for_config
+    from diloco.services.wire import pb
     from tests.cluster_config import tiny_cluster
 
     cfg = tiny_cluster(tmp_path, shards=1, learners=1, tls={"mode": "plaintext"},
@@ -428,7 +428,7 @@ def test_a_result_in_on_time_replaces_the_fragment(tmp_path, monkeypatch):
     applied = _train_until_applied(sync, params, release, release_after_step=started)
     assert applied == started + 1  # tau steps after the sync started
     assert torch.equal(params["w"], torch.full((8,), 100.0))  # alpha 0: the global value
-    assert sync.fragments[0].steps_since_sync == 0 and sync.stats.syncs_late == 0
+    assert sync.schedule.fragments[0].steps_since_sync == 0 and sync.stats.syncs_late == 0
     sync.close(leave=False)
 
 
@@ -440,7 +440,7 @@ def test_a_late_result_keeps_the_steps_trained_past_its_apply_step(tmp_path, mon
     # Applied on time it would have replaced the fragment after step started + 1; the two
     # steps since are added back, and the next outer gradient counts them.
     assert torch.equal(params["w"], torch.full((8,), 102.0))
-    assert sync.fragments[0].steps_since_sync == 2 and sync.fragments[0].tokens_since_sync == 20
+    assert sync.schedule.fragments[0].steps_since_sync == 2 and sync.schedule.fragments[0].tokens_since_sync == 20
     assert torch.equal(sync.fragments[0].anchor, torch.full((8,), 100.0))
     # The others reached the round two steps after this learner needed it: its schedule stands
     # still two steps, so its next sync starts H + 2 steps after the last, in phase with theirs.

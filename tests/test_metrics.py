@@ -9,9 +9,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.cluster import LocalCluster, free_ports
-from services.config import Config, parse_config
-from services.metrics import WAN_TRANSFER_BUCKETS, write_file_sd
+from diloco.services.cluster import LocalCluster, free_ports
+from diloco.services.config import Config, parse_config
+from diloco.services.metrics import WAN_TRANSFER_BUCKETS, write_file_sd
 from tests.cluster_config import tiny_cluster
 from tests.prometheus_server import Prometheus, local_config
 

@@ -16,8 +16,8 @@ import time
 import pytest
 import yaml
 
-from services.config import dump_config, load_config
-from services.metrics import file_sd_target_groups
+from diloco.services.config import dump_config, load_config
+from diloco.services.metrics import file_sd_target_groups
 from tests.cluster_config import tiny_cluster
 from tests.prometheus_server import LOCAL_CONFIG, ROOT, Prometheus, binary, local_config
 
@@ -144,7 +144,7 @@ def test_real_prometheus_on_a_sim_records_goodput_and_answers_every_dashboard_qu
     run_dir, targets = tmp_path / "run", tmp_path / "targets.json"
     # 3 learners of the tiny model run ~40 steps/s each on 2 cores: the budget outlasts the test.
     sim = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "sim", "--config", str(base), "--learners", "3",
+        [sys.executable, "-m", "diloco.services.cli", "sim", "--config", str(base), "--learners", "3",
          "--shards", "2", "--steps", "5000", "--duration", "50", "--quiet", "--run-dir", str(run_dir),
          "--prometheus-targets", str(targets)],
         stdout=open(tmp_path / "sim.log", "wb"), stderr=subprocess.STDOUT)

@@ -5,9 +5,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.config import RpcConfig
-from services.rpc import Server, open_channel
-from services.tls import OPERATOR, certs_dir, issue_cluster_certs, learner_name, load_identity, shard_name
+from diloco.services.config import RpcConfig
+from diloco.services.rpc import Server, open_channel
+from diloco.services.tls import OPERATOR, certs_dir, issue_cluster_certs, learner_name, load_identity, shard_name
 from tests.cluster_config import tiny_cluster
 
 SYNCER = "diloco.v1.Syncer"

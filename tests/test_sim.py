@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from services.config import ConfigError, dump_config
+from diloco.services.config import ConfigError, dump_config
 from tests.cluster_config import tiny_cluster
 from tests.test_learner_cluster import wait_until
 
@@ -31,7 +31,7 @@ REPORT_KEYS = {
 def sim_command(tmp_path, *flags: str) -> list[str]:
     base = tmp_path / "base.yaml"
     base.write_text(dump_config(tiny_cluster(tmp_path / "unused", shards=2, learners=3)))
-    return [sys.executable, "-m", "services.cli", "sim", "--config", str(base), "--quiet",
+    return [sys.executable, "-m", "diloco.services.cli", "sim", "--config", str(base), "--quiet",
             "--run-dir", str(tmp_path / "run"), "--report", str(tmp_path / "report.json"), *flags]
 
 
@@ -72,7 +72,7 @@ def assert_the_final_loss_is_the_exported_global_models(tmp_path, report: dict) 
     for learner in report["per_learner"]:
         learner_report = json.loads((state / f"learner-{learner}" / "report.json").read_text())
         assert {int(fid): (f["version"], f["state_hash"]) for fid, f in learner_report["fragments"].items()} == held
-    evaluated = subprocess.run([sys.executable, "-m", "services.cli", "evaluate", "--config",
+    evaluated = subprocess.run([sys.executable, "-m", "diloco.services.cli", "evaluate", "--config",
                                 str(tmp_path / "run" / "cluster.yaml"), "--weights", str(export / "model.safetensors"),
                                 "--json"], capture_output=True, text=True, timeout=120, check=True)
     assert json.loads(evaluated.stdout)["eval_loss"] == report["final_eval_loss"]
@@ -252,7 +252,7 @@ def read_cmdline(path: pathlib.Path) -> str:
 
 
 def test_sim_overrides_config_keys_and_slows_the_first_learner(tmp_path):
-    from services.sim import add_arguments, build_config
+    from diloco.services.sim import add_arguments, build_config
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -269,7 +269,7 @@ def test_sim_overrides_config_keys_and_slows_the_first_learner(tmp_path):
 
 
 def test_chaos_counts_a_process_still_down_at_the_end_as_down_until_then():
-    from services.sim import Chaos
+    from diloco.services.sim import Chaos
 
     chaos = Chaos("learner", 2, mtbf=10.0, restart_delay=5.0, rng=random.Random(0), now=0.0)
     chaos.killed(0, now=1.0)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.cli import main
-from services.client import ShardClient
-from services.config import dump_config
-from services.tls import OPERATOR, certs_dir, issue_cluster_certs, learner_name, load_identity
-from services.wire import pb
-from syncer.service import start_shard
+from diloco.services.cli import main
+from diloco.services.client import ShardClient
+from diloco.services.config import dump_config
+from diloco.services.tls import OPERATOR, certs_dir, issue_cluster_certs, learner_name, load_identity
+from diloco.services.wire import pb
+from diloco.syncer.service import start_shard
 from tests.cluster_config import tiny_cluster
 
 # Four tensors, so the plan has a tensor for each of the 4 fragments.

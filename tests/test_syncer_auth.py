@@ -9,10 +9,10 @@ import grpc
 import pytest
 import torch
 
-from services.client import ShardClient
-from services.tls import issue_cluster_certs, learner_name, load_identity
-from services.wire import pb
-from syncer.service import start_shard
+from diloco.services.client import ShardClient
+from diloco.services.tls import issue_cluster_certs, learner_name, load_identity
+from diloco.services.wire import pb
+from diloco.syncer.service import start_shard
 from tests.test_syncer_service import MANIFEST, _outer_gradient, identity, write_config
 
 IDLE_SECONDS = 0.5

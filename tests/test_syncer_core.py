@@ -7,15 +7,15 @@ import math
 import pytest
 import torch
 
-from services.client import apply_update, state_hash
-from services.codecs import get_codec
-from services.config import ConfigError, parse_config
-from services.payload import decode_payload, describe, iter_chunks
-from services.wire import pb
-from syncer.core import NullJournal, Restored, ShardCore
-from syncer.grace import GraceWindow
-from syncer.merge import RoundAccumulator, contribution_weight
-from syncer.refusal import Refusal
+from diloco.services.state import apply_update, state_hash
+from diloco.services.codecs import get_codec
+from diloco.services.config import ConfigError, parse_config
+from diloco.services.payload import decode_payload, describe, iter_chunks
+from diloco.services.wire import pb
+from diloco.syncer.core import NullJournal, Restored, ShardCore
+from diloco.syncer.grace import GraceWindow
+from diloco.syncer.merge import RoundAccumulator, contribution_weight
+from diloco.syncer.refusal import Refusal
 
 MANIFEST = [("blocks.0.w", (64,)), ("blocks.1.w", (48,)), ("head.w", (40,)), ("embed.w", (32,))]
 LEARNERS = ("a", "b", "c")

@@ -8,13 +8,13 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from services.client import apply_update, state_hash
-from services.payload import decode_payload
+from diloco.services.state import apply_update, state_hash
+from diloco.services.payload import decode_payload
 
-from syncer.core import ShardCore
-from syncer.refusal import Refusal
-from syncer import store
-from syncer.store import ShardStore, StoreError
+from diloco.syncer.core import ShardCore
+from diloco.syncer.refusal import Refusal
+from diloco.syncer import store
+from diloco.syncer.store import ShardStore, StoreError
 from tests.test_syncer_core import LEARNERS, MANIFEST, Shard, delta, make_config
 
 

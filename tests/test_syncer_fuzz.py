@@ -28,13 +28,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.client import ShardClient
-from services.codecs import get_codec
-from services.config import RpcConfig
-from services.payload import describe, iter_chunks
-from services.rpc import open_channel
-from services.wire import pb
-from syncer.service import start_shard
+from diloco.services.client import ShardClient
+from diloco.services.codecs import get_codec
+from diloco.services.config import RpcConfig
+from diloco.services.payload import describe, iter_chunks
+from diloco.services.rpc import open_channel
+from diloco.services.wire import pb
+from diloco.syncer.service import start_shard
 from tests.test_syncer_service import BLOCK, MANIFEST, identity, write_config
 
 CASES = 400

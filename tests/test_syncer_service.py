@@ -16,14 +16,15 @@ import torch
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.client import ShardClient, state_hash
-from services.codecs import get_codec
-from services.rpc import open_channel
-from services.config import RpcConfig, load_config, parse_config
-from services.payload import describe, iter_chunks
-from services.tls import OPERATOR, certs_dir, issue_cluster_certs, learner_name, load_identity
-from services.wire import pb
-from syncer.service import start_shard
+from diloco.services.client import ShardClient
+from diloco.services.codecs import get_codec
+from diloco.services.rpc import open_channel
+from diloco.services.config import RpcConfig, load_config, parse_config
+from diloco.services.payload import describe, iter_chunks
+from diloco.services.state import state_hash
+from diloco.services.tls import OPERATOR, certs_dir, issue_cluster_certs, learner_name, load_identity
+from diloco.services.wire import pb
+from diloco.syncer.service import start_shard
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MANIFEST = [(f"blocks.{i}.w", (100 + 37 * i,)) for i in range(6)] + [("embed.w", (256,)), ("head.w", (128,))]
@@ -245,7 +246,7 @@ class ShardProcess:
     def start(self):
         with open(self.log_path, "a") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "syncer", "--config", str(self.config_path),
+                [sys.executable, "-m", "diloco.services.cli", "syncer", "--config", str(self.config_path),
                  "--shard-index", str(self.index), "--listen", self.address, "--drain-seconds", "1"],
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
@@ -547,13 +548,13 @@ def test_a_full_disk_refuses_pushes_with_resource_exhausted_naming_the_state_fol
             assert handle.core.version(fragment) == 1  # a's contribution was kept
     finally:
         handle.stop()
-    messages = [r.getMessage() for r in caplog.records if r.name.startswith("syncer")]
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("diloco.syncer")]
     assert sum("cannot write the shard's state" in m for m in messages) == 1, messages
     assert not any(r.exc_info for r in caplog.records)
 
 
 def _start_fails(config_path, *args):
-    result = subprocess.run([sys.executable, "-m", "services.cli", "syncer", "--config", str(config_path),
+    result = subprocess.run([sys.executable, "-m", "diloco.services.cli", "syncer", "--config", str(config_path),
                              "--shard-index", "0", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
     ours = [line for line in (result.stdout + result.stderr).splitlines() if "syncer:" in line]
     return result.returncode, ours, result.stdout + result.stderr

@@ -7,9 +7,9 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from services.cli import main
-from services.config import ConfigError, dump_config, parse_config
-from services.tls import OPERATOR, learner_name, load_identity, shard_name
+from diloco.services.cli import main
+from diloco.services.config import ConfigError, dump_config, parse_config
+from diloco.services.tls import OPERATOR, learner_name, load_identity, shard_name
 from tests.cluster_config import tiny_cluster
 
 

@@ -1,0 +1,218 @@
+"""The learner's decisions, with no I/O: when each fragment syncs, when and how its result is
+applied, when the schedule holds, and when the run is over.
+
+With H = sync.interval_steps, P = sync.fragments, tau = sync.overlap_steps, alpha =
+sync.mix_alpha and t_p the offset of fragment p in the plan:
+
+    start      after inner step t when (t + sync_offset) % H == t_p, unless a sync of p is
+               in flight or the schedule holds (a held step: hold -= 1, sync_offset -= 1)
+    apply at   step t + tau; the training thread waits for the result there, tau = 0 as long
+               as it takes, else at most max_block_seconds per sync in all; a result still out
+               is late: the fragment and its counters are kept as they are at that moment
+    merge      anchor <- g,  theta <- alpha * theta_at_apply + (1 - alpha) * g
+                                      (+ theta - theta_at_apply for a late result)
+    counters   c_steps, c_tokens: reset by an applied result; a late one keeps what was
+               trained since its apply step (the next outer gradient carries those steps)
+    phase      lead = steps trained past the apply step + steps the wait was worth
+                      - steps held since the sync started
+               hold = max(hold, min(lead, H // (2P)))
+    budget     run_tokens = heard tokens + heard rate * (now - heard at); the run is over
+               once run_tokens >= trainer.max_run_tokens
+
+A result is late because the others reached its round after this learner did: holding the
+schedule for the lead lets this learner's syncs fall back into phase with theirs instead of
+waiting at every round. The cap keeps one very late round (a member that died holds it for
+its lease) from stopping this learner syncing.
+
+Time comes from an injected clock. Everything is called from the training thread, except
+heard_run_tokens (heartbeat threads), which replaces one immutable record.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from diloco.services.config import Config, SyncConfig
+from diloco.services.fragments import FragmentPlan
+from diloco.services.wire import pb
+
+
+def merged_fragment(alpha: float, global_value: torch.Tensor, local: torch.Tensor,
+                    local_at_apply: torch.Tensor | None = None) -> torch.Tensor:
+    """theta_p <- alpha*theta_p + (1-alpha)*g_p. A late result (`local_at_apply` given) is
+    merged with the fragment as it was at its apply step, and the steps trained since are
+    added back: applying late then discards no more local progress than applying on time."""
+    at_apply = local if local_at_apply is None else local_at_apply
+    merged = global_value if alpha == 0 else alpha * at_apply + (1 - alpha) * global_value
+    if local_at_apply is not None:
+        merged = merged + (local - local_at_apply)
+    return merged
+
+
+def phase_of_the_others(learners: Iterable[pb.LearnerStatus], learner_id: str, step: int,
+                        interval_steps: int) -> int:
+    """The sync offset that puts a learner at `step` in phase with the live learners already
+    training (0 when there are none): the median of their schedules, each advanced by the
+    steps it trained since its last heartbeat, minus `step`, modulo H. A learner restored
+    from a checkpoint is behind them; syncing on its own step count, every round of a
+    fragment would wait for it (or it for them) for the rest of the run."""
+    schedule = sorted(
+        l.sync_step + (round(l.seconds_since_heartbeat / l.step_seconds) if l.step_seconds > 0 else 0)
+        for l in learners if l.alive and l.learner_id != learner_id and l.last_step > 0)
+    if not schedule:
+        return 0
+    return (schedule[len(schedule) // 2] - step) % interval_steps
+
+
+@dataclass(frozen=True)
+class CountersAtApply:
+    """A late result's fragment counters as they were at its apply step."""
+    steps: int
+    tokens: int
+
+
+class FragmentSchedule:
+    """One fragment's part of the schedule: c_steps and c_tokens since its last delivered
+    sync, and its sync in flight."""
+
+    def __init__(self, sync: SyncConfig):
+        self._tau = sync.overlap_steps
+        self._max_block_seconds = sync.max_block_seconds
+        self.steps_since_sync = 0  # c_steps
+        self.tokens_since_sync = 0  # c_tokens
+        self.in_flight = False
+        self.apply_at = -1  # the step after which the in-flight result is applied
+        self.blocked_seconds = 0.0  # how long the training thread has waited for it
+        self.held_since_start = 0  # steps the schedule held while it was in flight
+        self.late: CountersAtApply | None = None  # set once it missed its apply step
+
+    def trained(self, tokens: int) -> None:
+        self.steps_since_sync += 1
+        self.tokens_since_sync += tokens
+
+    def start(self, step: int) -> None:
+        self.in_flight = True
+        self.apply_at = step + self._tau
+        self.blocked_seconds = 0.0
+        self.held_since_start = 0
+
+    def held(self) -> None:
+        if self.in_flight:
+            self.held_since_start += 1
+
+    def due_for_apply(self, step: int) -> bool:
+        return self.in_flight and self.apply_at <= step
+
+    def wait_limit(self) -> float | None:
+        """How long the training thread may wait for the result now (None: as long as it takes)."""
+        if self._tau == 0:
+            return None
+        return max(0.0, self._max_block_seconds - self.blocked_seconds)
+
+    def waited(self, seconds: float) -> None:
+        self.blocked_seconds += seconds
+
+    def missed(self) -> bool:
+        """The result was not in when the wait ended. True the first time: the shell keeps the
+        fragment's local values as they are now, and the counters are kept here."""
+        if self.late is not None:
+            return False
+        self.late = CountersAtApply(self.steps_since_sync, self.tokens_since_sync)
+        return True
+
+    def arrived(self, step: int, step_seconds: float, applied: bool) -> tuple[int, int]:
+        """The result is in after step `step` (`applied`: it brought a new global value). Returns
+        (steps trained past the apply step, the lead over the round's last contributor in
+        steps, net of the steps held since the sync started)."""
+        late_steps = step - self.apply_at
+        late, self.late = self.late, None
+        self.in_flight = False
+        if not applied:  # skipped: the next outer gradient still carries every step
+            return late_steps, 0
+        self.steps_since_sync -= late.steps if late else self.steps_since_sync
+        self.tokens_since_sync -= late.tokens if late else self.tokens_since_sync
+        waited_steps = round(self.blocked_seconds / step_seconds) if step_seconds > 0 else 0
+        return late_steps, late_steps + waited_steps - self.held_since_start
+
+
+@dataclass(frozen=True)
+class StepActions:
+    """What the shell does after an inner step."""
+    held: bool  # the schedule stood still: no sync fell due
+    start: tuple[int, ...]  # fragments whose sync starts now (in flight from here)
+    apply: tuple[int, ...]  # fragments whose result is due now: wait for it, apply it
+
+
+@dataclass(frozen=True)
+class HeardRunTokens:
+    """The run's tokens as the last heartbeat reply had them."""
+    tokens: int
+    per_second: float
+    heard_at: float
+
+
+class LearnerSchedule:
+    """Every fragment's schedule, the hold and the run's token budget of one learner."""
+
+    def __init__(self, cfg: Config, plan: FragmentPlan, clock: Callable[[], float] = time.monotonic):
+        self.plan = plan
+        self._clock = clock
+        self._interval_steps = cfg.sync.interval_steps
+        self._max_hold = cfg.sync.interval_steps // (2 * cfg.sync.fragments)
+        self._max_run_tokens = cfg.trainer.max_run_tokens
+        self.fragments = {f.id: FragmentSchedule(cfg.sync) for f in plan.fragments}
+        self.sync_offset = 0  # the schedule runs at step + sync_offset
+        self.hold = 0  # steps the schedule is yet to stand still
+        self._heard: HeardRunTokens | None = None
+
+    def step_done(self, step: int, tokens: int) -> StepActions:
+        """Inner step `step` (0-based) trained `tokens`: the syncs that start now and the
+        results that are due now."""
+        for fragment in self.fragments.values():
+            fragment.trained(tokens)
+        held = self.hold > 0
+        starting = ()
+        if held:
+            self.hold -= 1
+            self.sync_offset -= 1
+            for fragment in self.fragments.values():
+                fragment.held()
+        else:
+            # Never two syncs of one fragment in flight (only possible if tau >= H, which the
+            # config refuses).
+            starting = tuple(f.id for f in self.plan.due_at(step + self.sync_offset)
+                             if not self.fragments[f.id].in_flight)
+            for fid in starting:
+                self.fragments[fid].start(step)
+        due = tuple(fid for fid, f in self.fragments.items() if f.due_for_apply(step))
+        return StepActions(held, starting, due)
+
+    def join_in_phase(self, learners: Iterable[pb.LearnerStatus], learner_id: str, step: int) -> None:
+        """(Re)joining at `step`: the schedule starts in phase with the others of a Status reply."""
+        self.sync_offset = phase_of_the_others(learners, learner_id, step, self._interval_steps)
+
+    def result_arrived(self, fragment_id: int, step: int, step_seconds: float, applied: bool) -> bool:
+        """Fragment's result is in after step `step`; whether it came past its apply step. A
+        result that came after it was needed (waited for, or late) means the others reached
+        the round that much later: the schedule holds for that lead."""
+        late_steps, lead_steps = self.fragments[fragment_id].arrived(step, step_seconds, applied)
+        if lead_steps > 0:
+            self.hold = max(self.hold, min(lead_steps, self._max_hold))
+        return late_steps > 0
+
+    def heard_run_tokens(self, tokens: int, per_second: float) -> None:
+        self._heard = HeardRunTokens(tokens, per_second, self._clock())
+
+    def run_tokens(self) -> int:
+        """The whole run's tokens now: the last heartbeat's count, grown at the run's rate since."""
+        heard = self._heard
+        if heard is None:
+            return 0
+        return round(heard.tokens + heard.per_second * (self._clock() - heard.heard_at))
+
+    def run_over(self) -> bool:
+        """The run's token budget (trainer.max_run_tokens) is spent."""
+        return self._max_run_tokens is not None and self.run_tokens() >= self._max_run_tokens

@@ -1,0 +1,20 @@
+"""The bit-exactness contract between shard and learner: one way to apply a decoded update,
+and one hash of a fragment's value. Both sides call these, so equal hashes after the same
+chain of updates mean equal bits."""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+def state_hash(values: torch.Tensor) -> str:
+    """sha256 of a fragment's fp32 value: equal hashes mean equal bits."""
+    flat = values.detach().to(torch.float32).contiguous().view(-1)
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+def apply_update(value: torch.Tensor, update: torch.Tensor) -> None:
+    """The one way a decoded update is applied, on shards and learners alike, so
+    both hold the same bits after the same chain of updates."""
+    value.add_(update)

@@ -1,0 +1,296 @@
+"""The learner's decisions, driven directly with a fake clock: when fragments sync, when and how
+results are applied, holding the schedule, c_steps and c_tokens, the run's token budget and
+the phase of the others. No gRPC, no threads, no sleeping."""
+import torch
+
+from diloco.learner.schedule import LearnerSchedule, merged_fragment, phase_of_the_others
+from diloco.services.config import parse_config
+from diloco.services.fragments import plan_for_config
+from diloco.services.wire import pb
+
+MANIFEST = [("blocks.0.w", (64,)), ("blocks.1.w", (48,)), ("head.w", (40,)), ("embed.w", (32,))]
+TOKENS = 10  # per inner step
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_schedule(fragments=2, interval_steps=4, overlap_steps=1, max_block_seconds=2.0, max_run_tokens=None):
+    cfg = parse_config({
+        "shards": [{"address": "127.0.0.1:1"}],
+        "learners": [{"id": "a", "region": "r"}],
+        "sync": {"fragments": fragments, "interval_steps": interval_steps, "overlap_steps": overlap_steps,
+                 "max_block_seconds": max_block_seconds},
+        "trainer": {"max_run_tokens": max_run_tokens},
+    })
+    clock = FakeClock()
+    return LearnerSchedule(cfg, plan_for_config(cfg, MANIFEST), clock=clock), clock
+
+
+def offsets(schedule):
+    return {f.id: f.offset_step for f in schedule.plan.fragments}
+
+
+def starts(schedule, steps):
+    """{step: fragments started after it}, over `steps` inner steps, never applying a result."""
+    started = {}
+    for step in range(steps):
+        actions = schedule.step_done(step, TOKENS)
+        for fid in actions.start:
+            started.setdefault(step, []).append(fid)
+            schedule.result_arrived(fid, step, 0.1, applied=True)  # so that the next one can start
+    return started
+
+
+def start_one(schedule, fragment_id=0):
+    """Steps until `fragment_id` starts syncing; the step it started after."""
+    step = 0
+    while fragment_id not in schedule.step_done(step, TOKENS).start:
+        step += 1
+    return step
+
+
+# --- when a sync starts -------------------------------------------------------------------
+
+def test_a_fragment_starts_syncing_after_each_step_its_offset_falls_on():
+    schedule, _ = make_schedule()
+    started = starts(schedule, 8)
+    expected = {}
+    for fid, offset in offsets(schedule).items():
+        for step in (offset, offset + 4):
+            expected.setdefault(step, []).append(fid)
+    assert started == expected
+
+
+def test_the_sync_offset_moves_the_steps_a_fragment_syncs_at():
+    schedule, _ = make_schedule(fragments=1)
+    schedule.sync_offset = 1
+    offset = offsets(schedule)[0]
+    assert sorted(starts(schedule, 8)) == [step for step in range(8) if (step + 1) % 4 == offset]
+
+
+def test_a_fragment_whose_sync_is_in_flight_does_not_start_another():
+    schedule, _ = make_schedule(fragments=1)
+    first = start_one(schedule)
+    later = [schedule.step_done(step, TOKENS).start for step in range(first + 1, first + 9)]
+    assert later == [()] * 8  # its result never arrived
+
+
+# --- when a result is applied -------------------------------------------------------------
+
+def test_a_result_is_due_tau_steps_after_its_sync_started_and_stays_due_until_it_arrives():
+    schedule, _ = make_schedule(fragments=1, overlap_steps=2)
+    started = start_one(schedule)
+    due = [schedule.step_done(step, TOKENS).apply for step in range(started + 1, started + 4)]
+    assert due == [(), (0,), (0,)]
+    schedule.result_arrived(0, started + 3, 0.1, applied=True)
+    assert schedule.step_done(started + 4, TOKENS).apply == ()
+
+
+def test_tau_zero_applies_after_the_same_step_and_waits_without_limit():
+    schedule, _ = make_schedule(fragments=1, overlap_steps=0)
+    step = 0
+    while not (actions := schedule.step_done(step, TOKENS)).start:
+        step += 1
+    assert actions.apply == (0,)
+    schedule.fragments[0].waited(1000.0)
+    assert schedule.fragments[0].wait_limit() is None
+
+
+def test_the_wait_for_a_result_is_bounded_by_max_block_seconds_per_sync():
+    schedule, _ = make_schedule(fragments=1, max_block_seconds=2.0)
+    start_one(schedule)
+    fragment = schedule.fragments[0]
+    assert fragment.wait_limit() == 2.0
+    fragment.waited(1.5)
+    assert fragment.wait_limit() == 0.5
+    fragment.waited(1.0)
+    assert fragment.wait_limit() == 0.0
+    schedule.result_arrived(0, fragment.apply_at, 0.0, applied=True)
+    start_one(schedule)  # the next sync waits afresh
+    assert fragment.wait_limit() == 2.0
+
+
+def test_a_result_missing_after_the_wait_asks_for_one_snapshot_of_the_fragment():
+    schedule, _ = make_schedule(fragments=1)
+    start_one(schedule)
+    assert schedule.fragments[0].missed() is True
+    assert schedule.fragments[0].missed() is False  # the first snapshot is the apply step's
+
+
+# --- merging a result ---------------------------------------------------------------------
+
+def test_alpha_zero_takes_the_global_value():
+    local, global_value = torch.tensor([1.0, 2.0]), torch.tensor([10.0, 20.0])
+    assert torch.equal(merged_fragment(0.0, global_value, local), global_value)
+
+
+def test_alpha_mixes_the_fragment_with_the_global_value():
+    local, global_value = torch.tensor([1.0, 2.0]), torch.tensor([10.0, 20.0])
+    assert torch.equal(merged_fragment(0.5, global_value, local), torch.tensor([5.5, 11.0]))
+
+
+def test_a_late_result_is_merged_with_the_fragment_at_its_apply_step_plus_the_steps_trained_since():
+    at_apply, now, global_value = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 5.0]), torch.tensor([10.0, 20.0])
+    assert torch.equal(merged_fragment(0.0, global_value, now, at_apply), torch.tensor([12.0, 23.0]))
+    assert torch.equal(merged_fragment(0.5, global_value, now, at_apply), torch.tensor([7.5, 14.0]))
+
+
+# --- c_steps and c_tokens -----------------------------------------------------------------
+
+def test_a_result_applied_on_time_resets_c_steps_and_c_tokens():
+    schedule, _ = make_schedule(fragments=1)
+    started = start_one(schedule)
+    schedule.step_done(started + 1, TOKENS)
+    fragment = schedule.fragments[0]
+    assert (fragment.steps_since_sync, fragment.tokens_since_sync) == (started + 2, (started + 2) * TOKENS)
+    assert schedule.result_arrived(0, started + 1, 0.1, applied=True) is False
+    assert (fragment.steps_since_sync, fragment.tokens_since_sync) == (0, 0)
+
+
+def test_a_late_result_keeps_the_steps_and_tokens_trained_since_its_apply_step():
+    schedule, _ = make_schedule(fragments=1)
+    started = start_one(schedule)
+    schedule.step_done(started + 1, TOKENS)
+    schedule.fragments[0].missed()
+    for step in (started + 2, started + 3):
+        schedule.step_done(step, TOKENS)
+    assert schedule.result_arrived(0, started + 3, 0.1, applied=True) is True
+    assert (schedule.fragments[0].steps_since_sync, schedule.fragments[0].tokens_since_sync) == (2, 2 * TOKENS)
+
+
+def test_a_skipped_sync_keeps_every_step_for_the_next_outer_gradient_and_does_not_hold():
+    schedule, _ = make_schedule(fragments=1)
+    started = start_one(schedule)
+    schedule.fragments[0].missed()
+    for step in (started + 1, started + 2, started + 3):
+        schedule.step_done(step, TOKENS)
+    schedule.result_arrived(0, started + 3, 0.1, applied=False)
+    assert schedule.fragments[0].steps_since_sync == started + 4
+    assert not schedule.fragments[0].in_flight and schedule.hold == 0
+
+
+# --- holding the schedule to fall back into phase ------------------------------------------
+
+def late_by(schedule, steps, waited_seconds=0.0, step_seconds=0.1):
+    """Starts fragment 0's sync and lets its result come `steps` steps past its apply step,
+    after the training thread waited `waited_seconds` for it."""
+    started = start_one(schedule)
+    apply_at = schedule.fragments[0].apply_at
+    for step in range(started + 1, apply_at + steps + 1):
+        schedule.step_done(step, TOKENS)
+    schedule.fragments[0].waited(waited_seconds)
+    schedule.result_arrived(0, apply_at + steps, step_seconds, applied=True)
+    return apply_at + steps
+
+
+def test_a_late_result_holds_the_schedule_for_the_steps_it_was_late():
+    schedule, _ = make_schedule(fragments=1, interval_steps=8)
+    last = late_by(schedule, 2)
+    assert schedule.hold == 2
+    held = [schedule.step_done(step, TOKENS).held for step in (last + 1, last + 2, last + 3)]
+    assert held == [True, True, False] and schedule.sync_offset == -2
+    # The next sync starts H + 2 steps after the last one.
+    step = last + 3
+    while not schedule.step_done(step := step + 1, TOKENS).start:
+        pass
+    assert step == offsets(schedule)[0] + 8 + 2
+
+
+def test_the_time_waited_for_a_result_counts_towards_the_lead_in_steps():
+    schedule, _ = make_schedule(fragments=1, interval_steps=8)
+    late_by(schedule, 0, waited_seconds=0.3, step_seconds=0.1)
+    assert schedule.hold == 3
+
+
+def test_the_hold_is_capped_at_h_over_2p_steps():
+    schedule, _ = make_schedule(fragments=1, interval_steps=8)
+    late_by(schedule, 7)
+    assert schedule.hold == 8 // 2
+
+
+def test_steps_held_since_a_sync_started_count_against_its_lead():
+    schedule, _ = make_schedule(fragments=1, interval_steps=8)
+    started = start_one(schedule)
+    schedule.hold = 2  # another fragment's lead, say
+    for step in (started + 1, started + 2, started + 3):
+        schedule.step_done(step, TOKENS)
+    # Late by two steps, both already held: this learner is back in phase.
+    schedule.result_arrived(0, started + 3, 0.1, applied=True)
+    assert schedule.hold == 0
+
+
+def test_a_shorter_lead_does_not_shorten_the_hold():
+    schedule, _ = make_schedule(fragments=1, interval_steps=8)
+    started = start_one(schedule)
+    schedule.step_done(started + 1, TOKENS)
+    schedule.step_done(started + 2, TOKENS)
+    schedule.hold = 3  # another fragment's lead, say
+    schedule.result_arrived(0, started + 2, 0.1, applied=True)  # late by one step
+    assert schedule.hold == 3
+
+
+# --- the run's token budget ----------------------------------------------------------------
+
+def test_the_run_has_no_tokens_before_a_heartbeat_is_answered():
+    schedule, _ = make_schedule(max_run_tokens=1)
+    assert schedule.run_tokens() == 0 and not schedule.run_over()
+
+
+def test_the_run_tokens_grow_at_the_runs_rate_since_the_heartbeat():
+    schedule, clock = make_schedule()
+    schedule.heard_run_tokens(1000, 100.0)
+    clock.now += 2.5
+    assert schedule.run_tokens() == 1250
+
+
+def test_the_run_is_over_once_its_tokens_reach_the_budget():
+    schedule, clock = make_schedule(max_run_tokens=1200)
+    schedule.heard_run_tokens(1000, 100.0)
+    clock.now += 1.9
+    assert not schedule.run_over()
+    clock.now += 0.1
+    assert schedule.run_over()
+
+
+def test_a_run_without_a_token_budget_is_never_over():
+    schedule, clock = make_schedule()
+    schedule.heard_run_tokens(10**12, 10.0**9)
+    assert not schedule.run_over()
+
+
+# --- the phase of the others at (re)join ------------------------------------------------------
+
+def learner(learner_id, sync_step, seconds_since_heartbeat=0.0, step_seconds=0.1, alive=True, last_step=5):
+    return pb.LearnerStatus(learner_id=learner_id, sync_step=sync_step, seconds_since_heartbeat=seconds_since_heartbeat,
+                            step_seconds=step_seconds, alive=alive, last_step=last_step)
+
+
+def test_a_learner_alone_syncs_on_its_own_step():
+    assert phase_of_the_others([], "me", 17, 24) == 0
+
+
+def test_the_offset_is_the_median_of_the_others_schedules_minus_our_step_modulo_h():
+    others = [learner("a", 30), learner("b", 50), learner("c", 41)]
+    assert phase_of_the_others(others, "me", 10, 24) == (41 - 10) % 24
+
+
+def test_the_others_schedules_are_advanced_by_the_steps_since_their_heartbeat():
+    others = [learner("a", 30, seconds_since_heartbeat=0.5, step_seconds=0.1)]
+    assert phase_of_the_others(others, "me", 30, 24) == 5
+
+
+def test_the_phase_ignores_this_learner_the_dead_and_those_yet_to_train():
+    others = [learner("me", 3), learner("dead", 7, alive=False), learner("new", 9, last_step=0), learner("a", 12)]
+    assert phase_of_the_others(others, "me", 0, 8) == 4
+
+
+def test_joining_in_phase_sets_the_sync_offset():
+    schedule, _ = make_schedule(interval_steps=8)
+    schedule.join_in_phase([learner("a", 12)], "me", 3)
+    assert schedule.sync_offset == (12 - 3) % 8
