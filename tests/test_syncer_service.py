@@ -421,13 +421,31 @@ def run_learners(learners, until, timeout=40.0):
         raise errors[0]
 
 
-def assert_identical_bits(learners, cfg):
-    for learner in learners:
-        learner.catch_up()
+def shard_statuses(cfg) -> list:
     statuses = []
     for shard in cfg.shards:
         with ShardClient(shard.address, cfg.rpc, identity=identity(cfg, None)) as client:
             statuses.append(client.status())
+    return statuses
+
+
+def assert_identical_bits(learners, cfg):
+    # A learner's last pull gives up after 1 s: on a loaded machine its round may still be in
+    # its grace window then. The learners catch up once the shards are quiet: no version and no
+    # open round changed for a second (a round waiting for a learner that stopped stays open).
+    def shards_now():
+        return [(f.fragment_id, f.version, f.pending_contributions)
+                for status in shard_statuses(cfg) for f in status.fragments]
+
+    deadline, last, quiet_since = time.monotonic() + 20, None, time.monotonic()
+    while time.monotonic() - quiet_since < 1.0 and time.monotonic() < deadline:
+        now = shards_now()
+        if now != last:
+            last, quiet_since = now, time.monotonic()
+        time.sleep(0.1)
+    for learner in learners:
+        learner.catch_up()
+    statuses = shard_statuses(cfg)
     hashes = {f.fragment_id: (f.version, f.state_hash) for status in statuses for f in status.fragments}
     for learner in learners:
         assert {f: (learner.versions[f], state_hash(v)) for f, v in learner.values.items()} == hashes, learner.id
