@@ -28,7 +28,7 @@ from diloco.services.state import state_hash
 from diloco.services.wire import pb
 from diloco.syncer.claims import ClaimBounds
 from diloco.syncer.counters import Counters
-from diloco.syncer.disk import DiskCondition
+from diloco.syncer.disk import DiskGuardedJournal
 from diloco.syncer.fragment_state import ClosedRound, ContributionKey, FragmentSnapshot, FragmentState, PullPlan
 from diloco.syncer.membership import HeartbeatReport, Membership
 from diloco.syncer.merge import contribution_weight
@@ -142,8 +142,8 @@ class ShardCore:
         cfg.shard(shard_index)  # validates the index
         self.cfg, self.shard_index = cfg, shard_index
         self.clock, self.wall_clock = clock, wall_clock
-        self.journal = journal or NullJournal()
-        self.disk = DiskCondition(state_location)  # where the journal writes, for messages
+        # A full or failing disk refuses the request that needed the write (syncer/disk.py).
+        self.journal = DiskGuardedJournal(journal or NullJournal(), state_location)
         self.claims = ClaimBounds.from_config(cfg)
         self.counters = Counters()
         self.membership = Membership([l.id for l in cfg.learners], cfg.syncer.lease_seconds, self.counters)
@@ -269,7 +269,7 @@ class ShardCore:
         with state.lock:
             _check_unseeded(state)  # another seed may have landed while this one streamed in
             snapshot = state.seeded(values)
-            self.disk.write(lambda: self.journal.commit(snapshot))
+            self.journal.commit(snapshot)
             state.install(snapshot)
         self.counters.add("seeds")
         return PushOutcome(pb.PUSH_RESULT_SEEDED, 0, 0, 0, committed=True)
@@ -284,7 +284,7 @@ class ShardCore:
         with state.lock:
             state.check_restorable(header.base_version)  # judged again: another may have landed
             snapshot = state.seeded(values, header.base_version)
-            self.disk.write(lambda: self.journal.commit(snapshot))
+            self.journal.commit(snapshot)
             state.install(snapshot)
         self.counters.add("fragments.restored")
         log.warning("fragment %d: restored at version %d from learner %r's copy (this shard had lost it)",
@@ -316,7 +316,7 @@ class ShardCore:
             if staleness > self.cfg.syncer.max_staleness:
                 return self._refuse_stale(state, staleness)
             round_number, version = state.round.number, state.version
-            self.disk.write(lambda: self.journal.append(state.id, LoggedContribution(round_number, header, chunks)))
+            self.journal.append(state.id, LoggedContribution(round_number, header, chunks))
             self._admit(state, header, chunks, staleness, transfer_seconds)
             result = "accepted" if staleness == 0 else "stale_merged"
             self.counters.add(f"contributions.{result}")
@@ -332,7 +332,7 @@ class ShardCore:
         # snapshot (synced before the new version shows) holds this contribution: the record was
         # needed only until then. An admitted push whose sync fails is refused here, and merged
         # all the same; its retry gets ALREADY_EXISTS, which learners take as delivered.
-        self.disk.write(lambda: self.journal.sync(state.id))
+        self.journal.sync(state.id)
         return PushOutcome(pb.PUSH_RESULT_ACCEPTED if staleness == 0 else pb.PUSH_RESULT_STALE_MERGED,
                            version, staleness, round_number, committed)
 
@@ -379,8 +379,8 @@ class ShardCore:
         round_ = state.round
         snapshot = state.closing(reason, live_ids, started, self.wall_clock())
         try:
-            self.disk.write(lambda: self.journal.commit(snapshot))
-        except Refusal:  # logged by self.disk: the round stays open, the next push or tick retries
+            self.journal.commit(snapshot)
+        except Refusal:  # a disk that cannot take it (logged once): the round stays open, the next push or tick retries
             return False
         state.install(snapshot)
         state.observe_close(round_, self.clock() - started)
@@ -479,7 +479,7 @@ class ShardCore:
             except ValueError as error:
                 raise Refusal("bad_manifest", "INVALID_ARGUMENT", f"cannot plan fragments: {error}") from None
             if not durable:
-                self.disk.write(lambda: self.journal.fix_manifest(manifest, plan.digest))
+                self.journal.fix_manifest(manifest, plan.digest)
             # Readers take no lock: they must never see the plan without its fragments.
             self.fragments = {f.id: FragmentState(f, self.cfg.sync, self.cfg.syncer)
                               for f in plan.for_shard(self.shard_index)}

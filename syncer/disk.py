@@ -11,9 +11,13 @@ from __future__ import annotations
 import errno
 import logging
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from diloco.syncer.refusal import Refusal
+
+if TYPE_CHECKING:  # the core imports this module
+    from diloco.syncer.core import Journal, LoggedContribution, Manifest
+    from diloco.syncer.fragment_state import FragmentSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -52,3 +56,24 @@ class DiskCondition:
                 return
             self._failing = None
         log.warning("writing the shard's state in %s again", self.where)
+
+
+class DiskGuardedJournal:
+    """A Journal whose every write goes through one DiskCondition: what the core gives the
+    journal either lands, or the request that needed it is refused as the condition says."""
+
+    def __init__(self, journal: Journal, where: str):
+        self._journal = journal
+        self._disk = DiskCondition(where)
+
+    def fix_manifest(self, manifest: Manifest, plan_digest: str) -> None:
+        self._disk.write(lambda: self._journal.fix_manifest(manifest, plan_digest))
+
+    def append(self, fragment_id: int, contribution: LoggedContribution) -> None:
+        self._disk.write(lambda: self._journal.append(fragment_id, contribution))
+
+    def sync(self, fragment_id: int) -> None:
+        self._disk.write(lambda: self._journal.sync(fragment_id))
+
+    def commit(self, snapshot: FragmentSnapshot) -> None:
+        self._disk.write(lambda: self._journal.commit(snapshot))
