@@ -30,7 +30,7 @@ from diloco.learner.schedule import LearnerSchedule, merged_fragment
 from diloco.services.client import PullResult, ShardClient, StateHashMismatch, TransferObserver, WanLink
 from diloco.services.codecs import ErrorFeedback, get_codec
 from diloco.services.config import Config
-from diloco.services.fragments import Fragment, FragmentPlan, gather, scatter
+from diloco.services.fragments import Fragment, FragmentPlan, assemble, gather, scatter
 from diloco.services.state import state_hash
 from diloco.services.tls import Identity
 from diloco.services.wire import pb
@@ -733,10 +733,7 @@ class StreamingSync:
     def global_state_dict(self) -> dict[str, torch.Tensor]:
         """The run's global model as this learner holds it (the anchors: after catch_up, the
         shards' final values), fp32, by parameter name; the local model stays as it is."""
-        tensors = {name: torch.empty(tuple(shape), dtype=torch.float32) for name, shape in self.manifest}
-        for state in self.fragments.values():
-            scatter(state.fragment, state.anchor, tensors)
-        return tensors
+        return assemble(self.manifest, ((state.fragment, state.anchor) for state in self.fragments.values()))
 
     def state_dict(self) -> dict:
         """What a checkpoint needs to resume syncing without a full pull (the tensors

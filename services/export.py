@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from diloco.services.client import ShardClient, StateHashMismatch
 from diloco.services.config import Config, ConfigError, load_config
-from diloco.services.fragments import plan_for_config, scatter
+from diloco.services.fragments import assemble, plan_for_config
 from diloco.services.tls import OPERATOR, Identity, load_identity
 from diloco.services.wire import pb
 
@@ -104,14 +104,13 @@ def fetch_global_model(cfg: Config, identity: Identity | None) -> GlobalModel:
             raise ExportError(f"the shards use fragment plan {digest[:12]}, this config makes "
                               f"{plan.digest[:12]}: sync settings or shards differ from the run's")
         merged_tokens = {f.fragment_id: f.merged_tokens for s in statuses for f in s.fragments}
-        tensors = {name: torch.empty(shape, dtype=torch.float32) for name, shape in manifest}
-        fragments = []
+        values, fragments = [], []
         for fragment in plan.fragments:
             value, version, value_hash = _pull_fragment(clients[fragment.shard], fragment.id, fragment.shard)
-            scatter(fragment, value, tensors)
+            values.append((fragment, value))
             fragments.append(ExportedFragment(fragment.id, fragment.shard, version, value_hash,
                                               merged_tokens.get(fragment.id, 0)))
-        return GlobalModel(cfg.run.name, digest, tuple(fragments), tensors)
+        return GlobalModel(cfg.run.name, digest, tuple(fragments), assemble(manifest, values))
     finally:
         for client in clients:
             client.close()

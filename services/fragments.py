@@ -24,7 +24,7 @@ import heapq
 import json
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -165,6 +165,15 @@ def scatter(fragment: Fragment, flat: torch.Tensor, params: Mapping[str, torch.T
         for slot in fragment.tensors:
             param = _checked_param(slot, params)
             param.copy_(flat[slot.offset : slot.offset + slot.numel].reshape(slot.shape))
+
+
+def assemble(manifest: Sequence[tuple[str, Sequence[int]]],
+             values: Iterable[tuple[Fragment, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The manifest's parameters by name, fp32, cut from each fragment's flat value."""
+    params = {name: torch.empty(tuple(shape), dtype=torch.float32) for name, shape in manifest}
+    for fragment, flat in values:
+        scatter(fragment, flat, params)
+    return params
 
 
 def _validated(
