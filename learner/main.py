@@ -19,7 +19,6 @@ import os
 import pathlib
 import signal
 import sys
-import tempfile
 import threading
 import time
 from typing import Callable
@@ -34,7 +33,7 @@ from diloco.learner.checkpoint import CheckpointWriter, load_checkpoint
 from diloco.learner.sync import JoinRefused, StreamingSync
 from diloco.learner.train import Trainer, manifest, named_parameters
 from diloco.services.client import ShardClient
-from diloco.services.config import Config, ConfigError, load_config
+from diloco.services.config import Config, ConfigError, check_state_folder, load_config
 from diloco.services.export import ExportedFragment, GlobalModel, write_export
 from diloco.services.fragments import FragmentPlan, gather, plan_for_config, scatter
 from diloco.services.metrics import LearnerMetrics, serve
@@ -161,9 +160,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     state_dir = pathlib.Path(args.state_dir or pathlib.Path(cfg.run.state_dir) / f"learner-{learner.id}")
     try:
-        check_writable(state_dir)
+        check_state_folder(state_dir)  # a learner that cannot checkpoint must not train
     except OSError as error:
-        log.error("learner %s: cannot write its state folder %s: %s", learner.id, state_dir, error)
+        log.error("learner %s: cannot write its state folder %s: %s", learner.id, state_dir, error.strerror)
         return FAILED
     island = Island()
     # Served before the slow part of start-up, so that time shows as startup badput, not down.
@@ -238,13 +237,6 @@ def run(args: argparse.Namespace) -> int:
         island.close()
     island.exit(code)
     return code
-
-
-def check_writable(folder: pathlib.Path) -> None:
-    """Creates the folder and a file in it: a learner that cannot checkpoint must not train."""
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryFile(dir=folder):
-        pass
 
 
 def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: StreamingSync | None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import pathlib
 import re
+import tempfile
 from typing import Annotated, Callable, Literal, Union
 
 import yaml
@@ -341,6 +342,17 @@ def check_factories(cfg: Config) -> None:
         spec = getattr(cfg, key)
         if isinstance(spec, str):
             resolve_factory(spec, key)
+
+
+def check_state_folder(folder: pathlib.Path) -> None:
+    """Creates a process's state folder if need be, and a file in it: a process that cannot
+    keep its state fails at start rather than at its first write. OSError naming the folder."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise OSError(error.errno, error.strerror, str(folder)) from None
 
 
 def dump_config(cfg: Config) -> str:

@@ -17,14 +17,13 @@ import logging
 import math
 import os
 import pathlib
-import tempfile
 import threading
 from dataclasses import dataclass
 
 import grpc
 
 from diloco.services.codecs import get_codec
-from diloco.services.config import Config
+from diloco.services.config import Config, check_state_folder
 from diloco.services.payload import iter_chunks
 from diloco.services.rpc import Server
 from diloco.services.tls import load_identity, shard_name
@@ -216,15 +215,6 @@ def worker_threads(cfg: Config) -> int:
     return len(cfg.learners) * (2 * fragments_per_shard + 1) + 8
 
 
-def _check_writable(folder: pathlib.Path) -> None:
-    """Fails at start, naming the folder, rather than on the first learner's Join."""
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as error:
-        raise OSError(error.errno, f"the state folder {folder} is not writable: {error.strerror}") from None
-
-
 @dataclass
 class ShardHandle:
     core: ShardCore
@@ -250,7 +240,7 @@ def start_shard(cfg: Config, shard_index: int, listen: str = "127.0.0.1:0",
     identity = load_identity(cfg, shard_name(shard_index), tls_dir)
     store = ShardStore(shard_state_dir(cfg.run.state_dir if state_dir is None else state_dir, shard_index))
     try:
-        _check_writable(store.directory)
+        check_state_folder(store.directory)  # fails at start, naming it, not on the first Join
         core = ShardCore(cfg, shard_index, journal=store, state_location=str(store.directory))
         core.restore(store.load())
         servicer = SyncerServicer(core)
