@@ -23,21 +23,12 @@ from diloco.services.state import state_hash
 from diloco.services.wire import pb
 from diloco.syncer.store import shard_state_dir
 from tests.cluster_config import tiny_cluster
+from tests.test_learner_cluster import wait_until
 
 pytestmark = pytest.mark.slow
 
 MANIFEST = [("a", (128,)), ("b", (128,))]
 TIMEOUT = 30.0  # seconds any one wait of a test may take
-
-
-def wait_until(condition, what: str, timeout: float = TIMEOUT, poll: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def fault_config(tmp_path, shards: int = 1, **sections):
@@ -166,7 +157,14 @@ def test_a_shard_that_stops_answering_does_not_expire_the_learner_on_the_others(
         os.killpg(frozen, signal.SIGCONT)
     # Shard 1 answers again: the learner is still (or again) live there too.
     wait_until(lambda: [(l.learner_id, l.alive) for l in shard_status(cfg, 1).learners] == [(learner_id, True)],
-               "shard 1 to hear the learner again")
+               TIMEOUT, "shard 1 to hear the learner again", poll=0.05)
+
+
+def restart_without_state(shards: LocalCluster, cfg) -> None:
+    """SIGKILL shard 0, delete its state folder, start it again: a shard that lost its state."""
+    shards.shards[0].kill()
+    shutil.rmtree(shard_state_dir(cfg.run.state_dir, 0))
+    shards.restart_shard(0)
 
 
 def rounds_closed(cfg, index: int = 0) -> int:
@@ -183,9 +181,7 @@ def test_a_shard_restarted_without_its_state_takes_up_the_run_again_and_the_lear
     sync = learners(cfg, params)
     step = train(sync, params, lambda: sync.fragments[0].version >= 3, "three rounds")
     held = sync.fragments[0].version
-    shards.shards[0].kill()
-    shutil.rmtree(shard_state_dir(cfg.run.state_dir, 0))
-    shards.restart_shard(0)
+    restart_without_state(shards, cfg)
     # The learner gives the shard its value back (RESTORE), and the fragment goes on from the
     # version the learner held: pushes are no longer refused, rounds close again.
     train(sync, params, lambda: rounds_closed(cfg) >= 2, "rounds to close on the restarted shard", first_step=step)
@@ -203,9 +199,7 @@ def test_a_learner_restarting_from_a_checkpoint_ahead_of_a_shard_that_lost_its_s
     train(first, params, lambda: first.fragments[0].version >= 3, "three rounds")
     checkpoint = first.state_dict()
     first.close(leave=True)
-    shards.shards[0].kill()
-    shutil.rmtree(shard_state_dir(cfg.run.state_dir, 0))
-    shards.restart_shard(0)
+    restart_without_state(shards, cfg)
     second = learners(cfg, model(), restored=checkpoint)
     # The shard continues from the run's value the learner held, at its version, never from a
     # learner's local weights.
