@@ -249,7 +249,7 @@ def train(cfg: Config, args: argparse.Namespace, trainer: Trainer, sync: Streami
         """This learner's step and token budgets, and the run's token budget (on rank 0 only:
         ranks learn when to stop from island.stopping)."""
         tokens = trainer.tokens * island.world_size
-        run_tokens_left = sync is None or not sync.schedule.run_over()
+        run_tokens_left = sync is None or not sync.schedule.run_over(sync.tokens)
         return trainer.step < budget.max_steps and (budget.max_tokens is None or tokens < budget.max_tokens) \
             and run_tokens_left
 

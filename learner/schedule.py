@@ -16,8 +16,10 @@ sync.mix_alpha and t_p the offset of fragment p in the plan:
     phase      lead = steps trained past the apply step + steps the wait was worth
                       - steps held since the sync started
                hold = max(hold, min(lead, H // (2P)))
-    budget     run_tokens = heard tokens + heard rate * (now - heard at); the run is over
-               once run_tokens >= trainer.max_run_tokens
+    budget     run_tokens = own tokens + the others' heard tokens
+                            + the others' heard rate * (now - heard at)
+               the run is over once run_tokens >= trainer.max_run_tokens (own tokens are
+               exact; the others' rates are one step's, so only their part is a guess)
 
 A result is late because the others reached its round after this learner did: holding the
 schedule for the lead lets this learner's syncs fall back into phase with theirs instead of
@@ -148,7 +150,7 @@ class StepActions:
 
 @dataclass(frozen=True)
 class HeardRunTokens:
-    """The run's tokens as the last heartbeat reply had them."""
+    """The other learners' tokens and rate as the last heartbeat reply had them."""
     tokens: int
     per_second: float
     heard_at: float
@@ -203,16 +205,20 @@ class LearnerSchedule:
             self.hold = max(self.hold, min(lead_steps, self._max_hold))
         return late_steps > 0
 
-    def heard_run_tokens(self, tokens: int, per_second: float) -> None:
-        self._heard = HeardRunTokens(tokens, per_second, self._clock())
+    def heard_run_tokens(self, tokens: int, per_second: float, own_tokens: int, own_per_second: float) -> None:
+        """A heartbeat reply's run tokens and rate, which count the `own_tokens` and
+        `own_per_second` its request reported."""
+        self._heard = HeardRunTokens(max(0, tokens - own_tokens), max(0.0, per_second - own_per_second),
+                                     self._clock())
 
-    def run_tokens(self) -> int:
-        """The whole run's tokens now: the last heartbeat's count, grown at the run's rate since."""
+    def run_tokens(self, own_tokens: int) -> int:
+        """The whole run's tokens now: this learner's `own_tokens` and the others' count at the
+        last heartbeat, grown at their rate since."""
         heard = self._heard
         if heard is None:
-            return 0
-        return round(heard.tokens + heard.per_second * (self._clock() - heard.heard_at))
+            return own_tokens
+        return own_tokens + round(heard.tokens + heard.per_second * (self._clock() - heard.heard_at))
 
-    def run_over(self) -> bool:
+    def run_over(self, own_tokens: int) -> bool:
         """The run's token budget (trainer.max_run_tokens) is spent."""
-        return self._max_run_tokens is not None and self.run_tokens() >= self._max_run_tokens
+        return self._max_run_tokens is not None and self.run_tokens(own_tokens) >= self._max_run_tokens

@@ -650,10 +650,11 @@ class StreamingSync:
                     log.info("rejoined shard %d", link.index)
                 held = {fid: v for fid, v in self.held_versions().items()
                         if self.plan.fragments[fid].shard == link.index}
-                reply = link.client.heartbeat(self.step, self.step_seconds, self.tokens_per_second, held,
-                                              sync_step=self.step + self.schedule.sync_offset, tokens=self.tokens,
+                tokens, tokens_per_second = self.tokens, self.tokens_per_second
+                reply = link.client.heartbeat(self.step, self.step_seconds, tokens_per_second, held,
+                                              sync_step=self.step + self.schedule.sync_offset, tokens=tokens,
                                               timeout=deadline)
-                self.schedule.heard_run_tokens(reply.run_tokens, reply.run_tokens_per_second)
+                self.schedule.heard_run_tokens(reply.run_tokens, reply.run_tokens_per_second, tokens, tokens_per_second)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     with self._lock:

@@ -237,31 +237,41 @@ def test_a_shorter_lead_does_not_shorten_the_hold():
 
 # --- the run's token budget ----------------------------------------------------------------
 
-def test_the_run_has_no_tokens_before_a_heartbeat_is_answered():
-    schedule, _ = make_schedule(max_run_tokens=1)
-    assert schedule.run_tokens() == 0 and not schedule.run_over()
+def test_before_a_heartbeat_is_answered_the_run_has_this_learners_tokens():
+    schedule, _ = make_schedule(max_run_tokens=100)
+    assert schedule.run_tokens(own_tokens=60) == 60 and not schedule.run_over(own_tokens=60)
+    assert schedule.run_over(own_tokens=100)
 
 
-def test_the_run_tokens_grow_at_the_runs_rate_since_the_heartbeat():
+def test_the_others_tokens_grow_at_their_rate_since_the_heartbeat():
     schedule, clock = make_schedule()
-    schedule.heard_run_tokens(1000, 100.0)
+    # The reply counts this learner's 400 tokens at 40 per second: the others had 600 at 60.
+    schedule.heard_run_tokens(1000, 100.0, own_tokens=400, own_per_second=40.0)
     clock.now += 2.5
-    assert schedule.run_tokens() == 1250
+    assert schedule.run_tokens(own_tokens=400) == 600 + 150 + 400
+
+
+def test_this_learners_own_tokens_count_exactly_whatever_rate_it_last_reported():
+    # Its last step was slow (a sync wait): its own count must not lag by the rate it reported.
+    schedule, clock = make_schedule()
+    schedule.heard_run_tokens(1000, 1.0, own_tokens=1000, own_per_second=1.0)
+    clock.now += 10.0
+    assert schedule.run_tokens(own_tokens=3000) == 3000
 
 
 def test_the_run_is_over_once_its_tokens_reach_the_budget():
     schedule, clock = make_schedule(max_run_tokens=1200)
-    schedule.heard_run_tokens(1000, 100.0)
+    schedule.heard_run_tokens(1000, 100.0, own_tokens=0, own_per_second=0.0)
     clock.now += 1.9
-    assert not schedule.run_over()
+    assert not schedule.run_over(own_tokens=0)
     clock.now += 0.1
-    assert schedule.run_over()
+    assert schedule.run_over(own_tokens=0)
 
 
 def test_a_run_without_a_token_budget_is_never_over():
     schedule, clock = make_schedule()
-    schedule.heard_run_tokens(10**12, 10.0**9)
-    assert not schedule.run_over()
+    schedule.heard_run_tokens(10**12, 10.0**9, own_tokens=0, own_per_second=0.0)
+    assert not schedule.run_over(own_tokens=10**12)
 
 
 # --- the phase of the others at (re)join ------------------------------------------------------
