@@ -1,9 +1,28 @@
 """Decoupled DiLoCo as a cluster of gRPC services: the one import name of this project.
 
+    from diloco import DecoupledDiLoCo     # around your own training loop (learner/api.py)
+
     diloco.services   what the shard and the learner share (wire contract, codecs, config, CLI)
-    diloco.learner    one learner island (model, data, inner loop, streaming sync)
+    diloco.learner    one learner: the public API, its sync, the built-in model and inner loop
     diloco.syncer     one syncer shard (decisions, durability, gRPC servicer)
 
 In the repository these live in services/, learner/ and syncer/ at the top level, mapped under
 `diloco` by pyproject.toml's package-dir; nothing else is installed at top level.
 """
+from __future__ import annotations
+
+__all__ = ["DecoupledDiLoCo", "JoinRefused", "ConfigError"]
+
+
+def __getattr__(name: str):
+    # Imported on first use: `diloco shard` and `diloco --help` need not load the learner.
+    if name == "DecoupledDiLoCo":
+        from diloco.learner.api import DecoupledDiLoCo
+        return DecoupledDiLoCo
+    if name == "JoinRefused":
+        from diloco.learner.sync import JoinRefused
+        return JoinRefused
+    if name == "ConfigError":
+        from diloco.services.config import ConfigError
+        return ConfigError
+    raise AttributeError(f"module 'diloco' has no attribute {name!r}")

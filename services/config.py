@@ -214,6 +214,13 @@ class Config(_Section):
         raise ConfigError(f"learners: no learner with id {learner_id!r} "
                           f"(known: {', '.join(l.id for l in self.learners)})")
 
+    def max_tokens_per_step(self) -> int:
+        """T: syncer.max_tokens_per_step, or what one process of the built-in GPT trains on per
+        step (the config requires the key with a model factory)."""
+        if self.syncer.max_tokens_per_step is not None:
+            return self.syncer.max_tokens_per_step
+        return self.trainer.batch_size * self.model.seq_len
+
     def shard(self, index: int) -> ShardConfig:
         if not 0 <= index < len(self.shards):
             raise ConfigError(f"shards: no shard with index {index} (the config has {len(self.shards)})")

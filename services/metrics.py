@@ -26,6 +26,7 @@ import pathlib
 import threading
 import time
 from typing import Callable, Mapping
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
                                disable_created_metrics, start_http_server)
@@ -71,10 +72,13 @@ SYNCER_COUNTER_HELP = {
 }
 
 
-def serve(registry: CollectorRegistry, port: int) -> None:
-    """Serves `registry` at http://0.0.0.0:<port>/metrics from a daemon thread; port 0: not at all."""
-    if port:
-        start_http_server(port, registry=registry)
+def serve(registry: CollectorRegistry, port: int) -> WSGIServer | None:
+    """Serves `registry` at http://0.0.0.0:<port>/metrics from a daemon thread until the
+    returned server is shut down; port 0: not at all (None)."""
+    if not port:
+        return None
+    server, _ = start_http_server(port, registry=registry)
+    return server
 
 
 def _registry() -> CollectorRegistry:

@@ -35,13 +35,6 @@ MAX_STEP_SECONDS = 86_400.0
 _ROUNDING = 1 + 1e-9  # a rate computed as tokens / seconds, times seconds again
 
 
-def max_tokens_per_step(cfg: Config) -> int:
-    """syncer.max_tokens_per_step, or what one process of the built-in GPT trains on per step."""
-    if cfg.syncer.max_tokens_per_step is not None:
-        return cfg.syncer.max_tokens_per_step
-    return cfg.trainer.batch_size * cfg.model.seq_len  # the config requires the key with a model factory
-
-
 @dataclass(frozen=True)
 class ClaimBounds:
     tokens_per_step: int  # T
@@ -52,7 +45,7 @@ class ClaimBounds:
 
     @classmethod
     def from_config(cls, cfg: Config) -> ClaimBounds:
-        return cls(max_tokens_per_step(cfg), cfg.trainer.max_steps, cfg.sync.interval_steps,
+        return cls(cfg.max_tokens_per_step(), cfg.trainer.max_steps, cfg.sync.interval_steps,
                    cfg.trainer.max_steps + cfg.sync.interval_steps, cfg.syncer.lease_seconds)
 
     @property

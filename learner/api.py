@@ -1,0 +1,377 @@
+"""Decoupled DiLoCo around your own training loop: your model, your optimizer, your data.
+
+    from diloco import DecoupledDiLoCo
+
+    with DecoupledDiLoCo(model, config="cluster.yaml", learner_id="us-east-0") as sync:
+        for x, y in loader:
+            loss = loss_fn(model(x), y)
+            loss.backward(); optimizer.step(); optimizer.zero_grad()
+            sync.step(tokens=x.numel())
+            if sync.should_stop:  # a budget of the config's trainer section is spent, or SIGTERM
+                break
+
+Entering joins every shard, seeds the global model from `model` (the first learner) or pulls
+it into `model`, starts heartbeats and serves /metrics (learners[].metrics_port). `step()`
+after every optimizer step starts each fragment's sync when it is due and applies results
+tau steps later; everything else (pushes, pulls, retries, rejoining a restarted shard)
+happens on background threads. Leaving the block delivers the last contributions, leaves the
+run, pulls its final global values (`global_state_dict()`) and writes the learner report.
+
+Only parameters are synced, by name (a tied tensor once); the optimizer and its state stay
+yours. Put `state_dict()` in your checkpoint and give it back with `load_state_dict()` before
+entering: the restarted learner pulls only what it missed and keeps its local progress.
+Under torchrun (DDP inside one learner), every rank makes the same calls; rank 0 syncs and the
+others receive what it applied, so the ranks stay identical.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import signal
+import threading
+import time
+from typing import Iterator
+
+import grpc
+import torch
+from torch import nn
+
+from diloco.learner.island import Island
+from diloco.learner.report import Report, process_started
+from diloco.learner.sync import JoinRefused, StreamingSync
+from diloco.learner.train import manifest, named_parameters
+from diloco.services.client import ShardClient
+from diloco.services.config import Config, ConfigError, check_state_folder, load_config
+from diloco.services.export import ExportedFragment, GlobalModel, write_export
+from diloco.services.fragments import plan_for_config
+from diloco.services.metrics import LearnerMetrics, serve
+from diloco.services.tls import Identity, learner_name, load_identity
+
+
+class DecoupledDiLoCo:
+    """One learner of a Decoupled DiLoCo run, driven by the caller's training loop.
+
+    model       the nn.Module whose parameters are synced (not a DDP wrapper: its .module)
+    config      the run's cluster YAML (a path) or a loaded Config; the same file the shards use
+    learner_id  this learner's id in the config's learners
+    region      checked against the config when given
+    state_dir   where the report goes (default <run.state_dir>/learner-<id>)
+    tls_dir     this learner's ca.crt, tls.crt and tls.key (default <tls.dir>/learner-<id>)
+    catch_up_seconds  on leaving, pull until no fragment changed for this long
+    enabled     False: train alone, never contacting a shard (a baseline), with the same
+                budgets, report and metrics
+    stop_signals  signals that set should_stop (handlers installed while inside the block, from
+                the main thread only)
+    """
+
+    def __init__(self, model: nn.Module, config: str | os.PathLike | Config, learner_id: str, *,
+                 region: str | None = None, state_dir: str | os.PathLike | None = None,
+                 tls_dir: str | os.PathLike | None = None, catch_up_seconds: float = 3.0,
+                 enabled: bool = True, stop_signals: tuple[signal.Signals, ...] = (signal.SIGTERM,)):
+        self._process_started = process_started()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"DecoupledDiLoCo: model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            raise TypeError("DecoupledDiLoCo: pass the module inside DistributedDataParallel (ddp.module), "
+                            "whose parameter names are the model's own")
+        self.cfg = config if isinstance(config, Config) else load_config(config)
+        self.learner = self.cfg.learner(learner_id)
+        if region is not None and region != self.learner.region:
+            raise ConfigError(f"learners: learner {learner_id} is in region {self.learner.region}, not {region}")
+        self.model = model
+        self.params = named_parameters(model)
+        if not self.params:
+            raise ValueError("DecoupledDiLoCo: the model has no parameters to sync")
+        self.plan = plan_for_config(self.cfg, manifest(model))
+        self.enabled = enabled
+        self.catch_up_seconds = catch_up_seconds
+        self.island = Island()
+        self.state_dir = pathlib.Path(state_dir or pathlib.Path(self.cfg.run.state_dir) / f"learner-{learner_id}")
+        self._tls_dir = tls_dir
+        self._stop_signals = stop_signals
+        self._previous_handlers: dict[int, object] = {}
+        self._signalled = threading.Event()
+        self._restored: dict = {}
+        self._max_tokens_per_step = self.cfg.max_tokens_per_step()
+        self.steps = 0  # inner steps trained, over every incarnation
+        self.tokens = 0  # tokens trained, every rank of the island, over every incarnation
+        self.sync: StreamingSync | None = None
+        self.metrics: LearnerMetrics | None = None
+        self.report: Report | None = None
+        self._metrics_server = None
+        self._inside = False
+        self._finished = False  # finish() ran
+        self._stopping = False
+        self._last_step_done = 0.0  # perf_counter when the last step() returned
+        self._storage = self._parameter_storage()
+
+    # ---- checkpoint state -----------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """What this learner's checkpoint needs besides the model and optimizer: counters,
+        every fragment's version, anchor and error-feedback residual, and the report's
+        history. Plain tensors and containers (torch.load(weights_only=True) reads them); the
+        tensors are the live ones: deep-copy them to write the checkpoint on another thread."""
+        state = {"steps": self.steps, "tokens": self.tokens}
+        if self.sync is not None:
+            state["sync"] = self.sync.state_dict()
+        if self.report is not None:
+            state["report"] = self.report.persistent()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """A state_dict() from a checkpoint; before entering the block."""
+        if self._inside:
+            raise RuntimeError("DecoupledDiLoCo.load_state_dict: call it before entering the `with` block")
+        missing = {"steps", "tokens"} - set(state)
+        if missing:
+            raise ValueError(f"DecoupledDiLoCo.load_state_dict: not a DecoupledDiLoCo state_dict "
+                             f"(missing {', '.join(sorted(missing))})")
+        self._restored = state
+        self.steps, self.tokens = int(state["steps"]), int(state["tokens"])
+
+    # ---- entering and leaving -------------------------------------------------------
+
+    def __enter__(self) -> DecoupledDiLoCo:
+        if self._inside:
+            raise RuntimeError("DecoupledDiLoCo: this learner is already inside its `with` block")
+        started = time.monotonic()
+        startup_seconds = started - self._process_started
+        if self.island.leader:
+            check_state_folder(self.state_dir)
+            self.report = Report(self.state_dir / "report.json", self.learner.id, self.learner.region,
+                                 self._restored.get("report"))
+            try:
+                self._start_leader()
+            except BaseException:
+                self._close(leave=False)
+                raise
+        self.steps, self.tokens = self.island.share_start(self.params, [self.steps, self.tokens])
+        self._install_signal_handlers()
+        self._inside = True
+        self._stopping = self.budget_spent
+        restore_seconds = time.monotonic() - started
+        if self.island.leader:
+            if self.metrics:
+                self.metrics.started(restore_seconds)
+            self.report.begin_incarnation(self.sync.incarnation if self.sync else 0, self.steps, startup_seconds,
+                                          restore_seconds, self.sync.stats.versions_behind_at_join if self.sync else 0)
+            self._write_report("training")  # so this incarnation's record exists, should it die
+        self._last_step_done = time.perf_counter()
+        return self
+
+    def _start_leader(self) -> None:
+        """Rank 0: metrics, then (enabled) join every shard and pull the global model."""
+        identity = load_identity(self.cfg, learner_name(self.learner.id), self._tls_dir) if self.enabled else None
+        if self.learner.metrics_port:
+            self.metrics = LearnerMetrics()
+            try:
+                self._metrics_server = serve(self.metrics.registry, self.learner.metrics_port)
+            except OSError as error:
+                raise OSError(error.errno, f"learner {self.learner.id}: cannot serve metrics on port "
+                              f"{self.learner.metrics_port} (learners[].metrics_port): {error.strerror}") from None
+            self.metrics.model_loaded(self.plan.total_numel)
+        if not self.enabled:
+            return
+        if self.metrics:
+            # Before joining: the shards still hold the previous incarnation's last step.
+            lives = self._restored.get("report", {}).get("incarnations", [])
+            self.metrics.steps_lost(max(0, last_step_seen_by_shards(self.cfg, self.learner.id, identity) - self.steps),
+                                    mean_step_seconds(lives))
+        self.sync = StreamingSync(self.cfg, self.learner.id, self.learner.region, self.params, self.plan,
+                                  observer=self.metrics, identity=identity)
+        self.sync.start(self._restored.get("sync"), should_stop=self._signalled.is_set, step=self.steps,
+                        tokens=self.tokens)
+        if self.metrics:
+            sync = self.sync
+            self.metrics.watch_sync(sync.held_versions, lambda: sync.stats.blocked_seconds, lambda: {
+                "refused": sync.stats.syncs_refused, "reanchored": sync.stats.reanchored,
+                "hash_mismatch": sync.stats.hash_mismatches})
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self.finish()
+                if self.island.leader:
+                    self._write_report("done" if self.budget_spent else "training")
+        finally:
+            self._close(leave=True)
+
+    def finish(self) -> None:
+        """Ends training (leaving the block does it if you do not): a learner whose budget is
+        spent delivers its last contributions and leaves the run; one that was stopped
+        (SIGTERM) waits for its syncs in flight. Both then pull until the global model is quiet,
+        so global_state_dict() holds the run's final values."""
+        self._require_inside("finish")
+        if self._finished or not self.island.leader:
+            self._finished = True
+            return
+        self._finished = True
+        spent = self.budget_spent
+        if self.sync and not spent:
+            self.sync.flush()  # may wait for late results: still provisioned training time
+        self.report.training_ended()
+        if spent and self.metrics:
+            self.metrics.training_finished()
+        if self.sync:
+            if spent:
+                self.sync.deliver()  # the last contributions are in; their rounds need not wait for us
+                self.sync.leave()
+                self._write_report("catching_up")
+            self.sync.catch_up(self.catch_up_seconds, should_stop=self._signalled.is_set)
+
+    def _close(self, leave: bool) -> None:
+        self._inside = False
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers = {}
+        if self.sync is not None:
+            self.sync.close(leave=leave)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in self._stop_signals:
+            self._previous_handlers[signum] = signal.signal(signum, lambda *_: self._signalled.set())
+
+    # ---- the training loop's calls ----------------------------------------------------
+
+    def step(self, tokens: int, seconds: float | None = None) -> list[int]:
+        """Call after every optimizer step. `tokens`: what this process trained on in the step
+        (under torchrun each rank passes its own; the island's are that times the ranks).
+        `seconds`: the step's compute time, default the time since the last step() returned.
+        Returns the ids of the fragments whose global values were applied to the model."""
+        entered = time.perf_counter()
+        self._require_inside("step")
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            raise ValueError(f"DecoupledDiLoCo.step: tokens must be a non-negative int, got {tokens!r}")
+        island_tokens = tokens * self.island.world_size
+        if island_tokens > self._max_tokens_per_step:
+            raise ValueError(f"DecoupledDiLoCo.step: {island_tokens} tokens in one step (x {self.island.world_size} "
+                             f"ranks) is more than syncer.max_tokens_per_step={self._max_tokens_per_step} of the "
+                             "config allows; the shards would refuse this learner's contributions")
+        self._check_parameters()
+        compute_seconds = entered - self._last_step_done if seconds is None else seconds
+        applied = []
+        if self.sync is not None:
+            started = self.sync.stats.syncs_started
+            applied = self.sync.after_step(self.steps, island_tokens, compute_seconds)
+            if applied or self.sync.stats.syncs_started != started:
+                self._check_parameters(by_name=True)
+        self.steps += 1
+        self.tokens += island_tokens
+        stop = self.budget_spent or self._signalled.is_set()
+        applied, self._stopping = self.island.share_step(self.plan, applied, stop, self.params)
+        if self.island.leader:
+            self.report.step(compute_seconds, compute_seconds + time.perf_counter() - entered)
+            if self.metrics:
+                self.metrics.stepped(compute_seconds, island_tokens, self.steps)
+        self._last_step_done = time.perf_counter()
+        return applied
+
+    @property
+    def should_stop(self) -> bool:
+        """The config's trainer.max_steps, trainer.max_tokens or the run's trainer.max_run_tokens
+        is spent, or a stop signal came. Every rank of an island sees the same answer after each
+        step()."""
+        return self._stopping or (self.island.world_size == 1 and self._signalled.is_set())
+
+    @contextlib.contextmanager
+    def timed(self, category: str) -> Iterator[None]:
+        """Counts the time of the block as badput of `category` ("evaluation" or "checkpoint")
+        instead of as the next step's compute."""
+        if category not in ("evaluation", "checkpoint"):
+            raise ValueError(f"DecoupledDiLoCo.timed: category must be 'evaluation' or 'checkpoint', got {category!r}")
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - started
+            self._last_step_done += seconds
+            if self.report is not None:
+                self.report.spent(category, seconds)
+            if self.metrics:
+                self.metrics.spent(category, seconds)
+
+    # ---- the run's product ------------------------------------------------------------
+
+    def global_state_dict(self) -> dict[str, torch.Tensor]:
+        """The run's global model as this learner last pulled it, fp32, by parameter name
+        (after leaving the block: the shards' final values). Rank 0 only."""
+        if self.sync is None:
+            raise RuntimeError("DecoupledDiLoCo.global_state_dict: only rank 0 of a syncing learner "
+                               "(enabled=True) holds the global model, once it has entered")
+        return self.sync.global_state_dict()
+
+    def export(self, out: str | os.PathLike) -> None:
+        """Writes the global model as `diloco export` does: model.safetensors and a manifest."""
+        global_values = self.global_state_dict()
+        fragments = tuple(ExportedFragment(fid, self.plan.fragments[fid].shard, version, digest, None)
+                          for fid, (version, digest) in sorted(self.sync.fragment_hashes().items()))
+        write_export(GlobalModel(self.cfg.run.name, self.plan.digest, fragments, global_values), pathlib.Path(out))
+
+    # ---- checks -------------------------------------------------------------------------
+
+    def _require_inside(self, call: str) -> None:
+        if not self._inside:
+            raise RuntimeError(f"DecoupledDiLoCo.{call}() called outside its `with DecoupledDiLoCo(...)` block: "
+                               "enter the block first (it joins the run)")
+
+    def _parameter_storage(self) -> list[int]:
+        return [p.data_ptr() for p in self.params.values()]
+
+    def _check_parameters(self, by_name: bool = False) -> None:
+        """The synced tensors are still the model's: a parameter replaced between steps (a new
+        nn.Parameter, or `.data =`) would be synced from a tensor training no longer updates."""
+        if self._parameter_storage() != self._storage or (
+                by_name and any(self.params.get(n) is not p for n, p in self.model.named_parameters())):
+            replaced = [name for (name, p), ptr in zip(self.params.items(), self._storage)
+                        if p.data_ptr() != ptr or dict(self.model.named_parameters()).get(name) is not p]
+            raise RuntimeError(f"DecoupledDiLoCo: parameter(s) {', '.join(replaced) or '(new names)'} of the model "
+                               "were replaced by new tensors since the learner joined; update them in place "
+                               "(param.data.copy_(...), optimizer steps) so the synced tensors stay the model's")
+
+    @property
+    def budget_spent(self) -> bool:
+        """trainer.max_steps, trainer.max_tokens or the run's trainer.max_run_tokens is spent
+        (should_stop without a stop signal)."""
+        budget = self.cfg.trainer
+        run_over = self.sync is not None and self.sync.schedule.run_over(self.sync.tokens)
+        return self.steps >= budget.max_steps or (budget.max_tokens is not None and self.tokens >= budget.max_tokens) \
+            or run_over
+
+    def _write_report(self, phase: str) -> None:
+        self.report.write(phase, self.steps, self.tokens, self.island.world_size, self.sync)
+
+    def write_report(self) -> None:
+        """Writes <state_dir>/report.json as of now, as training (leaving the block writes the
+        final one). Rank 0 only; others do nothing."""
+        self._require_inside("write_report")
+        if self.island.leader:
+            self._write_report("training")
+
+
+def last_step_seen_by_shards(cfg: Config, learner_id: str, identity: Identity | None) -> int:
+    """The step this learner's previous incarnation last reported in a heartbeat, as far as any
+    shard remembers it (0 when none does: first start, or the shards restarted too). It lags the
+    step the process died at by up to one heartbeat interval, so work lost is a lower bound."""
+    seen = 0
+    for shard in cfg.shards:
+        try:
+            with ShardClient(shard.address, cfg.rpc, identity=identity) as client:
+                status = client.status(timeout=2.0)
+        except grpc.RpcError:
+            continue
+        seen = max([seen] + [l.last_step for l in status.learners if l.learner_id == learner_id])
+    return seen
+
+
+def mean_step_seconds(incarnations: list[dict]) -> float | None:
+    """Mean compute seconds per step of the lives a checkpoint recorded (None: no step recorded)."""
+    steps = sum(life.get("steps", 0) for life in incarnations)
+    return sum(life.get("compute_seconds", 0.0) for life in incarnations) / steps if steps else None

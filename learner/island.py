@@ -1,0 +1,66 @@
+"""A learner island: the processes of one learner under torchrun (DDP inside the island).
+Rank 0 alone talks to the syncer; after each step it tells the other ranks which fragments it
+applied (and their values) and whether to stop, so every rank stays identical and stops at the
+same step. One process (no process group) is an island of one and none of this costs anything.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from diloco.services.fragments import FragmentPlan, gather, scatter
+
+
+class Island:
+    """The ranks of the default process group (the caller initialises it, as DDP needs it)."""
+
+    def __init__(self):
+        grouped = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size() if grouped else 1
+        self.rank = dist.get_rank() if grouped else 0
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def share_start(self, params: dict[str, torch.Tensor], counters: list[int]) -> list[int]:
+        """Every rank starts from rank 0's weights (the global model) and counters."""
+        if self.world_size == 1:
+            return counters
+        for tensor in params.values():
+            dist.broadcast(tensor.data, src=0)
+        shared = torch.tensor(counters, dtype=torch.int64)
+        dist.broadcast(shared, src=0)
+        return [int(v) for v in shared]
+
+    def share_step(self, plan: FragmentPlan, applied: list[int], stop: bool,
+                   params: dict[str, torch.Tensor]) -> tuple[list[int], bool]:
+        """Rank 0's applied fragment values and its decision to stop reach every rank (one
+        broadcast of flags, then one per applied fragment). Returns both on every rank."""
+        if self.world_size == 1:
+            return applied, stop
+        flags = torch.zeros(len(plan.fragments) + 1, dtype=torch.uint8)
+        flags[applied] = 1
+        flags[-1] = stop
+        dist.broadcast(flags, src=0)
+        applied = flags[:-1].nonzero().flatten().tolist()
+        for fragment_id in applied:
+            fragment = plan.fragments[fragment_id]
+            flat = gather(fragment, params) if self.leader else torch.empty(fragment.numel)
+            dist.broadcast(flat, src=0)
+            if not self.leader:
+                scatter(fragment, flat, params)
+        return applied, bool(flags[-1])
+
+    def verify_identical(self, params: dict[str, torch.Tensor]) -> None:
+        """Checks that every rank holds the same bits (diloco learner --verify-island)."""
+        if self.world_size == 1:
+            return
+        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in params.values()))
+        mine = torch.tensor(list(digest.digest()[:8]), dtype=torch.uint8)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine)
+        if any(not torch.equal(mine, other) for other in every):
+            raise RuntimeError(f"island ranks hold different parameters (rank {self.rank})")

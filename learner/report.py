@@ -1,0 +1,93 @@
+"""What a learner did, across its incarnations, as JSON for `diloco sim` and people.
+
+Each incarnation (process start) has a record; the records ride along in the learner's state
+(DecoupledDiLoCo.state_dict), so a restarted learner's report still shows the lives before it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import time
+
+from diloco.learner.sync import StreamingSync
+
+log = logging.getLogger(__name__)
+
+
+class Report:
+    def __init__(self, path: pathlib.Path, learner_id: str, region: str, restored: dict | None):
+        self.path = path
+        self.learner_id = learner_id
+        self.region = region
+        saved = restored or {}
+        self.evaluations: list[list[float]] = saved.get("evaluations", [])  # [unix time, step, tokens, loss]
+        self.incarnations: list[dict] = saved.get("incarnations", [])
+        self.island_checks = 0  # rank-equality checks passed (diloco learner --verify-island)
+        self.current: dict = {}
+
+    def persistent(self) -> dict:
+        return {"evaluations": self.evaluations, "incarnations": self.incarnations}
+
+    def begin_incarnation(self, incarnation: int, restored_step: int, startup: float, restore: float,
+                          behind: int) -> None:
+        self.current = {"incarnation": incarnation, "started": time.time(), "restored_step": restored_step,
+                        "startup_seconds": startup, "restore_seconds": restore,
+                        "versions_behind_at_join": behind, "steps": 0, "compute_seconds": 0.0,
+                        "loop_seconds": 0.0, "evaluation_seconds": 0.0, "checkpoint_seconds": 0.0}
+        self.incarnations.append(self.current)
+
+    def spent(self, category: str, seconds: float) -> None:
+        """Training-time work besides steps: category "evaluation" or "checkpoint"."""
+        self.current[f"{category}_seconds"] += seconds
+
+    def step(self, compute_seconds: float, loop_seconds: float) -> None:
+        self.current["steps"] += 1
+        self.current["compute_seconds"] += compute_seconds
+        self.current["loop_seconds"] += loop_seconds
+
+    def training_ended(self) -> None:
+        """Training ended: its budget is spent, or it was stopped and its syncs are flushed.
+        The learner's provisioned time ends here; catching up and the last evaluation follow."""
+        self.current["training_ended_at"] = time.time()
+
+    def evaluation(self, step: int, tokens: int, loss: float) -> None:
+        self.evaluations.append([time.time(), step, tokens, loss])
+        log.info("learner %s step %d: validation loss %.4f", self.learner_id, step, loss)
+
+    def update(self, sync: StreamingSync | None) -> None:
+        """Copies the sync counters of this incarnation into its record."""
+        if sync:
+            stats = sync.stats
+            self.current.update(
+                blocked_seconds=stats.blocked_seconds, bytes_up=stats.bytes_up, bytes_down=stats.bytes_down,
+                transfer_seconds=stats.transfer_seconds, syncs_started=stats.syncs_started,
+                syncs_applied=stats.syncs_applied, syncs_skipped=stats.syncs_skipped,
+                syncs_late=stats.syncs_late, held_steps=stats.held_steps, refused_stale=stats.refused_stale,
+                reanchored=stats.reanchored, syncs_refused=stats.syncs_refused,
+                hash_mismatches=stats.hash_mismatches)
+
+    def write(self, phase: str, steps: int, tokens: int, world_size: int, sync: StreamingSync | None) -> None:
+        """phase: "training", "catching_up" (budget spent) or "done"; `tokens`: the whole
+        island's."""
+        self.update(sync)
+        body = {"learner_id": self.learner_id, "region": self.region, "phase": phase,
+                "steps": steps, "tokens": tokens, "world_size": world_size, "island_checks": self.island_checks,
+                "evaluations": self.evaluations, "incarnations": self.incarnations}
+        if sync:
+            body["fragments"] = {str(fid): {"version": v, "state_hash": h}
+                                 for fid, (v, h) in sync.fragment_hashes().items()}
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(body, indent=1))
+        os.replace(tmp, self.path)
+
+
+def process_started() -> float:
+    """When this process started, on time.monotonic's clock. /proc/self/stat's start time is in
+    clock ticks since boot, the clock CLOCK_BOOTTIME reads. (psutil's create_time adds the boot
+    time of /proc/stat, which is whole seconds: a start-up measured with it was up to 1 s long.)"""
+    fields = pathlib.Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    start_ticks = int(fields[19])  # field 22, starttime; the split began at field 3
+    age = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    return time.monotonic() - age
