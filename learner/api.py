@@ -104,6 +104,7 @@ class DecoupledDiLoCo:
         self._finished = False  # finish() ran
         self._stopping = False
         self._last_step_done = 0.0  # perf_counter when the last step() returned
+        self._restore_started = 0.0  # monotonic: joining and pulling the global model began
         self._storage = self._parameter_storage()
 
     # ---- checkpoint state -----------------------------------------------------------
@@ -136,10 +137,13 @@ class DecoupledDiLoCo:
     def __enter__(self) -> DecoupledDiLoCo:
         if self._inside:
             raise RuntimeError("DecoupledDiLoCo: this learner is already inside its `with` block")
-        started = time.monotonic()
-        startup_seconds = started - self._process_started
+        self._restore_started = time.monotonic()  # the leader restarts this clock once /metrics is served
         if self.island.leader:
-            check_state_folder(self.state_dir)
+            try:
+                check_state_folder(self.state_dir)  # a learner that cannot keep its report must not train
+            except OSError as error:
+                raise OSError(error.errno, f"learner {self.learner.id}: cannot write its state folder "
+                              f"{self.state_dir}: {error.strerror}") from None
             self.report = Report(self.state_dir / "report.json", self.learner.id, self.learner.region,
                                  self._restored.get("report"))
             try:
@@ -151,7 +155,8 @@ class DecoupledDiLoCo:
         self._install_signal_handlers()
         self._inside = True
         self._stopping = self.budget_spent
-        restore_seconds = time.monotonic() - started
+        restore_seconds = time.monotonic() - self._restore_started
+        startup_seconds = self._restore_started - self._process_started
         if self.island.leader:
             if self.metrics:
                 self.metrics.started(restore_seconds)
@@ -172,6 +177,7 @@ class DecoupledDiLoCo:
                 raise OSError(error.errno, f"learner {self.learner.id}: cannot serve metrics on port "
                               f"{self.learner.metrics_port} (learners[].metrics_port): {error.strerror}") from None
             self.metrics.model_loaded(self.plan.total_numel)
+        self._restore_started = time.monotonic()
         if not self.enabled:
             return
         if self.metrics:

@@ -87,8 +87,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as error:  # this learner's certificates
         print(f"invalid: {error}", file=sys.stderr)
         code = 2
-    except OSError as error:  # its state folder or its metrics port
-        log.error("learner %s: %s", learner.id, error)
+    except OSError as error:  # its state folder or its metrics port (DecoupledDiLoCo names which)
+        log.error("%s", error.strerror if error.filename is None else error)
         code = FAILED
     except JoinRefused as refused:  # not in the run, another model or other settings
         log.error("learner %s stops: %s", learner.id, refused)
