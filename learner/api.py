@@ -106,6 +106,9 @@ class DecoupledDiLoCo:
         self._last_step_done = 0.0  # perf_counter when the last step() returned
         self._restore_started = 0.0  # monotonic: joining and pulling the global model began
         self._storage = self._parameter_storage()
+        # The module and attribute holding each synced parameter: a new nn.Parameter set there is
+        # seen at the next step, before a sync gathers from the tensor training no longer updates.
+        self._owners = [(model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]) for name in self.params]
 
     # ---- checkpoint state -----------------------------------------------------------
 
@@ -334,11 +337,14 @@ class DecoupledDiLoCo:
     def _check_parameters(self, by_name: bool = False) -> None:
         """The synced tensors are still the model's: a parameter replaced between steps (a new
         nn.Parameter, or `.data =`) would be synced from a tensor training no longer updates."""
-        if self._parameter_storage() != self._storage or (
-                by_name and any(self.params.get(n) is not p for n, p in self.model.named_parameters())):
-            replaced = [name for (name, p), ptr in zip(self.params.items(), self._storage)
-                        if p.data_ptr() != ptr or dict(self.model.named_parameters()).get(name) is not p]
-            raise RuntimeError(f"DecoupledDiLoCo: parameter(s) {', '.join(replaced) or '(new names)'} of the model "
+        replaced = [name for (name, p), ptr, (module, attr) in zip(self.params.items(), self._storage, self._owners)
+                    if p.data_ptr() != ptr or module._parameters.get(attr) is not p]
+        if not replaced and by_name:  # also a replaced submodule (walks the whole model: on syncs only)
+            current = dict(self.model.named_parameters())
+            replaced = [name for name, p in self.params.items() if current.get(name) is not p] \
+                + [name for name in current if name not in self.params]
+        if replaced:
+            raise RuntimeError(f"DecoupledDiLoCo: parameter(s) {', '.join(replaced)} of the model "
                                "were replaced by new tensors since the learner joined; update them in place "
                                "(param.data.copy_(...), optimizer steps) so the synced tensors stay the model's")
 

@@ -1,0 +1,134 @@
+"""A plain PyTorch training loop made a Decoupled DiLoCo learner: a small character-level
+transformer, the user's own SGD, text read from Python's standard library sources.
+
+    python examples/own_loop/train.py --config examples/own_loop/cluster.yaml --learner-id us-east-0 \
+        --checkpoint /tmp/us-east-0.pt --losses /tmp/us-east-0-losses.json
+
+The DiLoCo lines are marked `# DiLoCo`; everything else is what the script would be without it.
+"""
+import argparse
+import json
+import os
+import pathlib
+import sysconfig
+import zlib
+
+import torch
+from torch import nn
+
+from diloco import DecoupledDiLoCo
+
+SEQ_LEN, BATCH_SIZE, VOCAB = 64, 8, 256  # bytes as tokens: syncer.max_tokens_per_step = 8 x 64
+TRAIN_BYTES, VALIDATION_BYTES = 400_000, 40_000  # read so much of the stdlib: start-up stays fast
+
+
+class CharTransformer(nn.Module):
+    def __init__(self, d_model=64, n_head=4, n_layer=2):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d_model)
+        self.position = nn.Parameter(0.02 * torch.randn(SEQ_LEN, d_model))
+        layer = nn.TransformerEncoderLayer(d_model, n_head, 4 * d_model, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, n_layer, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, VOCAB)
+        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(SEQ_LEN), persistent=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens) + self.position[: tokens.shape[1]]
+        x = self.encoder(x, mask=self.causal, is_causal=True)
+        return self.head(self.norm(x))
+
+
+def read_text(learner_id):
+    """Every 20th stdlib file is held out (the same for all learners); each learner starts reading
+    the others at a place of its own, so learners see different text."""
+    files = sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+    held_out, train = files[::20], [f for i, f in enumerate(files) if i % 20]
+    start = zlib.crc32(learner_id.encode()) % len(train)
+
+    def read(paths, limit):
+        chunks, size = [], 0
+        for path in paths:
+            chunks.append(path.read_bytes()[: limit - size])
+            size += len(chunks[-1])
+            if size >= limit:
+                break
+        return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
+
+    return read(train[start:] + train[:start], TRAIN_BYTES), read(held_out, VALIDATION_BYTES)
+
+
+def batch_at(data, position):
+    """BATCH_SIZE consecutive windows from `position` on: inputs and next-byte targets."""
+    starts = [(position + i * SEQ_LEN) % (len(data) - SEQ_LEN - 1) for i in range(BATCH_SIZE)]
+    windows = torch.stack([data[s: s + SEQ_LEN + 1] for s in starts])
+    return windows[:, :-1], windows[:, 1:]
+
+
+@torch.no_grad()
+def validation_loss(model, data, batches=8):
+    model.eval()
+    losses = [nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+              for x, y in (batch_at(data, i * BATCH_SIZE * SEQ_LEN) for i in range(batches))]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="the run's cluster YAML (the shards use the same)")
+    parser.add_argument("--learner-id", required=True)
+    parser.add_argument("--checkpoint", help="resume from this file if it exists; save to it")
+    parser.add_argument("--checkpoint-every", type=int, default=25)
+    parser.add_argument("--losses", help="write (step, loss) and validation losses here as JSON")
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--catch-up-seconds", type=float, default=3.0,
+                        help="after training, follow the global model until it is quiet this long (or SIGTERM)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)  # the first learner seeds the run's global model with this init
+
+    train_data, validation_data = read_text(args.learner_id)
+    model = CharTransformer()
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True)
+    sync = DecoupledDiLoCo(model, config=args.config, learner_id=args.learner_id,  # DiLoCo
+                           catch_up_seconds=args.catch_up_seconds)
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        checkpoint = torch.load(args.checkpoint, weights_only=True)
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        step, position, losses, validation = (checkpoint[k] for k in ("step", "position", "losses", "validation"))
+        sync.load_state_dict(checkpoint["diloco"])  # DiLoCo: before entering
+        print(f"{args.learner_id}: resumed at step {step}", flush=True)
+    else:
+        step, position, losses, validation = 0, 0, [], {"start": validation_loss(model, validation_data)}
+
+    with sync:  # DiLoCo: joins the run, seeds or pulls the global model into `model`
+        while not sync.should_stop:  # DiLoCo: trainer.max_steps of the config, or SIGTERM
+            x, y = batch_at(train_data, position)
+            loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            optimizer.zero_grad()
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            sync.step(tokens=x.numel())  # DiLoCo: syncs fragments that are due, applies results
+            step, position = step + 1, position + x.numel()
+            losses.append((step, loss.item()))
+            if step % 50 == 0:
+                print(f"{args.learner_id}: step {step} loss {loss.item():.3f}", flush=True)
+            if args.checkpoint and step % args.checkpoint_every == 0:
+                with sync.timed("checkpoint"):  # DiLoCo: not counted as step time
+                    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                             "position": position, "losses": losses, "validation": validation,
+                             "diloco": sync.state_dict()}  # DiLoCo
+                    torch.save(state, args.checkpoint + ".tmp")
+                    os.replace(args.checkpoint + ".tmp", args.checkpoint)  # never a half-written checkpoint
+
+    validation["end"] = validation_loss(model, validation_data)
+    print(f"{args.learner_id}: validation loss {validation['start']:.3f} -> {validation['end']:.3f}", flush=True)
+    if args.losses:
+        pathlib.Path(args.losses).write_text(json.dumps({"train": losses, "validation": validation}))
+
+
+if __name__ == "__main__":
+    main()
