@@ -472,7 +472,8 @@ class ShardCore:
             if self.manifest is not None:
                 if manifest != self.manifest:
                     raise Refusal("manifest_mismatch", "FAILED_PRECONDITION",
-                                  f"manifest differs from the one this run started with: {_difference(self.manifest, manifest)}")
+                                  f"manifest differs from the one this run started with (this learner's model is not "
+                                  f"the run's): {_difference(self.manifest, manifest)}")
                 return
             try:
                 plan = plan_for_config(self.cfg, manifest)

@@ -103,7 +103,8 @@ def test_a_parameter_replaced_while_syncing_with_a_shard_is_named_before_the_nex
 def test_a_learner_with_another_model_is_refused_by_the_shard_the_first_one_seeded(cfg, shard):
     with DecoupledDiLoCo(model(width=8), cfg, "us-east-0", catch_up_seconds=0.0):
         other = DecoupledDiLoCo(model(width=16), cfg, "us-west-0", catch_up_seconds=0.0)
-        with pytest.raises(JoinRefused, match=r"manifest differs from the one this run started with: "
+        with pytest.raises(JoinRefused, match=r"manifest differs from the one this run started with \(this learner's model is not the "
+                           r"run's\): "
                            r"tensor 0 is '0.weight' \[16, 16\], expected '0.weight' \[8, 8\]"):
             with other:
                 pass
