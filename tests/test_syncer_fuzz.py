@@ -143,6 +143,8 @@ def pushes(draw, fragments, versions):
             header.kind = draw(st.integers(0, 7))
         elif field in ("c_steps", "incarnation"):
             setattr(header, field, draw(st.integers(0, 3)))
+        elif field == "codec":  # an enum: int32 on the wire
+            header.payload.codec = draw(st.integers(0, 2**31 - 1))
         else:
             setattr(header.payload, field, draw(st.integers(0, 2**32 - 1)))
     chunk_bytes = draw(st.sampled_from([7, 64, 1 << 20]))
