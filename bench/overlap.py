@@ -24,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from diloco.services.client import ShardClient  # noqa: E402
-from diloco.services.cluster import LocalCluster, free_ports  # noqa: E402
+from diloco.localcluster.cluster import LocalCluster, free_ports  # noqa: E402
 from diloco.services.codecs import get_codec  # noqa: E402
 from diloco.services.config import load_config, parse_config  # noqa: E402
 

@@ -28,7 +28,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from diloco.services.client import ShardClient  # noqa: E402
-from diloco.services.cluster import LocalCluster, free_ports, wait_serving  # noqa: E402
+from diloco.localcluster.cluster import LocalCluster, free_ports, wait_serving  # noqa: E402
 from diloco.services.config import Config, load_config, parse_config  # noqa: E402
 from diloco.services.tls import Identity  # noqa: E402
 

@@ -55,7 +55,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from diloco.services.client import ShardClient  # noqa: E402
 from diloco.services.state import apply_update, state_hash  # noqa: E402
-from diloco.services.cluster import free_ports  # noqa: E402
+from diloco.localcluster.cluster import free_ports  # noqa: E402
 from diloco.services.codecs import ErrorFeedback, get_codec  # noqa: E402
 from diloco.services.config import RpcConfig, load_config  # noqa: E402
 from diloco.services.payload import iter_chunks  # noqa: E402

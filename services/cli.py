@@ -1,5 +1,5 @@
 """The `diloco` command. Each subcommand lives in the module that owns it and is
-imported only when run, so `services` never imports `learner` or `syncer` and
+imported only when run, so `services` never imports `learner`, `syncer` or `localcluster` and
 `diloco --help` does not load torch.
 
 A subcommand module provides `add_arguments(parser)` and `run(args) -> int`.
@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 
-# Set by services.cluster to the pid of the process starting this one (the sim, a test's or a
+# Set by localcluster.cluster to the pid of the process starting this one (the sim, a test's or a
 # benchmark's cluster): this process must not outlive it.
 DIE_WITH_PARENT_ENV = "DILOCO_DIE_WITH_PARENT"
 _PR_SET_PDEATHSIG = 1
@@ -24,7 +24,7 @@ _PR_SET_PDEATHSIG = 1
 SUBCOMMANDS = {
     "syncer": ("diloco.syncer.main", "run one syncer shard"),
     "learner": ("diloco.learner.main", "run one learner island"),
-    "sim": ("diloco.services.sim", "run a whole multi-region cluster as local processes"),
+    "sim": ("diloco.localcluster.sim", "run a whole multi-region cluster as local processes"),
     "export": ("diloco.services.export", "write the run's global model from its shards as safetensors"),
     "evaluate": ("diloco.learner.evaluate", "the validation loss of a model file (the run's global model)"),
     "status": ("diloco.services.status", "show a cluster's learners and fragments from its shards"),

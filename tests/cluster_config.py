@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pathlib
 
-from diloco.services.cluster import free_ports
+from diloco.localcluster.cluster import free_ports
 from diloco.services.config import Config, parse_config
 
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from diloco import ConfigError, DecoupledDiLoCo, JoinRefused
-from diloco.services.cluster import LocalCluster, free_ports
+from diloco.localcluster.cluster import LocalCluster, free_ports
 from tests.cluster_config import tiny_cluster
 
 MAX_TOKENS_PER_STEP = 256

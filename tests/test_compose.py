@@ -28,7 +28,7 @@ import diloco.learner.main
 import diloco.services.tls
 import diloco.syncer.main
 from diloco.services.client import ShardClient
-from diloco.services.cluster import Proc, free_ports, wait_serving
+from diloco.localcluster.cluster import Proc, free_ports, wait_serving
 from diloco.services.config import Config, dump_config, load_config, parse_config
 from diloco.services.tls import OPERATOR, load_identity
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from diloco.learner.train import Trainer, named_parameters
 from diloco.services.cli import main
 from diloco.services.client import ShardClient
-from diloco.services.cluster import LocalCluster
+from diloco.localcluster.cluster import LocalCluster
 from diloco.services.config import dump_config
 from diloco.services.fragments import plan_for_config, scatter
 from diloco.services.state import state_hash

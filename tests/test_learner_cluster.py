@@ -15,7 +15,7 @@ import time
 import pytest
 
 from diloco.services.client import ShardClient
-from diloco.services.cluster import LocalCluster
+from diloco.localcluster.cluster import LocalCluster
 from diloco.services.tls import OPERATOR, load_identity
 from tests.cluster_config import tiny_cluster
 

@@ -16,7 +16,7 @@ import torch
 
 from diloco.learner.sync import StreamingSync
 from diloco.services.client import ShardClient
-from diloco.services.cluster import LocalCluster
+from diloco.localcluster.cluster import LocalCluster
 from diloco.services.config import dump_config, parse_config
 from diloco.services.fragments import plan_for_config
 from diloco.services.state import state_hash

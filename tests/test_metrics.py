@@ -1,4 +1,4 @@
-"""/metrics of real shard and learner processes (services.cluster.LocalCluster): every metric
+"""/metrics of real shard and learner processes (localcluster.cluster.LocalCluster): every metric
 issue 6 asks for, with its type and labels, named by Prometheus conventions; and a SIGKILLed
 learner seen by a real Prometheus as `down` badput while the shards' live learners drop."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from diloco.services.cluster import LocalCluster, free_ports
+from diloco.localcluster.cluster import LocalCluster, free_ports
 from diloco.services.config import Config, parse_config
 from diloco.services.metrics import WAN_TRANSFER_BUCKETS, write_file_sd
 from tests.cluster_config import tiny_cluster

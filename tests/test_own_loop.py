@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from diloco.services.client import ShardClient
-from diloco.services.cluster import LocalCluster, Proc, free_ports
+from diloco.localcluster.cluster import LocalCluster, Proc, free_ports
 from diloco.services.config import load_config, parse_config
 from tests.test_learner_cluster import held_fragments, read_report, shard_fragments, wait_until
 

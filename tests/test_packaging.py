@@ -1,5 +1,6 @@
 """What `pip install .` puts into a user's environment: the one import name `diloco`, and no
-top-level `services`, `learner` or `syncer` to collide with the user's own modules."""
+top-level `services`, `learner`, `syncer` or `localcluster` to collide with the user's own
+modules."""
 from __future__ import annotations
 
 import pathlib
@@ -31,10 +32,11 @@ def test_the_wheel_installs_diloco_and_nothing_else_at_top_level(wheel):
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
     assert {"diloco/services/cli.py", "diloco/learner/sync.py", "diloco/syncer/core.py",
-            "diloco/services/wire/diloco/v1/syncer_pb2.py"} <= names
+            "diloco/services/wire/diloco/v1/syncer_pb2.py", "diloco/localcluster/cluster.py",
+            "diloco/localcluster/sim.py"} <= names
 
 
-def test_an_empty_environment_imports_diloco_but_not_services_learner_or_syncer(wheel, tmp_path):
+def test_an_empty_environment_imports_diloco_but_no_folder_of_the_checkout(wheel, tmp_path):
     env = tmp_path / "env"
     venv.create(env, with_pip=True)
     python = env / "bin" / "python"
@@ -43,7 +45,8 @@ def test_an_empty_environment_imports_diloco_but_not_services_learner_or_syncer(
     # From an unrelated folder: nothing of the checkout is on sys.path.
     code = ("import importlib.util, diloco; "
             "print(diloco.__file__); "
-            "print([n for n in ('services', 'learner', 'syncer') if importlib.util.find_spec(n)])")
+            "print([n for n in ('services', 'learner', 'syncer', 'localcluster') "
+            "if importlib.util.find_spec(n)])")
     out = subprocess.run([python, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
     location, importable = out.splitlines()
     assert location.startswith(str(env)) and importable == "[]"

@@ -252,7 +252,7 @@ def read_cmdline(path: pathlib.Path) -> str:
 
 
 def test_sim_overrides_config_keys_and_slows_the_first_learner(tmp_path):
-    from diloco.services.sim import add_arguments, build_config
+    from diloco.localcluster.sim import add_arguments, build_config
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -269,7 +269,7 @@ def test_sim_overrides_config_keys_and_slows_the_first_learner(tmp_path):
 
 
 def test_chaos_counts_a_process_still_down_at_the_end_as_down_until_then():
-    from diloco.services.sim import Chaos
+    from diloco.localcluster.sim import Chaos
 
     chaos = Chaos("learner", 2, mtbf=10.0, restart_delay=5.0, rng=random.Random(0), now=0.0)
     chaos.killed(0, now=1.0)

@@ -38,7 +38,7 @@ import grpc
 import yaml
 
 from diloco.services.client import ShardClient
-from diloco.services.cluster import ExitedBeforeServing, LocalCluster, Proc, free_ports
+from diloco.localcluster.cluster import ExitedBeforeServing, LocalCluster, Proc, free_ports
 from diloco.services.config import Config, ConfigError, ConfigLoader, check_factories, load_config, parse_config
 from diloco.services.export import MODEL_FILE, ExportError, fetch_global_model, write_export
 from diloco.services.metrics import write_file_sd
