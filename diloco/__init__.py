@@ -5,8 +5,9 @@
     diloco.services   what the shard and the learner share (wire contract, codecs, config, CLI)
     diloco.learner    one learner: the public API, its sync, the built-in model and inner loop
     diloco.syncer     one syncer shard (decisions, durability, gRPC servicer)
+    diloco.integrations  adapters to other libraries (hf: transformers, with the `hf` extra)
 
-In the repository these live in services/, learner/ and syncer/ at the top level, mapped under
+In the repository these live in services/, learner/, syncer/ and integrations/ at the top level, mapped under
 `diloco` by pyproject.toml's package-dir; nothing else is installed at top level.
 """
 from __future__ import annotations
