@@ -92,7 +92,7 @@ class DecoupledDiLoCoCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
             raise RuntimeError("DecoupledDiLoCoCallback: the Trainer passed no model to on_train_begin")
-        if not args.include_num_input_tokens_seen and self.seq_len is None:
+        if not counts_tokens(args) and self.seq_len is None:
             raise ValueError("DecoupledDiLoCoCallback: cannot tell how many tokens a step trains on: pass "
                              "seq_len= (tokens per sequence) or set TrainingArguments(include_num_input_tokens_seen=True)")
         if isinstance(model, nn.parallel.DistributedDataParallel):
@@ -116,7 +116,7 @@ class DecoupledDiLoCoCallback(TrainerCallback):
             self._leave(None, None, None)
 
     def _step_tokens(self, args, state) -> int:
-        if not args.include_num_input_tokens_seen:
+        if not counts_tokens(args):
             return args.per_device_train_batch_size * args.gradient_accumulation_steps * self.seq_len
         # The Trainer's count is summed over its processes.
         step_tokens = int(state.num_input_tokens_seen - self._tokens_seen) // args.world_size
@@ -126,3 +126,9 @@ class DecoupledDiLoCoCallback(TrainerCallback):
     def _leave(self, exc_type, exc, tb) -> None:
         self._inside = False
         self.sync.__exit__(exc_type, exc, tb)
+
+
+def counts_tokens(args) -> bool:
+    """The Trainer counts input tokens (state.num_input_tokens_seen): TrainingArguments turns
+    include_num_input_tokens_seen=True/False into "all"/"no"; "non_padding" counts too."""
+    return args.include_num_input_tokens_seen not in ("no", False, None)

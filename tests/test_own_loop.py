@@ -22,9 +22,9 @@ EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "own_loo
 TIMEOUT = 90  # seconds any one wait of a test may take
 
 
-def own_loop_config(state_dir: pathlib.Path, steps: int):
+def own_loop_config(state_dir: pathlib.Path, steps: int, example: pathlib.Path = EXAMPLE):
     """The example's cluster.yaml on free ports, with its own state folder and step budget."""
-    data = load_config(EXAMPLE / "cluster.yaml").model_dump(mode="json")
+    data = load_config(example / "cluster.yaml").model_dump(mode="json")
     ports = free_ports(len(data["shards"]))
     data["shards"] = [{**shard, "address": f"127.0.0.1:{port}"} for shard, port in zip(data["shards"], ports)]
     data["run"]["state_dir"] = str(state_dir)
