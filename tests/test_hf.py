@@ -47,31 +47,28 @@ def hf_example_run(tmp_path):
     runs: list[HFExampleRun] = []
 
     def start(script: str, steps: int) -> HFExampleRun:
-        run = HFExampleRun(own_loop_config(tmp_path / "state", steps, example=EXAMPLE), tmp_path, script)
-        runs.append(run)
-        run.cluster.start_shards()
-        for process in run.scripts.values():
-            process.start()
-        return run
+        runs.append(HFExampleRun(own_loop_config(tmp_path / "state", steps, example=EXAMPLE), tmp_path, script))
+        return runs[-1].start()
 
     yield start
     for run in runs:
         run.stop()
 
 
-def assert_every_learner_learned(run: HFExampleRun) -> None:
+def finish_learned_and_bit_identical(run: HFExampleRun) -> dict[str, dict]:
+    """Every script spends its budget and exits 0, holds the shards' bits and learned; their reports."""
+    reports = run.finish_all()
+    assert_every_script_holds_the_shards_bits(run, reports)
     for learner_id in run.scripts:
         validation = json.loads(run.losses_path(learner_id).read_text())["validation"]
         assert validation["end"] < 0.8 * validation["start"], f"{learner_id} did not learn: {validation}"
+    return reports
 
 
 @pytest.mark.slow
 def test_two_user_loops_train_a_tiny_llama_and_end_bit_identical_with_the_shards(hf_example_run):
     run = hf_example_run("train.py", steps=80)
-    reports = run.finish_all()
-
-    assert_every_script_holds_the_shards_bits(run, reports)
-    assert_every_learner_learned(run)
+    finish_learned_and_bit_identical(run)
     for learner_id in run.scripts:
         steps = [step for step, _ in json.loads(run.losses_path(learner_id).read_text())["train"]]
         assert steps == list(range(1, 81))
@@ -80,11 +77,7 @@ def test_two_user_loops_train_a_tiny_llama_and_end_bit_identical_with_the_shards
 @pytest.mark.slow
 def test_two_hf_trainers_with_the_callback_train_a_tiny_llama_and_end_bit_identical_with_the_shards(hf_example_run):
     run = hf_example_run("trainer.py", steps=40)
-    reports = run.finish_all()
-
-    assert_every_script_holds_the_shards_bits(run, reports)
-    assert_every_learner_learned(run)
-    for report in reports.values():
+    for report in finish_learned_and_bit_identical(run).values():
         assert report["tokens"] == 40 * 8 * SEQ_LEN  # the Trainer's own count, step by step
 
 

@@ -72,6 +72,12 @@ class OwnLoopRun:
             assert script.returncode == 0, f"{script.name} exited with {script.returncode}: see {script.log_path}"
         return {learner_id: self.report(learner_id) for learner_id in self.scripts}
 
+    def start(self) -> OwnLoopRun:
+        self.cluster.start_shards()
+        for script in self.scripts.values():
+            script.start()
+        return self
+
     def stop(self) -> None:
         for script in self.scripts.values():
             script.kill()
@@ -83,12 +89,8 @@ def own_loop_run(tmp_path):
     runs: list[OwnLoopRun] = []
 
     def start(steps: int) -> OwnLoopRun:
-        run = OwnLoopRun(own_loop_config(tmp_path / "state", steps), tmp_path)
-        runs.append(run)
-        run.cluster.start_shards()
-        for script in run.scripts.values():
-            script.start()
-        return run
+        runs.append(OwnLoopRun(own_loop_config(tmp_path / "state", steps), tmp_path))
+        return runs[-1].start()
 
     yield start
     for run in runs:
