@@ -69,9 +69,10 @@ class DecoupledDiLoCoCallback(TrainerCallback):
     Set the Trainer's max_steps at least as high as the config's trainer.max_steps: the run's
     budget should end training, not the Trainer's.
 
-    Other keyword arguments go to DecoupledDiLoCo. An error in `step()` leaves the block and
-    propagates out of trainer.train(); if the Trainer itself raises it skips on_train_end, and
-    the learner's heartbeats end with the process (the shards expire it after their lease).
+    state_dir, tls_dir, catch_up_seconds, enabled and stop_signals are DecoupledDiLoCo's. An
+    error in `step()` leaves the block and propagates out of trainer.train(); if the Trainer
+    itself raises it skips on_train_end, and the learner's heartbeats end with the process (the
+    shards expire it after their lease).
     """
 
     def __init__(self, config: str | os.PathLike | Config, learner_id: str, *, seq_len: int | None = None,

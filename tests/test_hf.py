@@ -115,6 +115,15 @@ def test_the_runs_step_budget_ends_a_trainer_that_counts_batch_times_accumulatio
     assert callback.sync.steps == 3 and callback.sync.tokens == 3 * 2 * 2 * SEQ_LEN
 
 
+def test_a_step_the_shards_would_refuse_ends_training_with_the_error_and_leaves_the_block(cfg, tmp_path):
+    callback = DecoupledDiLoCoCallback(cfg, "us-east-0", seq_len=SEQ_LEN, enabled=False)
+    trainer = tiny_trainer(tmp_path, callback, per_device_train_batch_size=16)  # 1024 tokens a step
+    with pytest.raises(ValueError, match=r"1024 tokens in one step .* syncer.max_tokens_per_step=512"):
+        trainer.train()
+    with pytest.raises(RuntimeError, match=r"step\(\) called outside its `with DecoupledDiLoCo"):
+        callback.sync.step(tokens=1)
+
+
 def test_a_trainer_callback_that_cannot_count_tokens_says_how_to_tell_it(cfg, tmp_path):
     trainer = tiny_trainer(tmp_path, DecoupledDiLoCoCallback(cfg, "us-east-0", enabled=False))
     with pytest.raises(ValueError, match=r"pass seq_len= \(tokens per sequence\) or set "
