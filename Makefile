@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt scripts/install-helm.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,plot]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,plot,hf]'
 	scripts/install-helm.sh $(VENV)/bin
 	touch $@
 

@@ -6,9 +6,11 @@
     diloco.learner    one learner: the public API, its sync, the built-in model and inner loop
     diloco.syncer     one syncer shard (decisions, durability, gRPC servicer)
     diloco.localcluster  the local-cluster harness: LocalCluster (real processes) and `diloco sim`
+    diloco.integrations  adapters to other libraries (hf: transformers, with the `hf` extra)
 
-In the repository these live in services/, learner/, syncer/ and localcluster/ at the top level,
-mapped under `diloco` by pyproject.toml's package-dir; nothing else is installed at top level.
+In the repository these live in services/, learner/, syncer/, localcluster/ and integrations/ at
+the top level, mapped under `diloco` by pyproject.toml's package-dir; nothing else is installed
+at top level.
 """
 from __future__ import annotations
 

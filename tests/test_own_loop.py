@@ -22,9 +22,9 @@ EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "own_loo
 TIMEOUT = 90  # seconds any one wait of a test may take
 
 
-def own_loop_config(state_dir: pathlib.Path, steps: int):
+def own_loop_config(state_dir: pathlib.Path, steps: int, example: pathlib.Path = EXAMPLE):
     """The example's cluster.yaml on free ports, with its own state folder and step budget."""
-    data = load_config(EXAMPLE / "cluster.yaml").model_dump(mode="json")
+    data = load_config(example / "cluster.yaml").model_dump(mode="json")
     ports = free_ports(len(data["shards"]))
     data["shards"] = [{**shard, "address": f"127.0.0.1:{port}"} for shard, port in zip(data["shards"], ports)]
     data["run"]["state_dir"] = str(state_dir)
@@ -72,6 +72,12 @@ class OwnLoopRun:
             assert script.returncode == 0, f"{script.name} exited with {script.returncode}: see {script.log_path}"
         return {learner_id: self.report(learner_id) for learner_id in self.scripts}
 
+    def start(self) -> OwnLoopRun:
+        self.cluster.start_shards()
+        for script in self.scripts.values():
+            script.start()
+        return self
+
     def stop(self) -> None:
         for script in self.scripts.values():
             script.kill()
@@ -83,12 +89,8 @@ def own_loop_run(tmp_path):
     runs: list[OwnLoopRun] = []
 
     def start(steps: int) -> OwnLoopRun:
-        run = OwnLoopRun(own_loop_config(tmp_path / "state", steps), tmp_path)
-        runs.append(run)
-        run.cluster.start_shards()
-        for script in run.scripts.values():
-            script.start()
-        return run
+        runs.append(OwnLoopRun(own_loop_config(tmp_path / "state", steps), tmp_path))
+        return runs[-1].start()
 
     yield start
     for run in runs:

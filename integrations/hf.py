@@ -1,0 +1,135 @@
+"""Hugging Face transformers with Decoupled DiLoCo (the `diloco[hf]` extra).
+
+An HF `Trainer` run becomes a learner with one callback:
+
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[DecoupledDiLoCoCallback("cluster.yaml", "us-east-0", seq_len=64)])
+    trainer.train()
+
+and the built-in learner (`diloco learner`, `diloco sim`) trains a transformers Llama with
+`model: "diloco.integrations.hf:llama"` in the cluster config (byte-level, vocab 256, random
+init from a fixed small LlamaConfig: nothing is downloaded).
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, TrainerCallback
+
+from diloco.learner.api import DecoupledDiLoCo
+from diloco.services.config import Config
+
+VOCAB_SIZE = 256  # bytes are the tokens, as in the built-in models
+LLAMA_SEQ_LEN = 64
+
+
+class CausalLM(nn.Module):
+    """A transformers causal LM with the built-in learner's model interface: `forward(idx,
+    targets)` returns `(logits, loss)` for targets already shifted by one token (HF's own
+    `labels` would shift them again), and `seq_len` is the context the data is cut to."""
+
+    def __init__(self, lm: PreTrainedModel, seq_len: int):
+        super().__init__()
+        self.lm = lm
+        self.seq_len = seq_len
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        logits = self.lm(input_ids=idx, use_cache=False).logits
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss
+
+
+def llama(seed: int) -> CausalLM:
+    """The model factory of `model: "diloco.integrations.hf:llama"`: a 2-layer LlamaForCausalLM
+    of width 64 (about 132k parameters) on bytes. build_model seeds torch before calling it, so
+    every learner starts from the same bits."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=LLAMA_SEQ_LEN)
+    return CausalLM(LlamaForCausalLM(config), LLAMA_SEQ_LEN)
+
+
+class DecoupledDiLoCoCallback(TrainerCallback):
+    """Makes an HF `Trainer` run one learner of a Decoupled DiLoCo run.
+
+    on_train_begin enters `DecoupledDiLoCo` around the Trainer's (unwrapped) model: it joins
+    the run and seeds or pulls the global model. on_step_end (after every optimizer step) calls
+    `step(tokens=...)` and stops training once `should_stop` (a budget of the config's trainer
+    section, or SIGTERM). on_train_end leaves the block: the last contributions are delivered
+    and `self.sync.global_state_dict()` then holds the run's final global model.
+
+    Tokens per optimizer step, per process (DecoupledDiLoCo.step multiplies by the island's
+    ranks): with `TrainingArguments(include_num_input_tokens_seen=True)`, the Trainer's own
+    count (its growth per step over args.world_size); otherwise per_device_train_batch_size x
+    gradient_accumulation_steps x `seq_len`, for batches of full `seq_len`-token sequences.
+    Set the Trainer's max_steps at least as high as the config's trainer.max_steps: the run's
+    budget should end training, not the Trainer's.
+
+    state_dir, tls_dir, catch_up_seconds, enabled and stop_signals are DecoupledDiLoCo's. An
+    error in `step()` leaves the block and propagates out of trainer.train(); if the Trainer
+    itself raises it skips on_train_end, and the learner's heartbeats end with the process (the
+    shards expire it after their lease).
+    """
+
+    def __init__(self, config: str | os.PathLike | Config, learner_id: str, *, seq_len: int | None = None,
+                 state_dir: str | os.PathLike | None = None, tls_dir: str | os.PathLike | None = None,
+                 catch_up_seconds: float = 3.0, enabled: bool = True,
+                 stop_signals: tuple[signal.Signals, ...] = (signal.SIGTERM,)):
+        if seq_len is not None and (not isinstance(seq_len, int) or seq_len <= 0):
+            raise ValueError(f"DecoupledDiLoCoCallback: seq_len must be a positive int, got {seq_len!r}")
+        self.config = config
+        self.learner_id = learner_id
+        self.seq_len = seq_len
+        self._options = {"state_dir": state_dir, "tls_dir": tls_dir, "catch_up_seconds": catch_up_seconds,
+                         "enabled": enabled, "stop_signals": stop_signals}
+        self.sync: DecoupledDiLoCo | None = None  # the learner of the latest trainer.train()
+        self._inside = False
+        self._tokens_seen = 0  # state.num_input_tokens_seen at the last step
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is None:
+            raise RuntimeError("DecoupledDiLoCoCallback: the Trainer passed no model to on_train_begin")
+        if not counts_tokens(args) and self.seq_len is None:
+            raise ValueError("DecoupledDiLoCoCallback: cannot tell how many tokens a step trains on: pass "
+                             "seq_len= (tokens per sequence) or set TrainingArguments(include_num_input_tokens_seen=True)")
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        self.sync = DecoupledDiLoCo(model, self.config, self.learner_id, **self._options)
+        self.sync.__enter__()
+        self._inside = True
+        self._tokens_seen = state.num_input_tokens_seen
+
+    def on_step_end(self, args, state, control, **kwargs):
+        try:
+            self.sync.step(tokens=self._step_tokens(args, state))
+        except BaseException as error:
+            self._leave(type(error), error, error.__traceback__)
+            raise
+        if self.sync.should_stop:
+            control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._inside:
+            self._leave(None, None, None)
+
+    def _step_tokens(self, args, state) -> int:
+        if not counts_tokens(args):
+            return args.per_device_train_batch_size * args.gradient_accumulation_steps * self.seq_len
+        # The Trainer's count is summed over its processes.
+        step_tokens = int(state.num_input_tokens_seen - self._tokens_seen) // args.world_size
+        self._tokens_seen = state.num_input_tokens_seen
+        return step_tokens
+
+    def _leave(self, exc_type, exc, tb) -> None:
+        self._inside = False
+        self.sync.__exit__(exc_type, exc, tb)
+
+
+def counts_tokens(args) -> bool:
+    """The Trainer counts input tokens (state.num_input_tokens_seen): TrainingArguments turns
+    include_num_input_tokens_seen=True/False into "all"/"no"; "non_padding" counts too."""
+    return args.include_num_input_tokens_seen not in ("no", False, None)

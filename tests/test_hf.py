@@ -1,0 +1,147 @@
+"""Hugging Face transformers models in a run (the `hf` extra): examples/hf/train.py (a tiny
+LlamaForCausalLM in its user's own loop) and examples/hf/trainer.py (the HF Trainer with
+DecoupledDiLoCoCallback) as two real learner processes each against two real shards, the
+built-in learner training the `diloco.integrations.hf:llama` factory in `diloco sim`, and the
+errors a Trainer user or a learner with another Llama gets."""
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+
+from diloco import DecoupledDiLoCo, JoinRefused  # noqa: E402
+from diloco.integrations.hf import DecoupledDiLoCoCallback  # noqa: E402
+from diloco.services.cluster import LocalCluster  # noqa: E402
+from tests.cluster_config import tiny_cluster  # noqa: E402
+from tests.test_own_loop import OwnLoopRun, assert_every_script_holds_the_shards_bits, own_loop_config  # noqa: E402
+from tests.test_sim import run_sim  # noqa: E402
+
+EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "hf"
+sys.path.insert(0, str(EXAMPLE))
+from byte_llama import SEQ_LEN, ByteWindows, learner_text, tiny_llama  # noqa: E402
+
+
+class HFExampleRun(OwnLoopRun):
+    """Shards of examples/hf/cluster.yaml and one `script` process per learner."""
+
+    def __init__(self, cfg, folder: pathlib.Path, script: str):
+        self.script = script
+        super().__init__(cfg, folder)
+
+    def argv(self, learner_id: str) -> list[str]:
+        # A catch-up that only SIGTERM ends: a script that finished first follows the global
+        # model until the last one has finished too (finish_all).
+        return [sys.executable, str(EXAMPLE / self.script), "--config", str(self.cluster.config_path),
+                "--learner-id", learner_id, "--losses", str(self.losses_path(learner_id)),
+                "--catch-up-seconds", "600"]
+
+
+@pytest.fixture
+def hf_example_run(tmp_path):
+    runs: list[HFExampleRun] = []
+
+    def start(script: str, steps: int) -> HFExampleRun:
+        runs.append(HFExampleRun(own_loop_config(tmp_path / "state", steps, example=EXAMPLE), tmp_path, script))
+        return runs[-1].start()
+
+    yield start
+    for run in runs:
+        run.stop()
+
+
+def finish_learned_and_bit_identical(run: HFExampleRun) -> dict[str, dict]:
+    """Every script spends its budget and exits 0, holds the shards' bits and learned; their reports."""
+    reports = run.finish_all()
+    assert_every_script_holds_the_shards_bits(run, reports)
+    for learner_id in run.scripts:
+        validation = json.loads(run.losses_path(learner_id).read_text())["validation"]
+        assert validation["end"] < 0.8 * validation["start"], f"{learner_id} did not learn: {validation}"
+    return reports
+
+
+@pytest.mark.slow
+def test_two_user_loops_train_a_tiny_llama_and_end_bit_identical_with_the_shards(hf_example_run):
+    run = hf_example_run("train.py", steps=80)
+    finish_learned_and_bit_identical(run)
+    for learner_id in run.scripts:
+        steps = [step for step, _ in json.loads(run.losses_path(learner_id).read_text())["train"]]
+        assert steps == list(range(1, 81))
+
+
+@pytest.mark.slow
+def test_two_hf_trainers_with_the_callback_train_a_tiny_llama_and_end_bit_identical_with_the_shards(hf_example_run):
+    run = hf_example_run("trainer.py", steps=40)
+    for report in finish_learned_and_bit_identical(run).values():
+        assert report["tokens"] == 40 * 8 * SEQ_LEN  # the Trainer's own count, step by step
+
+
+@pytest.mark.slow
+def test_the_built_in_learner_trains_the_hf_llama_factory_in_sim_and_ends_with_the_shards_bits(tmp_path):
+    report = run_sim(tmp_path, "--learners", "2", "--shards", "1", "--steps", "30",
+                     "--set", "model=diloco.integrations.hf:llama", "--set", "syncer.max_tokens_per_step=512")
+    assert report["inner_steps"] == 2 * 30
+    assert report["state_hashes_agree"] is True
+    assert report["final_eval_loss"] < 0.8 * report["initial_eval_loss"]
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    """One shard and two learners (us-east-0, us-west-0) in plaintext, a step budget of 3."""
+    return tiny_cluster(tmp_path / "state", shards=1, learners=2, steps=3, tls={"mode": "plaintext"},
+                        sync={"fragments": 2, "interval_steps": 4, "overlap_steps": 1},
+                        syncer={"max_tokens_per_step": 8 * SEQ_LEN})
+
+
+def tiny_trainer(tmp_path, callback: DecoupledDiLoCoCallback, **arguments) -> Trainer:
+    arguments = {"max_steps": 100, "per_device_train_batch_size": 2, **arguments}
+    training = TrainingArguments(output_dir=str(tmp_path / "trainer"), save_strategy="no", report_to=[],
+                                 use_cpu=True, disable_tqdm=True, **arguments)
+    return Trainer(model=tiny_llama(), args=training, train_dataset=ByteWindows(learner_text(0)[1], SEQ_LEN),
+                   callbacks=[callback])
+
+
+def test_the_runs_step_budget_ends_a_trainer_that_counts_batch_times_accumulation_times_seq_len_tokens(cfg, tmp_path):
+    callback = DecoupledDiLoCoCallback(cfg, "us-east-0", seq_len=SEQ_LEN, enabled=False)
+    trainer = tiny_trainer(tmp_path, callback, gradient_accumulation_steps=2)
+    trainer.train()
+
+    assert trainer.state.global_step == 3  # the config's trainer.max_steps, not the Trainer's 100
+    assert callback.sync.steps == 3 and callback.sync.tokens == 3 * 2 * 2 * SEQ_LEN
+
+
+def test_a_step_the_shards_would_refuse_ends_training_with_the_error_and_leaves_the_block(cfg, tmp_path):
+    callback = DecoupledDiLoCoCallback(cfg, "us-east-0", seq_len=SEQ_LEN, enabled=False)
+    trainer = tiny_trainer(tmp_path, callback, per_device_train_batch_size=16)  # 1024 tokens a step
+    with pytest.raises(ValueError, match=r"1024 tokens in one step .* syncer.max_tokens_per_step=512"):
+        trainer.train()
+    with pytest.raises(RuntimeError, match=r"step\(\) called outside its `with DecoupledDiLoCo"):
+        callback.sync.step(tokens=1)
+
+
+def test_a_trainer_callback_that_cannot_count_tokens_says_how_to_tell_it(cfg, tmp_path):
+    trainer = tiny_trainer(tmp_path, DecoupledDiLoCoCallback(cfg, "us-east-0", enabled=False))
+    with pytest.raises(ValueError, match=r"pass seq_len= \(tokens per sequence\) or set "
+                                         r"TrainingArguments\(include_num_input_tokens_seen=True\)"):
+        trainer.train()
+
+
+def test_a_llama_of_another_shape_is_refused_naming_the_tensor_that_differs(cfg, tmp_path):
+    cluster = LocalCluster(cfg, tmp_path / "run")
+    try:
+        cluster.start_shards()
+        with DecoupledDiLoCo(tiny_llama(), cfg, "us-east-0", catch_up_seconds=0.0):
+            wider_mlp = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                     num_hidden_layers=2, num_attention_heads=4))
+            with pytest.raises(JoinRefused, match=r"this learner's model is not the run's\): tensor 5 is "
+                                                  r"'model.layers.0.mlp.gate_proj.weight' \[128, 64\], expected "
+                                                  r"'model.layers.0.mlp.gate_proj.weight' \[172, 64\]"):
+                with DecoupledDiLoCo(wider_mlp, cfg, "us-west-0", catch_up_seconds=0.0):
+                    pass
+    finally:
+        cluster.stop(timeout=10)
