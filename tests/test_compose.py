@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
+import tomllib
 
 import pytest
 import yaml
@@ -122,6 +123,18 @@ def test_dockerfile_image_is_what_compose_and_this_test_assume():
     spec = compose()
     for name, service in {**diloco_services(spec, "syncer"), **diloco_services(spec, "learner")}.items():
         assert "entrypoint" not in service, f"{name}: the image's `diloco` must run the command"
+
+
+def test_every_folder_the_dockerfile_copies_is_in_the_build_context():
+    # .dockerignore leaves everything out but what it names: a folder pyproject maps and the
+    # Dockerfile copies must be named there too, or the build fails at its COPY.
+    allowed = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.startswith("!")}
+    copied = {line.split()[1] for line in DOCKERFILE.read_text().splitlines() if line.startswith("COPY ")
+              and len(line.split()) == 3}
+    package_dirs = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+    assert package_dirs <= copied
+    assert copied <= allowed
 
 
 def test_compose_cluster_config_is_the_example_with_compose_addresses():
