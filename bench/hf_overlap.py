@@ -22,7 +22,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from diloco.services.cluster import LocalCluster, free_ports  # noqa: E402
+from diloco.localcluster.cluster import LocalCluster, free_ports  # noqa: E402
 from diloco.services.config import load_config, parse_config  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "hf"

@@ -13,18 +13,21 @@ init from a fixed small LlamaConfig: nothing is downloaded).
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from diloco.learner.api import DecoupledDiLoCo
 from diloco.services.config import Config
 
 VOCAB_SIZE = 256  # bytes are the tokens, as in the built-in models
 LLAMA_SEQ_LEN = 64
+SYNC_STATE_FILE = "diloco_sync.pt"  # DecoupledDiLoCo.state_dict() in each Trainer checkpoint folder
 
 
 class CausalLM(nn.Module):
@@ -67,7 +70,9 @@ class DecoupledDiLoCoCallback(TrainerCallback):
     count (its growth per step over args.world_size); otherwise per_device_train_batch_size x
     gradient_accumulation_steps x `seq_len`, for batches of full `seq_len`-token sequences.
     Set the Trainer's max_steps at least as high as the config's trainer.max_steps: the run's
-    budget should end training, not the Trainer's.
+    budget should end training, not the Trainer's. Every checkpoint the Trainer saves gets the
+    learner's sync state (diloco_sync.pt), and `trainer.train(resume_from_checkpoint=...)`
+    restores it.
 
     state_dir, tls_dir, catch_up_seconds, enabled and stop_signals are DecoupledDiLoCo's. An
     error in `step()` leaves the block and propagates out of trainer.train(); if the Trainer
@@ -84,8 +89,8 @@ class DecoupledDiLoCoCallback(TrainerCallback):
         self.config = config
         self.learner_id = learner_id
         self.seq_len = seq_len
-        self._options = {"state_dir": state_dir, "tls_dir": tls_dir, "catch_up_seconds": catch_up_seconds,
-                         "enabled": enabled, "stop_signals": stop_signals}
+        self.state_dir, self.tls_dir = state_dir, tls_dir
+        self.catch_up_seconds, self.enabled, self.stop_signals = catch_up_seconds, enabled, stop_signals
         self.sync: DecoupledDiLoCo | None = None  # the learner of the latest trainer.train()
         self._inside = False
         self._tokens_seen = 0  # state.num_input_tokens_seen at the last step
@@ -98,7 +103,12 @@ class DecoupledDiLoCoCallback(TrainerCallback):
                              "seq_len= (tokens per sequence) or set TrainingArguments(include_num_input_tokens_seen=True)")
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
-        self.sync = DecoupledDiLoCo(model, self.config, self.learner_id, **self._options)
+        self.sync = DecoupledDiLoCo(model, self.config, self.learner_id, state_dir=self.state_dir,
+                                    tls_dir=self.tls_dir, catch_up_seconds=self.catch_up_seconds,
+                                    enabled=self.enabled, stop_signals=self.stop_signals)
+        saved = checkpoint_folder(args, state) / SYNC_STATE_FILE
+        if state.global_step > 0 and saved.exists():  # trainer.train(resume_from_checkpoint=...)
+            self.sync.load_state_dict(torch.load(saved, weights_only=True))
         self.sync.__enter__()
         self._inside = True
         self._tokens_seen = state.num_input_tokens_seen
@@ -111,6 +121,13 @@ class DecoupledDiLoCoCallback(TrainerCallback):
             raise
         if self.sync.should_stop:
             control.should_training_stop = True
+
+    def on_save(self, args, state, control, **kwargs):
+        """The Trainer wrote checkpoint-<step>/: this learner's sync state goes beside it, so a
+        run resumed from that checkpoint rejoins like a restarted learner (pulling only what it
+        missed, keeping its local progress)."""
+        if self._inside and self.sync.island.leader:
+            torch.save(self.sync.state_dict(), checkpoint_folder(args, state) / SYNC_STATE_FILE)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._inside:
@@ -127,6 +144,11 @@ class DecoupledDiLoCoCallback(TrainerCallback):
     def _leave(self, exc_type, exc, tb) -> None:
         self._inside = False
         self.sync.__exit__(exc_type, exc, tb)
+
+
+def checkpoint_folder(args, state) -> pathlib.Path:
+    """Where the Trainer keeps its checkpoint of the current step (transformers' own naming)."""
+    return pathlib.Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
 
 
 def counts_tokens(args) -> bool:

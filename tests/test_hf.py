@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 
 from diloco import DecoupledDiLoCo, JoinRefused  # noqa: E402
 from diloco.integrations.hf import DecoupledDiLoCoCallback  # noqa: E402
-from diloco.services.cluster import LocalCluster  # noqa: E402
+from diloco.localcluster.cluster import LocalCluster  # noqa: E402
 from tests.cluster_config import tiny_cluster  # noqa: E402
 from tests.test_own_loop import OwnLoopRun, assert_every_script_holds_the_shards_bits, own_loop_config  # noqa: E402
 from tests.test_sim import run_sim  # noqa: E402
@@ -100,8 +100,9 @@ def cfg(tmp_path):
 
 def tiny_trainer(tmp_path, callback: DecoupledDiLoCoCallback, **arguments) -> Trainer:
     arguments = {"max_steps": 100, "per_device_train_batch_size": 2, **arguments}
-    training = TrainingArguments(output_dir=str(tmp_path / "trainer"), save_strategy="no", report_to=[],
-                                 use_cpu=True, disable_tqdm=True, **arguments)
+    arguments = {"save_strategy": "no", **arguments}
+    training = TrainingArguments(output_dir=str(tmp_path / "trainer"), report_to=[], use_cpu=True,
+                                 disable_tqdm=True, **arguments)
     return Trainer(model=tiny_llama(), args=training, train_dataset=ByteWindows(learner_text(0)[1], SEQ_LEN),
                    callbacks=[callback])
 
@@ -113,6 +114,20 @@ def test_the_runs_step_budget_ends_a_trainer_that_counts_batch_times_accumulatio
 
     assert trainer.state.global_step == 3  # the config's trainer.max_steps, not the Trainer's 100
     assert callback.sync.steps == 3 and callback.sync.tokens == 3 * 2 * 2 * SEQ_LEN
+
+
+def test_a_trainer_resumed_from_its_checkpoint_resumes_the_learners_sync_state(cfg, tmp_path):
+    callback = DecoupledDiLoCoCallback(cfg, "us-east-0", seq_len=SEQ_LEN, enabled=False)
+    trainer = tiny_trainer(tmp_path, callback, save_strategy="steps", save_steps=2)
+    trainer.train()
+    assert (tmp_path / "trainer" / "checkpoint-2" / "diloco_sync.pt").exists()
+
+    resumed = DecoupledDiLoCoCallback(cfg, "us-east-0", seq_len=SEQ_LEN, enabled=False)
+    trainer = tiny_trainer(tmp_path, resumed, save_strategy="steps", save_steps=2)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "trainer" / "checkpoint-2"))
+    # Steps 1-2 came with the checkpoint; step 3 is the config's budget.
+    assert resumed.sync.report.incarnations[0]["restored_step"] == 0
+    assert resumed.sync.report.incarnations[-1]["restored_step"] == 2 and resumed.sync.steps == 3
 
 
 def test_a_step_the_shards_would_refuse_ends_training_with_the_error_and_leaves_the_block(cfg, tmp_path):
