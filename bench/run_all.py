@@ -143,7 +143,7 @@ def quality_runs(runner: Runner, profile: Profile) -> list[tuple[dict, dict]]:
     # percent off the budget: the shards' count is estimated between heartbeats).
     learners, interval, codec = profile.learners[0], profile.intervals[0], profile.codecs[0]
     cfg = load_config(ROOT / SIM_CONFIG)
-    tokens_per_step = cfg.trainer.batch_size * cfg.model.seq_len
+    tokens_per_step = cfg.tokens_per_step()
     slowed = runner.sim(f"quality-m{learners}-h{interval}-{codec}-slow2x",
                         ["--learners", str(learners), "--shards", "1", "--steps", "1000000", "--seed", "1",
                          "--set", f"syncer.quorum={learners}", "--set", f"sync.interval_steps={interval}",

@@ -312,7 +312,7 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
     timeline: list[dict] = []  # goodput over time
     total_steps = cfg.trainer.max_steps * len(cfg.learners)
     if cfg.trainer.max_run_tokens:  # the run ends at least this early
-        total_steps = min(total_steps, -(-cfg.trainer.max_run_tokens // (cfg.trainer.batch_size * cfg.model.seq_len)))
+        total_steps = min(total_steps, -(-cfg.trainer.max_run_tokens // cfg.tokens_per_step()))
     progress = None if args.quiet else _progress_bar(total_steps)
     try:
         while len(finished_at) < len(cluster.learners):

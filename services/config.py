@@ -105,8 +105,9 @@ class SyncerConfig(_Section):
     lease_seconds: PositiveFloat = 5.0
     max_update_norm: PositiveFloat = 1.0e4  # pushes whose decoded L2 norm is larger are refused
     # The most tokens one learner (every process of its island) trains on per inner step: bounds
-    # what its pushes and heartbeats may claim (syncer/claims.py). None: trainer.batch_size x
-    # model.seq_len, the built-in GPT with one process per island; required with a model factory.
+    # what its pushes and heartbeats may claim (syncer/claims.py). None: Config.tokens_per_step()
+    # (trainer.batch_size x trainer.grad_accum_steps x model.seq_len), the built-in GPT with one
+    # process per island; required with a model factory.
     max_tokens_per_step: PositiveInt | None = None
 
 
@@ -121,7 +122,8 @@ class InnerOptimizerConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    batch_size: PositiveInt = 8
+    batch_size: PositiveInt = 8  # sequences per micro-batch, per process
+    grad_accum_steps: PositiveInt = 1  # micro-batches per inner step (their gradients are summed)
     max_steps: PositiveInt = 1000  # inner-step budget of each learner
     max_tokens: PositiveInt | None = None  # token budget; whichever budget ends first
     # The whole run's token budget, over all learners: each stops once the run's tokens, as the
@@ -134,6 +136,11 @@ class TrainerConfig(_Section):
     eval_batches: PositiveInt = 8
     checkpoint_every: PositiveInt = 200
     threads: PositiveInt = 1  # torch intra-op threads per learner process
+    # Where the built-in learner trains (learner/device.py): auto is the local rank's GPU under
+    # torchrun (GPU 0 alone) when CUDA is present, else cpu.
+    device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] = "auto"
+    # bf16: forward and loss under torch.autocast(bfloat16); weights and optimizer stay fp32.
+    precision: Literal["fp32", "bf16"] = "fp32"
 
 
 class GPTConfig(_Section):
@@ -214,12 +221,19 @@ class Config(_Section):
         raise ConfigError(f"learners: no learner with id {learner_id!r} "
                           f"(known: {', '.join(l.id for l in self.learners)})")
 
+    def tokens_per_step(self) -> int:
+        """What one process of the built-in learner trains on per inner step: trainer.batch_size x
+        trainer.grad_accum_steps x model.seq_len. A model factory's seq_len is its own: then the
+        bound syncer.max_tokens_per_step (required with a factory) stands in for it."""
+        if isinstance(self.model, str):
+            return self.syncer.max_tokens_per_step
+        return self.trainer.batch_size * self.trainer.grad_accum_steps * self.model.seq_len
+
     def max_tokens_per_step(self) -> int:
-        """T: syncer.max_tokens_per_step, or what one process of the built-in GPT trains on per
-        step (the config requires the key with a model factory)."""
+        """T: syncer.max_tokens_per_step, or tokens_per_step() (one process of the built-in GPT)."""
         if self.syncer.max_tokens_per_step is not None:
             return self.syncer.max_tokens_per_step
-        return self.trainer.batch_size * self.model.seq_len
+        return self.tokens_per_step()
 
     def shard(self, index: int) -> ShardConfig:
         if not 0 <= index < len(self.shards):
@@ -257,7 +271,8 @@ def _check_relations(cfg: Config) -> None:
                               f"shards[{i}].address; the plaintext health port needs a port of its own")
     if isinstance(cfg.model, str) and syncer.max_tokens_per_step is None:
         raise ConfigError("syncer.max_tokens_per_step: required with a model factory (a shard cannot know its "
-                          "seq_len): trainer.batch_size x seq_len x processes per learner island")
+                          "seq_len): trainer.batch_size x trainer.grad_accum_steps x seq_len x processes per "
+                          "learner island")
     if isinstance(cfg.model, GPTConfig) and cfg.model.n_embd % cfg.model.n_head:
         raise ConfigError(f"model.n_embd: {cfg.model.n_embd} is not divisible by "
                           f"model.n_head ({cfg.model.n_head})")

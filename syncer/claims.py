@@ -7,7 +7,7 @@ learner's answers, so each must be finite, in range and plausible, or the call i
 with INVALID_ARGUMENT naming the field, before anything is recorded:
 
 - tokens per step: at most syncer.max_tokens_per_step (T; by default trainer.batch_size x
-  model.seq_len, one process per island), for c_tokens / c_steps and for a heartbeat's
+  trainer.grad_accum_steps x model.seq_len, one process per island), for c_tokens / c_steps and for a heartbeat's
   tokens_per_second x step_seconds and tokens / step;
 - steps: c_steps and a heartbeat's step at most trainer.max_steps, the learner's budget;
 - step times: 0 (not measured yet) or between MIN_STEP_SECONDS and MAX_STEP_SECONDS;
@@ -112,7 +112,8 @@ class ClaimBounds:
                                   f"({allowed:.6g})")
 
     def _tokens_per_step_source(self) -> str:
-        return f"T={self.tokens_per_step} (syncer.max_tokens_per_step, by default trainer.batch_size x model.seq_len)"
+        return (f"T={self.tokens_per_step} (syncer.max_tokens_per_step, by default trainer.batch_size x "
+                "trainer.grad_accum_steps x model.seq_len)")
 
 
 def _valid_step_seconds(seconds: float) -> bool:
