@@ -78,8 +78,9 @@ class AdamW:
             if saved_state["exp_avg"].shape != p.shape:
                 raise ValueError(f"optimizer state of parameter {i} has shape "
                                  f"{tuple(saved_state['exp_avg'].shape)}, the parameter {tuple(p.shape)}")
-            state[p] = {"step": int(saved_state["step"]), "exp_avg": saved_state["exp_avg"].clone(),
-                        "exp_avg_sq": saved_state["exp_avg_sq"].clone()}
+            # Copied onto the parameter's device (a checkpoint is loaded onto the CPU).
+            state[p] = {"step": int(saved_state["step"]), "exp_avg": saved_state["exp_avg"].to(p.device, copy=True),
+                        "exp_avg_sq": saved_state["exp_avg_sq"].to(p.device, copy=True)}
         for group, saved_group in zip(self.param_groups, groups):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
         self.state = state

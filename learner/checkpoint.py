@@ -118,4 +118,6 @@ def load_checkpoint(path: str | os.PathLike) -> dict | None:
     if damaged is not None:
         log.warning("ignoring checkpoint %s: checksum mismatch in %s (corrupted file)", path, damaged)
         return None
-    return torch.load(path, weights_only=True)
+    # Onto the CPU: a learner restarted on another machine (or device) loads it the same way;
+    # the model and optimizer copy the values to their own device.
+    return torch.load(path, weights_only=True, map_location="cpu")

@@ -2,6 +2,9 @@
 Rank 0 alone talks to the syncer; after each step it tells the other ranks which fragments it
 applied (and their values) and whether to stop, so every rank stays identical and stops at the
 same step. One process (no process group) is an island of one and none of this costs anything.
+
+The broadcasts run where the process group's backend works: on the rank's GPU with NCCL (the
+built-in learner's choice when it trains on GPUs), on the CPU with gloo.
 """
 from __future__ import annotations
 
@@ -20,6 +23,9 @@ class Island:
         grouped = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if grouped else 1
         self.rank = dist.get_rank() if grouped else 0
+        # NCCL only moves GPU tensors: the rank's current GPU (set before the group was made).
+        nccl = grouped and dist.get_backend() == dist.Backend.NCCL
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     @property
     def leader(self) -> bool:
@@ -31,7 +37,7 @@ class Island:
             return counters
         for tensor in params.values():
             dist.broadcast(tensor.data, src=0)
-        shared = torch.tensor(counters, dtype=torch.int64)
+        shared = torch.tensor(counters, dtype=torch.int64, device=self.device)
         dist.broadcast(shared, src=0)
         return [int(v) for v in shared]
 
@@ -41,14 +47,15 @@ class Island:
         broadcast of flags, then one per applied fragment). Returns both on every rank."""
         if self.world_size == 1:
             return applied, stop
-        flags = torch.zeros(len(plan.fragments) + 1, dtype=torch.uint8)
+        flags = torch.zeros(len(plan.fragments) + 1, dtype=torch.uint8, device=self.device)
         flags[applied] = 1
         flags[-1] = stop
         dist.broadcast(flags, src=0)
         applied = flags[:-1].nonzero().flatten().tolist()
         for fragment_id in applied:
             fragment = plan.fragments[fragment_id]
-            flat = gather(fragment, params) if self.leader else torch.empty(fragment.numel)
+            flat = gather(fragment, params).to(self.device) if self.leader else \
+                torch.empty(fragment.numel, device=self.device)
             dist.broadcast(flat, src=0)
             if not self.leader:
                 scatter(fragment, flat, params)
@@ -58,8 +65,10 @@ class Island:
         """Checks that every rank holds the same bits (diloco learner --verify-island)."""
         if self.world_size == 1:
             return
-        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in params.values()))
-        mine = torch.tensor(list(digest.digest()[:8]), dtype=torch.uint8)
+        # The raw bytes, whatever the dtype (numpy has no bfloat16).
+        digest = hashlib.sha256(b"".join(p.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+                                         for p in params.values()))
+        mine = torch.tensor(list(digest.digest()[:8]), dtype=torch.uint8, device=self.device)
         every = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(every, mine)
         if any(not torch.equal(mine, other) for other in every):

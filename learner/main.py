@@ -4,7 +4,9 @@ GPT and inner loop (learner/train.py) as one user of DecoupledDiLoCo (learner/ap
 It trains until its step or token budget is spent (or SIGTERM), syncing fragments with the
 shards as it goes, then catches up with the run's final global values and writes a report.
 Under torchrun the island is several processes: DDP inside the island, rank 0 alone talks
-to the syncer and broadcasts every applied fragment to the other ranks.
+to the syncer and broadcasts every applied fragment to the other ranks. Each process trains on
+trainer.device (learner/device.py: under torchrun, GPU LOCAL_RANK), and the island's process
+group is NCCL on GPUs, gloo on the CPU.
 
     loop:  trainer.train_step -> sync.step (start due syncs, apply results)
            (+ evaluation and checkpoint, timed as badput)
@@ -24,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from diloco.learner.api import DecoupledDiLoCo
 from diloco.learner.checkpoint import CheckpointWriter, load_checkpoint
+from diloco.learner.device import DeviceUnavailable, local_rank, resolve_device
 from diloco.learner.sync import JoinRefused
 from diloco.learner.train import Trainer
 from diloco.services.config import ConfigError, load_config
@@ -63,12 +66,20 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"invalid: {error}", file=sys.stderr)
         return 2
+    try:
+        device = resolve_device(cfg.trainer.device, local_rank())
+    except DeviceUnavailable as error:  # the config is valid; this machine lacks the device
+        log.error("learner %s: %s", learner.id, error)
+        return FAILED
     state_dir = pathlib.Path(args.state_dir or pathlib.Path(cfg.run.state_dir) / f"learner-{learner.id}")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL's collectives run on the current GPU
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if world_size > 1 else 0
-    trainer = Trainer.from_config(cfg, learner.id, rank=rank, cache_dir=pathlib.Path(cfg.run.state_dir) / "cache")
+    trainer = Trainer.from_config(cfg, learner.id, rank=rank, cache_dir=pathlib.Path(cfg.run.state_dir) / "cache",
+                                  device=device)
     checkpoints = CheckpointWriter(state_dir / "checkpoint.pt")
     checkpoint = load_checkpoint(checkpoints.path) if rank == 0 else None
     if checkpoint:

@@ -10,6 +10,15 @@ schedule allows (that wait is badput), then merges it, or trains on and merges i
 first step that finds it in: a round waits for its contributors, and learners that each
 wait for a round the other has yet to contribute to would otherwise wait for ever.
 
+The model may live on any device and in any dtype. What this keeps per fragment is fp32 in
+host memory whatever the training dtype: the anchor (4 B/param) and the error-feedback
+residual (4 B/param), 8 B/param of host memory for the whole model. A sync in flight adds
+its fragment's snapshot (4 B/param; learner/host_copy.py copies it off the device without
+stalling training), and while it encodes and decodes up to three transient fp32 buffers of
+the fragment (outer gradient, the residual it replaces, the new global value). The outer
+gradient anchor - theta is computed in fp32 from the snapshot; results are merged on the
+model's device and cast to each parameter's dtype between steps.
+
 A shard that cannot be reached never stops training: the sync is skipped (the
 next outer gradient still carries all local progress, since it is taken against
 the same anchor), and the heartbeat thread rejoins the shard when it is back.
@@ -26,11 +35,12 @@ from typing import Callable, Mapping
 import grpc
 import torch
 
+from diloco.learner.host_copy import HostCopy, copy_to_host
 from diloco.learner.schedule import LearnerSchedule, merged_fragment
 from diloco.services.client import PullResult, ShardClient, StateHashMismatch, TransferObserver, WanLink
 from diloco.services.codecs import ErrorFeedback, get_codec
 from diloco.services.config import Config
-from diloco.services.fragments import Fragment, FragmentPlan, assemble, gather, scatter
+from diloco.services.fragments import Fragment, FragmentPlan, assemble, device_of, gather, scatter
 from diloco.services.state import state_hash
 from diloco.services.tls import Identity
 from diloco.services.wire import pb
@@ -88,8 +98,8 @@ class FragmentSync:
     feedback: ErrorFeedback
     in_flight: Future | None = None
     pushed: threading.Event = field(default_factory=threading.Event)  # the in-flight push was answered
-    # The fragment after the apply step of a result that was not in by then: the steps
-    # trained since are kept on top of the result (merged_fragment).
+    # The fragment after the apply step of a result that was not in by then (fp32, on the
+    # model's device): the steps trained since are kept on top of the result (merged_fragment).
     local_at_apply: torch.Tensor | None = None
 
 
@@ -273,7 +283,7 @@ class StreamingSync:
             if held is not None and held[0] >= 1 and (not info.initialized or info.version < held[0]):
                 self._restore(link, fragment, info, *held)
             elif not info.initialized:
-                self._seed(link, fragment, gather(fragment, self.params))
+                self._seed(link, fragment, copy_to_host(fragment, self.params).wait())
         with self._lock:
             link.joined = True
 
@@ -425,7 +435,7 @@ class StreamingSync:
     def _start_sync(self, state: FragmentSync) -> None:
         """Snapshots the fragment now; everything else runs on the background thread."""
         fragment = state.fragment
-        local = gather(fragment, self.params)  # the only work on the training thread
+        local = copy_to_host(fragment, self.params)  # the only work on the training thread
         counters = self.schedule.fragments[fragment.id]
         meta = PushMeta(fragment.id, state.version, counters.steps_since_sync, counters.tokens_since_sync,
                         self.step_seconds)
@@ -438,11 +448,11 @@ class StreamingSync:
         self.stats.syncs_started += 1
 
     def _push_and_pull(self, link: ShardLink, state: FragmentSync, anchor: torch.Tensor,
-                       local: torch.Tensor, meta: PushMeta) -> SyncOutcome:
+                       local: HostCopy, meta: PushMeta) -> SyncOutcome:
         """Runs on the sync thread: compress the outer gradient, push it, pull the result.
         While it runs the training thread leaves `state.feedback` and `anchor` alone."""
         try:
-            return self._push_then_pull(link, state, anchor, local, meta)
+            return self._push_then_pull(link, state, anchor, local.wait(), meta)
         finally:
             state.pushed.set()  # also when the push never went out
 
@@ -615,8 +625,9 @@ class StreamingSync:
         fragment is merged with it (merged_fragment; `local_at_apply` for a late result)."""
         with self._lock:  # read as a pair by a rejoin's _held
             state.anchor, state.version = global_value, version
-        local = gather(state.fragment, self.params)
-        scatter(state.fragment, merged_fragment(self.cfg.sync.mix_alpha, global_value, local, local_at_apply),
+        local = gather(state.fragment, self.params)  # fp32, on the model's device, as local_at_apply
+        on_device = global_value.to(device_of(state.fragment, self.params))
+        scatter(state.fragment, merged_fragment(self.cfg.sync.mix_alpha, on_device, local, local_at_apply),
                 self.params)
 
     # ---- heartbeats, leave, final state ---------------------------------------------

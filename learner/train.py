@@ -1,6 +1,12 @@
 """The learner's inner loop: AdamW on its own data, warm-up then cosine learning rate,
 gradient clipping, and the step time and tokens that the sync metadata and goodput need.
 
+An inner step is trainer.grad_accum_steps micro-batches of trainer.batch_size sequences, their
+gradients summed (each loss scaled by 1 / grad_accum_steps) before one optimizer step. With
+trainer.precision bf16 the forward pass and loss run under torch.autocast(bfloat16); the
+weights, gradients and optimizer state stay fp32. The model trains on the device it is given
+(learner/device.py resolves trainer.device); batches are moved there.
+
     trainer = Trainer.from_config(cfg, learner_id)
     while trainer.step < cfg.trainer.max_steps:
         stats = trainer.train_step()        # StepStats(loss, tokens, seconds, lr, grad_norm)
@@ -14,6 +20,7 @@ parallel training (`trainer.forward_module = DistributedDataParallel(trainer.mod
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -21,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from diloco.learner.adamw import AdamW
 from diloco.learner.checkpoint import checkpoint_state
@@ -32,7 +40,7 @@ from diloco.services.config import Config, InnerOptimizerConfig, TrainerConfig
 @dataclass(frozen=True)
 class StepStats:
     loss: float
-    tokens: int  # consumed by this step on this process: batch_size * seq_len
+    tokens: int  # consumed by this step on this process: batch_size * grad_accum_steps * seq_len
     seconds: float  # wall time of the whole step, data included
     lr: float
     grad_norm: float  # total L2 norm of the gradients before clipping
@@ -73,9 +81,9 @@ def make_optimizer(model: nn.Module, opt: InnerOptimizerConfig) -> AdamW:
 class Trainer:
     """One learner's inner loop.
 
-    `model` is the plain module: its parameters are what gets synced and checkpointed.
-    `forward_module` runs the training forward pass; it is the model itself unless the
-    caller wraps it (DistributedDataParallel inside an island)."""
+    `model` is the plain module, on the device it trains on: its parameters are what gets
+    synced and checkpointed. `forward_module` runs the training forward pass; it is the model
+    itself unless the caller wraps it (DistributedDataParallel inside an island)."""
 
     def __init__(self, model: nn.Module, data: DataSource, cfg: TrainerConfig, *,
                  forward_module: nn.Module | None = None, slowdown: float = 1.0):
@@ -85,6 +93,7 @@ class Trainer:
         self.cfg = cfg
         self.slowdown = slowdown  # a step lasts slowdown x its compute time (LearnerConfig.slowdown)
         self.forward_module = forward_module if forward_module is not None else model
+        self.device = next(model.parameters()).device
         self.optimizer = make_optimizer(model, cfg.inner_optimizer)
         self.step = 0  # inner steps done
         self.tokens = 0  # tokens trained on by this process
@@ -92,10 +101,12 @@ class Trainer:
 
     @classmethod
     def from_config(cls, cfg: Config, learner_id: str, *, rank: int = 0,
-                    cache_dir: str | os.PathLike | None = None) -> Trainer:
-        """Model, data and optimizer of learner `learner_id` as the config describes them."""
+                    cache_dir: str | os.PathLike | None = None,
+                    device: torch.device = torch.device("cpu")) -> Trainer:
+        """Model, data and optimizer of learner `learner_id` as the config describes them, the
+        model on `device` (built on the CPU first: the same seed gives the same weights anywhere)."""
         learner = cfg.learner(learner_id)
-        model = build_model(cfg.model, seed=cfg.run.seed)
+        model = build_model(cfg.model, seed=cfg.run.seed).to(device)
         data = build_data(cfg, cfg.learners.index(learner), model.seq_len, rank=rank, cache_dir=cache_dir)
         return cls(model, data, cfg.trainer, slowdown=learner.slowdown)
 
@@ -104,10 +115,16 @@ class Trainer:
         lr = lr_at(self.step, self.cfg.inner_optimizer, self.cfg.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        x, y = self.data.next_batch()
-        _, loss = self.forward_module(x, y)
         self.optimizer.zero_grad()
-        loss.backward()
+        micro_batches = self.cfg.grad_accum_steps
+        loss_sum, tokens = 0.0, 0
+        for micro in range(micro_batches):
+            x, y = (t.to(self.device, non_blocking=True) for t in self.data.next_batch())
+            with self._gradient_sync(last=micro == micro_batches - 1), self._autocast():
+                _, loss = self.forward_module(x, y)
+            (loss / micro_batches).backward()
+            loss_sum += loss.item()
+            tokens += x.numel()
         # With clipping off the norm is still measured (max_norm=inf scales by exactly 1).
         max_norm = self.cfg.inner_optimizer.grad_clip or math.inf
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
@@ -115,16 +132,26 @@ class Trainer:
         if self.slowdown > 1.0:  # emulated slower hardware: the step takes longer, for real
             time.sleep((self.slowdown - 1.0) * (time.perf_counter() - started))
         self.step += 1
-        self.tokens += x.numel()
-        return StepStats(loss=loss.item(), tokens=x.numel(), seconds=time.perf_counter() - started,
+        self.tokens += tokens
+        return StepStats(loss=loss_sum / micro_batches, tokens=tokens, seconds=time.perf_counter() - started,
                          lr=lr, grad_norm=grad_norm.item())
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16")
+
+    def _gradient_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """DDP all-reduces gradients on the last micro-batch of a step only (the sum is the same)."""
+        if last or not isinstance(self.forward_module, DistributedDataParallel):
+            return contextlib.nullcontext()
+        return self.forward_module.no_sync()
 
     def evaluate(self) -> float:
         """Mean loss over the fixed validation set."""
         self.model.eval()  # no dropout
         try:
             with torch.no_grad():  # no graph to build: it is never backpropagated
-                losses = [self.model(x, y)[1].item() for x, y in self.data.validation_batches()]
+                losses = [self.model(x.to(self.device), y.to(self.device))[1].item()
+                          for x, y in self.data.validation_batches()]
         finally:
             self.model.train()
         return sum(losses) / len(losses)

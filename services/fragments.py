@@ -144,10 +144,16 @@ def plan_fragments(
     )
 
 
+def device_of(fragment: Fragment, params: Mapping[str, torch.Tensor]) -> torch.device:
+    """Where the fragment's parameters live (its first tensor's device)."""
+    return params[fragment.tensors[0].name].device
+
+
 def gather(fragment: Fragment, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """A new flat fp32 vector: the fragment's tensors concatenated in slot order."""
+    """A new flat fp32 vector on the parameters' device: the fragment's tensors, whatever their
+    dtype, concatenated in slot order."""
     tensors = [_checked_param(slot, params) for slot in fragment.tensors]
-    flat = torch.empty(fragment.numel, dtype=torch.float32, device=tensors[0].device)
+    flat = torch.empty(fragment.numel, dtype=torch.float32, device=device_of(fragment, params))
     with torch.no_grad():  # the flat copy must not join the model's autograd graph
         for slot, tensor in zip(fragment.tensors, tensors):
             flat[slot.offset : slot.offset + slot.numel].copy_(tensor.reshape(-1))
@@ -155,7 +161,8 @@ def gather(fragment: Fragment, params: Mapping[str, torch.Tensor]) -> torch.Tens
 
 
 def scatter(fragment: Fragment, flat: torch.Tensor, params: Mapping[str, torch.Tensor]) -> None:
-    """Copy the slices of `flat` back into the fragment's parameters, in place."""
+    """Copy the slices of `flat` back into the fragment's parameters, in place (each keeps its
+    device and dtype)."""
     if flat.dim() != 1 or flat.numel() != fragment.numel:
         raise ValueError(
             f"fragment {fragment.id} expects a 1-D vector of {fragment.numel} elements, "
