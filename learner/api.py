@@ -22,6 +22,19 @@ yours. Put `state_dict()` in your checkpoint and give it back with `load_state_d
 entering: the restarted learner pulls only what it missed and keeps its local progress.
 Under torchrun (DDP inside one learner), every rank makes the same calls; rank 0 syncs and the
 others receive what it applied, so the ranks stay identical.
+
+Devices and precision stay yours too: the model may live on any device (move it before entering
+the block) and train under torch.autocast, with parameters in fp32 or kept in bf16. The sync
+keeps its own state in fp32 in host memory whatever the model's dtype: per parameter a 4 B
+anchor (the global value) and a 4 B error-feedback residual, plus a 4 B snapshot of each
+fragment in flight, none of it on the accelerator. The outer gradient `anchor - theta` is
+computed in fp32 against the fp32 anchor from a snapshot copied off the device without
+stalling training (learner/host_copy.py); a result is merged on the model's device between
+steps and written back in each parameter's own device and dtype (bf16 parameters hold the
+global value rounded to bf16, and that rounding is part of their next outer gradient).
+
+One object is one stay in the run: entering it again after leaving is refused. To go on where
+it left off, make a new one and give it `state_dict()` of the old one (as after a restart).
 """
 from __future__ import annotations
 
@@ -80,10 +93,11 @@ class DecoupledDiLoCo:
         if region is not None and region != self.learner.region:
             raise ConfigError(f"learners: learner {learner_id} is in region {self.learner.region}, not {region}")
         self.model = model
-        self.params = named_parameters(model)
-        if not self.params:
+        self._manifest = manifest(model)
+        if not self._manifest:
             raise ValueError("DecoupledDiLoCo: the model has no parameters to sync")
-        self.plan = plan_for_config(self.cfg, manifest(model))
+        self.plan = plan_for_config(self.cfg, self._manifest)
+        self.params: dict[str, torch.Tensor] = {}  # the synced tensors, taken on entering
         self.enabled = enabled
         self.catch_up_seconds = catch_up_seconds
         self.island = Island()
@@ -101,14 +115,15 @@ class DecoupledDiLoCo:
         self.report: Report | None = None
         self._metrics_server = None
         self._inside = False
+        self._left = False  # left the block once: entering again is refused
         self._finished = False  # finish() ran
         self._stopping = False
         self._last_step_done = 0.0  # perf_counter when the last step() returned
         self._restore_started = 0.0  # monotonic: joining and pulling the global model began
-        self._storage = self._parameter_storage()
+        self._storage: list[int] = []  # each synced tensor's data_ptr() on entering
         # The module and attribute holding each synced parameter: a new nn.Parameter set there is
         # seen at the next step, before a sync gathers from the tensor training no longer updates.
-        self._owners = [(model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]) for name in self.params]
+        self._owners: list[tuple[nn.Module, str]] = []
 
     # ---- checkpoint state -----------------------------------------------------------
 
@@ -140,6 +155,11 @@ class DecoupledDiLoCo:
     def __enter__(self) -> DecoupledDiLoCo:
         if self._inside:
             raise RuntimeError("DecoupledDiLoCo: this learner is already inside its `with` block")
+        if self._left:
+            raise RuntimeError("DecoupledDiLoCo: this learner already left the run; to go on where it left off, "
+                               "make a new DecoupledDiLoCo and call its load_state_dict(old.state_dict()) "
+                               "before entering")
+        self._take_parameters()
         self._restore_started = time.monotonic()  # the leader restarts this clock once /metrics is served
         if self.island.leader:
             try:
@@ -168,6 +188,17 @@ class DecoupledDiLoCo:
             self._write_report("training")  # so this incarnation's record exists, should it die
         self._last_step_done = time.perf_counter()
         return self
+
+    def _take_parameters(self) -> None:
+        """The tensors to sync are the model's as it is now: moving it (model.to(device), a dtype)
+        after making this object is fine, replacing parameters inside the block is not."""
+        if manifest(self.model) != self._manifest:
+            raise RuntimeError("DecoupledDiLoCo: the model's parameter names or shapes changed since this "
+                               "DecoupledDiLoCo was made; make it from the model you train")
+        self.params = named_parameters(self.model)
+        self._storage = [p.data_ptr() for p in self.params.values()]
+        self._owners = [(self.model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
+                        for name in self.params]
 
     def _start_leader(self) -> None:
         """Rank 0: metrics, then (enabled) join every shard and pull the global model."""
@@ -199,6 +230,7 @@ class DecoupledDiLoCo:
                 "hash_mismatch": sync.stats.hash_mismatches})
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self._left = True
         try:
             if exc_type is None:
                 self.finish()
@@ -330,9 +362,6 @@ class DecoupledDiLoCo:
         if not self._inside:
             raise RuntimeError(f"DecoupledDiLoCo.{call}() called outside its `with DecoupledDiLoCo(...)` block: "
                                "enter the block first (it joins the run)")
-
-    def _parameter_storage(self) -> list[int]:
-        return [p.data_ptr() for p in self.params.values()]
 
     def _check_parameters(self, by_name: bool = False) -> None:
         """The synced tensors are still the model's: a parameter replaced between steps (a new

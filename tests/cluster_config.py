@@ -1,9 +1,11 @@
 """A small, fast cluster config for tests that start real processes."""
 from __future__ import annotations
 
+import contextlib
 import pathlib
+from typing import Iterator
 
-from diloco.localcluster.cluster import free_ports
+from diloco.localcluster.cluster import LocalCluster, free_ports
 from diloco.services.config import Config, parse_config
 
 
@@ -35,3 +37,14 @@ def tiny_cluster(state_dir: pathlib.Path, *, shards: int = 2, learners: int = 3,
         else:
             data[key] = value
     return parse_config(data, source="test config")
+
+
+@contextlib.contextmanager
+def running_shards(cfg: Config, run_dir: pathlib.Path) -> Iterator[LocalCluster]:
+    """The config's shards as real processes for the block; its learners are the test's own."""
+    cluster = LocalCluster(cfg, run_dir)
+    try:
+        cluster.start_shards()
+        yield cluster
+    finally:
+        cluster.stop(timeout=10)

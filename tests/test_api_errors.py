@@ -1,7 +1,8 @@
 """Each mistake a user can make with `DecoupledDiLoCo` around their own loop gets an error that
 says what is wrong: a learner id the config lacks, calls outside or inside the `with` block at
 the wrong time, a batch the shards would refuse, parameters replaced behind its back, a model
-that is not the run's, and a wrapper instead of the model."""
+that is not the run's, a wrapper instead of the model, and entering the block a second time.
+Moving the model (a device, a dtype) between making the learner and entering is no mistake."""
 from __future__ import annotations
 
 import pytest
@@ -10,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from diloco import ConfigError, DecoupledDiLoCo, JoinRefused
-from diloco.localcluster.cluster import LocalCluster, free_ports
-from tests.cluster_config import tiny_cluster
+from diloco.localcluster.cluster import free_ports
+from tests.cluster_config import running_shards, tiny_cluster
 
 MAX_TOKENS_PER_STEP = 256
 
@@ -26,12 +27,8 @@ def cfg(tmp_path):
 
 @pytest.fixture
 def shard(cfg, tmp_path):
-    cluster = LocalCluster(cfg, tmp_path / "run")
-    try:
-        cluster.start_shards()
+    with running_shards(cfg, tmp_path / "run") as cluster:
         yield cluster
-    finally:
-        cluster.stop(timeout=10)
 
 
 def model(width: int = 8) -> nn.Module:
@@ -85,6 +82,31 @@ def test_a_parameter_whose_data_was_reassigned_between_steps_is_named(cfg):
         net[0].bias.data = torch.zeros(8)
         with pytest.raises(RuntimeError, match=r"parameter\(s\) 0.bias of the model were replaced"):
             sync.step(tokens=16)
+
+
+def test_a_model_moved_after_making_the_learner_and_before_entering_trains_without_complaint(cfg):
+    net = model()
+    sync = offline(cfg, net)
+    net.to(torch.float64)  # new tensors for every parameter, as .to(device) makes them
+    with sync:
+        for _ in range(3):
+            sync.step(tokens=16)
+    assert sync.params["0.weight"] is net[0].weight and sync.params["0.weight"].dtype == torch.float64
+
+
+def test_entering_a_second_time_is_refused_and_a_new_learner_goes_on_from_its_state(cfg):
+    first = offline(cfg, model())
+    with first:
+        for _ in range(3):
+            first.step(tokens=16)
+    with pytest.raises(RuntimeError, match=r"already left the run; to go on where it left off, make a new "
+                                           r"DecoupledDiLoCo and call its load_state_dict\(old.state_dict\(\)\)"):
+        first.__enter__()
+    again = offline(cfg, first.model)
+    again.load_state_dict(first.state_dict())
+    with again:
+        again.step(tokens=16)
+    assert (again.steps, again.tokens) == (4, 4 * 16)
 
 
 def test_a_parameter_replaced_while_syncing_with_a_shard_is_named_before_the_next_sync(cfg, shard):
