@@ -1,0 +1,152 @@
+"""Devices, precision and batch: a fragment goes to host memory and comes back exactly, a sync
+leaves every parameter on its device in its dtype (bf16 included) with fp32 anchors on the
+host, the built-in learner trains under bf16 autocast and with gradient accumulation and ends
+holding the shards' bits, and a device or precision the config or the machine cannot give is
+refused naming the key. CUDA cases run where torch sees a GPU and are skipped elsewhere."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from diloco import ConfigError, DecoupledDiLoCo
+from diloco.learner.device import DeviceUnavailable, resolve_device
+from diloco.learner.host_copy import copy_to_host
+from diloco.learner.train import manifest, named_parameters
+from diloco.services.config import dump_config
+from diloco.services.fragments import plan_fragments, scatter
+from tests.cluster_config import running_shards, tiny_cluster
+from tests.test_learner_cluster import (cluster_factory, held_fragments, shard_fragments,  # noqa: F401 (fixture)
+                                        wait_for_learners_to_finish)
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="no CUDA device"))]
+DTYPES = [torch.float32, torch.bfloat16]
+TOKENS_PER_STEP = 16
+
+
+def net() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_fragment_copied_to_the_host_and_applied_back_is_exact(device, dtype):
+    model = net().to(device, dtype)
+    params = named_parameters(model)
+    plan = plan_fragments(manifest(model), 2, 4)
+    before = {name: p.detach().clone() for name, p in params.items()}
+    copies = [copy_to_host(fragment, params) for fragment in plan.fragments]
+    with torch.no_grad():  # training goes on: the copies hold the values they were taken at
+        for p in params.values():
+            p.add_(1.0)
+    for fragment, copy in zip(plan.fragments, copies):
+        values = copy.wait()
+        assert values.device.type == "cpu" and values.dtype == torch.float32
+        scatter(fragment, values, params)  # how a result is written back
+    for name, p in params.items():
+        assert p.device.type == device and p.dtype == dtype
+        assert torch.equal(p, before[name]), name
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory):
+    """One plaintext shard; each test's learner joins the run the previous ones left."""
+    folder = tmp_path_factory.mktemp("devices")
+    cfg = tiny_cluster(folder / "state", shards=1, learners=1, tls={"mode": "plaintext"},
+                       sync={"fragments": 2, "interval_steps": 4, "overlap_steps": 1},
+                       syncer={"max_tokens_per_step": TOKENS_PER_STEP})
+    with running_shards(cfg, folder / "run") as cluster:
+        yield cluster
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+def test_syncs_keep_each_parameter_on_its_device_in_its_dtype_and_anchors_fp32_on_the_host(shard, device, dtype):
+    cfg = shard.cfg
+    model = net()
+    sync = DecoupledDiLoCo(model, cfg, cfg.learners[0].id, catch_up_seconds=0.0)
+    model.to(device, dtype)  # after making the learner, before entering: the moved tensors are synced
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    applied = []
+    with sync:
+        for _ in range(12):
+            x = torch.randn(TOKENS_PER_STEP, 8, device=device)
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            applied += sync.step(tokens=TOKENS_PER_STEP)
+    assert len(applied) >= 4  # 2 fragments every 4 steps, each applied a step after it started
+    for name, p in model.named_parameters():
+        assert (p.device.type, p.dtype) == (device, dtype), name
+    for state in sync.sync.fragments.values():
+        for kept in (state.anchor, state.feedback.residual):
+            assert (kept.device.type, kept.dtype) == ("cpu", torch.float32)
+    held = {str(fid): held for fid, held in sync.sync.fragment_hashes().items()}
+    assert held == shard_fragments(cfg)  # the learner holds the shard's bits
+
+
+@pytest.mark.slow
+def test_the_builtin_learner_trains_under_bf16_with_accumulation_and_ends_with_the_shards_bits(
+        tmp_path, cluster_factory):  # noqa: F811 (fixture)
+    # One cluster for both settings: a run of its own each would double the file's time.
+    steps = 60
+    cfg = tiny_cluster(tmp_path / "state", shards=1, learners=2, steps=steps,
+                       trainer={"precision": "bf16", "grad_accum_steps": 2, "eval_every": 30, "device": "cpu"})
+    cluster = cluster_factory(cfg)
+    cluster.start_shards()
+    cluster.start_learners()
+    reports = wait_for_learners_to_finish(cluster)
+    shards = shard_fragments(cfg)
+    for learner_id, report in reports.items():
+        assert report["phase"] == "done" and report["steps"] == steps
+        # The shards took every contribution: T grows with grad_accum_steps by default.
+        assert report["tokens"] == steps * cfg.tokens_per_step() == steps * 8 * 2 * 32
+        assert report["incarnations"][-1]["syncs_applied"] > 0
+        first, last = report["evaluations"][0][3], report["evaluations"][-1][3]
+        assert last < 0.8 * first, f"{learner_id}: validation loss {first:.3f} -> {last:.3f}"
+        assert held_fragments(report) == shards, f"{learner_id} does not hold the shards' bits"
+
+
+def test_tokens_per_step_and_its_default_bound_grow_with_gradient_accumulation(tmp_path):
+    cfg = tiny_cluster(tmp_path, trainer={"grad_accum_steps": 3})
+    assert cfg.tokens_per_step() == cfg.max_tokens_per_step() == 8 * 3 * 32
+
+
+@pytest.mark.parametrize("key,value", [("device", "tpu"), ("device", "cuda:x"), ("precision", "fp16"),
+                                       ("grad_accum_steps", 0)])
+def test_an_invalid_device_precision_or_accumulation_is_a_config_error_naming_the_key(tmp_path, key, value):
+    with pytest.raises(ConfigError, match=rf"trainer\.{key}: .*\(got {value!r}\)"):
+        tiny_cluster(tmp_path, trainer={key: value})
+
+
+def test_devices_resolve_to_the_cpu_or_the_local_ranks_gpu():
+    assert resolve_device("cpu", 0) == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert resolve_device("auto", 0) == resolve_device("cuda", 0) == torch.device("cuda", 0)
+        with pytest.raises(DeviceUnavailable, match=r"trainer.device: 'cuda:\d+' is GPU \d+"):
+            resolve_device(f"cuda:{torch.cuda.device_count()}", 0)
+    else:
+        assert resolve_device("auto", 3) == torch.device("cpu")
+        for setting in ("cuda", "cuda:1"):
+            with pytest.raises(DeviceUnavailable, match=f"trainer.device: '{setting}' asks for a GPU"):
+                resolve_device(setting, 0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_a_learner_asked_for_cuda_without_cuda_exits_1_naming_the_key(tmp_path):
+    cfg = tiny_cluster(tmp_path / "state", shards=1, learners=1, trainer={"device": "cuda"})
+    path = tmp_path / "cluster.yaml"
+    path.write_text(dump_config(cfg))
+    learner = cfg.learners[0]
+    result = subprocess.run([sys.executable, "-m", "diloco.services.cli", "learner", "--config", str(path),
+                             "--learner-id", learner.id, "--region", learner.region],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert "trainer.device: 'cuda' asks for a GPU, but this machine has no CUDA device" in result.stderr
+    assert "Traceback" not in result.stderr
