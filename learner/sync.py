@@ -14,8 +14,9 @@ The model may live on any device and in any dtype. What this keeps per fragment 
 host memory whatever the training dtype: the anchor (4 B/param) and the error-feedback
 residual (4 B/param), 8 B/param of host memory for the whole model. A sync in flight adds
 its fragment's snapshot (4 B/param; learner/host_copy.py copies it off the device without
-stalling training), and while it encodes and decodes up to three transient fp32 buffers of
-the fragment (outer gradient, the residual it replaces, the new global value). The outer
+stalling training), and for moments up to three more fp32 buffers of the fragment (encoding:
+outer gradient, new residual, decoded values; pulling: the replaced residual, the new global
+value). docs/gpus.md has the whole table. The outer
 gradient anchor - theta is computed in fp32 from the snapshot; results are merged on the
 model's device and cast to each parameter's dtype between steps.
 
