@@ -120,9 +120,10 @@ class Trainer:
         loss_sum, tokens = 0.0, 0
         for micro in range(micro_batches):
             x, y = (t.to(self.device, non_blocking=True) for t in self.data.next_batch())
-            with self._gradient_sync(last=micro == micro_batches - 1), self._autocast():
-                _, loss = self.forward_module(x, y)
-            (loss / micro_batches).backward()
+            with self._gradient_sync(last=micro == micro_batches - 1):
+                with self._autocast():  # the forward pass only: backward runs in the ops' own dtypes
+                    _, loss = self.forward_module(x, y)
+                (loss / micro_batches).backward()
             loss_sum += loss.item()
             tokens += x.numel()
         # With clipping off the norm is still measured (max_norm=inf scales by exactly 1).
