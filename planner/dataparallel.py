@@ -116,12 +116,13 @@ def simulate_elastic(inputs: PlanInputs, failures: FailureModel, progress: Progr
         step = max(inputs.learner_step_seconds(u) for u in up)
         own = sum(inputs.learner_step_seconds(u) for u in up)
         tokens_per_step = inputs.learner_tokens_per_step() * len(up)
-        steps = math.floor((length - pause) / step)
-        if tokens + steps * tokens_per_step >= target:
-            steps = math.ceil((target - tokens) / tokens_per_step)
-            end = segment.start + pause + steps * step
+        available = length - pause  # inf: the last segment of a budget run
+        needed = math.ceil((target - tokens) / tokens_per_step) if target < math.inf else math.inf
+        if needed * step <= available:
+            steps, end = needed, segment.start + pause + needed * step
         else:
-            partial = (length - pause - steps * step) * len(up)
+            steps = math.floor(available / step)
+            partial = (available - steps * step) * len(up)
         uptime.training(segment.start + pause, True)
         uptime.training(end, False)
         tokens += steps * tokens_per_step
