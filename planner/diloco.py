@@ -118,7 +118,7 @@ class Learner:
         self.down = Link(inputs.wan_gbps[region], latency)
         self.incarnation = 0
         self.life = 0  # bumped by every failure and rejoin: events of an earlier life are void
-        self.phase = "training"  # training, restoring, down, finished
+        self.phase = "training"  # training, restore (pulling the model), down, finished
         self.phase_since = 0.0
         self.steps = self.tokens = 0
         self.lost_seconds = 0.0
@@ -181,7 +181,7 @@ class DilocoRun:
     def _over(self) -> bool:
         """A budget run is over once no learner is training and none has yet to finish."""
         return (self.inputs.target_tokens is not None and any(l.phase == "finished" for l in self.learners)
-                and not any(l.phase in ("training", "restoring") for l in self.learners))
+                and not any(l.phase in ("training", "restore") for l in self.learners))
 
     def _seed(self) -> None:
         for fragment in self.plan.fragments:
@@ -327,6 +327,7 @@ class DilocoRun:
             ready = self.clock.now + self.close_seconds
             waiting = self.waiters[fid]
             self.waiters[fid] = [w for w in waiting if w.version > round_.round]
+            self.contributions.pop((fid, round_.round), None)
             for waiter in waiting:
                 learner = self.learners[waiter.learner]
                 if waiter.version <= round_.round and learner.life == waiter.life:
@@ -393,7 +394,7 @@ class DilocoRun:
     def _repaired(self, learner: Learner) -> None:
         """Pulls the whole model, then rejoins (below)."""
         learner.life += 1
-        self._phase(learner, "restoring")
+        self._phase(learner, "restore")
         pulled = learner.down.send(self.clock.now, self.snapshot_bytes * self.inputs.fragments)
         life = learner.life
         self.queue.at(pulled, lambda: self._restored(learner, life))
@@ -428,10 +429,9 @@ class DilocoRun:
         learner.lost_seconds += seconds
 
     def _phase(self, learner: Learner, phase: str) -> None:
-        """Ends the learner's current phase, counting down and restore time."""
-        spent = self.clock.now - learner.phase_since
-        if learner.phase in ("down", "restoring"):
-            self.ledger.add({"down": "down", "restoring": "restore"}[learner.phase], spent)
+        """Ends the learner's current phase: time down or restoring is badput of that name."""
+        if learner.phase in ("down", "restore"):
+            self.ledger.add(learner.phase, self.clock.now - learner.phase_since)
         learner.phase, learner.phase_since = phase, self.clock.now
 
     def _training_changed(self) -> None:

@@ -20,7 +20,6 @@ Positive = Annotated[float, Field(gt=0)]
 NonNegative = Annotated[float, Field(ge=0)]
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
-MODES = ("dp", "elastic", "diloco")
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
 

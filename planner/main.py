@@ -17,10 +17,10 @@ import sys
 
 import yaml
 
-from diloco.planner.inputs import MODES, PlanError, PlanInputs, load_file, load_inputs
+from diloco.planner.inputs import PlanError, PlanInputs, load_file, load_inputs
 from diloco.planner.outcome import PlanResult
 from diloco.planner.report import plot, table, write_json
-from diloco.planner.simulate import simulate
+from diloco.planner.simulate import MODES, simulate
 
 SWEPT = ("chips", "learners", "chips_per_learner")  # keys that take a list of values to sweep
 

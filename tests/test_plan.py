@@ -63,6 +63,10 @@ def test_uptime_is_total_with_four_learners_at_a_modest_failure_rate_while_dp_st
     assert diloco.failures >= 8 and diloco.failures == dp.failures  # the same outages in every mode
     assert diloco.uptime == 1.0
     assert dp.uptime < 0.9 and dp.goodput.share < diloco.goodput.share
+    for result in (diloco, dp, simulate(inputs, "elastic")):  # no second is counted twice
+        goodput = result.goodput
+        measured = sum(seconds for category, seconds in goodput.badput_seconds.items() if category != "other")
+        assert goodput.kept_seconds + measured <= goodput.provisioned_seconds * (1 + 1e-9)
 
 
 def test_the_same_seed_gives_the_same_result_and_another_seed_another():
