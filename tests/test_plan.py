@@ -1,12 +1,15 @@
 """`diloco plan`: the three modes in virtual time, Decoupled DiLoCo decided by the real ShardCore
 and LearnerSchedule. Small fleets and short runs, no sockets: the file runs in seconds."""
 import json
+import pathlib
 
 import pytest
 
 from diloco.planner.inputs import PlanError, load_inputs
 from diloco.planner.simulate import simulate
 from diloco.services.cli import main
+
+EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "plan-datacenter.yaml"
 
 # Four learner units of 16 chips, a small model on fast links, one push every other step.
 SMALL = {"chips": 64, "learners": 4, "model_parameters": 10_000_000, "interval_steps": 8, "fragments": 4,
@@ -137,3 +140,10 @@ def test_the_command_sweeps_chips_and_writes_a_table_json_and_a_plot(tmp_path, c
 def test_the_command_names_a_bad_flag(capsys):
     assert main(["plan", "--learners", "3", "--chips", "64", "--quiet"]) == 2
     assert "learners: M=3 does not divide chips=64" in capsys.readouterr().err
+
+
+def test_the_example_config_describes_the_documented_sweep(capsys):
+    assert main(["plan", "--config", str(EXAMPLE), "--hours", "0.01", "--modes", "dp",
+                 "--quiet"]) == 0
+    table = capsys.readouterr().out
+    assert "1,179,648" in table and len(table.splitlines()) == 1 + 6  # 3 fleet sizes x M = 8, 16
