@@ -434,11 +434,12 @@ def _read_json(path: pathlib.Path) -> dict:
 def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], observer: Observer,
               learner_chaos: Chaos, shard_chaos: Chaos, provisioned: dict[str, float], wall: float,
               timeline: list[dict]) -> dict:
-    """The run's figures. Goodput (services/goodput.py) = kept training compute / provisioned learner time: a learner
-    is provisioned from the start of the run until its budget is spent, and its kept compute
-    is its final step count times its mean step time (steps redone after a crash, waits,
-    start-up, down time, evaluations and checkpoint copies are the badput; `other` is the
-    rest of the provisioned time: the loop's own bookkeeping, starting and applying syncs)."""
+    """The run's figures. Goodput (services/goodput.py) = kept training compute / provisioned
+    learner time: a learner is provisioned from the start of the run until its budget is
+    spent, and its kept compute is its final step count times its mean step time (steps redone
+    after a crash, waits, start-up, down time, evaluations and checkpoint copies are the
+    badput; `other` is the rest of the provisioned time: the loop's own bookkeeping, starting
+    and applying syncs)."""
     statuses = [s for s in observer.last_status if s is not None]
     model_numel = sum(f.numel for s in statuses for f in s.fragments)
     badput = no_badput()
@@ -481,10 +482,10 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
     # Refused contributions: too stale, or refused for any other reason once the header said
     # outer gradient (refusals.* also counts lost seeding races, heartbeats, bad joins).
     refused = counters.get("contributions.refused_stale", 0) + counters.get("contributions.refused", 0)
+    goodput = account(provisioned_total, useful, badput)
     # The run's first evaluation is of the seeded, untrained model; a learner that joins
     # later starts from an already trained global model.
     first_evaluations = [r["evaluations"][0] for r in reports.values() if r.get("evaluations")]
-    goodput = account(provisioned_total, useful, badput)
     last_losses = [r["evaluations"][-1][3] for r in reports.values() if r.get("evaluations")]
     return {
         "mode": args.mode,
