@@ -59,7 +59,7 @@ def core_config(inputs: PlanInputs) -> Config:
                    "grace": {"mode": inputs.grace_mode, "seconds": inputs.grace_seconds},
                    "lease_seconds": inputs.lease_seconds, "history_versions": inputs.history_versions,
                    "max_tokens_per_step": inputs.learner_tokens_per_step()},
-        "trainer": {"max_steps": 1 << 40, "heartbeat_seconds": inputs.lease_seconds / 4,
+        "trainer": {"max_steps": 1 << 40, "heartbeat_seconds": inputs.heartbeat_seconds,
                     "max_run_tokens": inputs.target_tokens},
     }, source="planner core config")
 

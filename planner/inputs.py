@@ -63,6 +63,9 @@ class PlanInputs:
     max_staleness: NonNegativeInt = 4
     max_block_seconds: NonNegative = 2.0
     lease_seconds: Positive = 10.0  # how long a dead learner is waited for
+    # How often learners report their step (the cluster config's trainer.heartbeat_seconds): a
+    # rejoining learner takes its phase from these reports, so their age matters.
+    heartbeat_seconds: Positive = 0.5
     history_versions: PositiveInt = 32
     # The model and its traffic: bytes per sync from the codec; links per region (learner i is
     # in region i mod the number of regions); the syncer closes a round at this many
@@ -166,6 +169,9 @@ def check_relations(inputs: PlanInputs) -> None:
     if inputs.overlap_steps >= inputs.interval_steps:
         raise PlanError(f"overlap_steps: tau={inputs.overlap_steps} must be smaller than "
                         f"interval_steps (H={inputs.interval_steps})")
+    if inputs.heartbeat_seconds * 2 > inputs.lease_seconds:
+        raise PlanError(f"lease_seconds: {inputs.lease_seconds} must be at least twice heartbeat_seconds "
+                        f"({inputs.heartbeat_seconds})")
     if inputs.quorum > m:
         raise PlanError(f"quorum: K={inputs.quorum} exceeds the number of learners (M={m})")
     if inputs.codec not in CODEC_NAMES:

@@ -40,7 +40,8 @@ def test_data_parallel_steps_at_the_slowest_learners_pace_and_the_others_wait():
 
 def test_one_failure_costs_dp_its_work_since_the_checkpoint_and_the_restart_but_diloco_only_that_learners_down_time():
     inputs = plan(hours=1.0, failures=({"learner": 0, "at_seconds": 600.0},), repair_minutes=5.0,
-                  checkpoint_minutes=8.0, restore_minutes=2.0, step_seconds=(10.0,), lease_seconds=40.0)
+                  checkpoint_minutes=8.0, restore_minutes=2.0, step_seconds=(10.0,), lease_seconds=40.0,
+                  heartbeat_seconds=5.0)
     dp = simulate(inputs, "dp")
     badput = dp.goodput.badput_seconds
     assert badput["lost"] == pytest.approx(4 * 120.0)  # 600 s is 120 s past the checkpoint at 480 s
@@ -61,7 +62,8 @@ def test_one_failure_costs_dp_its_work_since_the_checkpoint_and_the_restart_but_
 
 def test_uptime_is_total_with_four_learners_at_a_modest_failure_rate_while_dp_stops():
     # Each unit fails about every 4 hours and is down 20 minutes.
-    inputs = plan(hours=12.0, chip_mtbf_hours=64.0, repair_minutes=20.0, step_seconds=(120.0,), lease_seconds=480.0)
+    inputs = plan(hours=12.0, chip_mtbf_hours=64.0, repair_minutes=20.0, step_seconds=(120.0,), lease_seconds=480.0,
+                  heartbeat_seconds=60.0)
     diloco, dp = simulate(inputs, "diloco"), simulate(inputs, "dp")
     assert diloco.failures >= 8 and diloco.failures == dp.failures  # the same outages in every mode
     assert diloco.uptime == 1.0
@@ -73,11 +75,12 @@ def test_uptime_is_total_with_four_learners_at_a_modest_failure_rate_while_dp_st
 
 
 def test_the_same_seed_gives_the_same_result_and_another_seed_another():
-    inputs = plan(hours=1.0, chip_mtbf_hours=32.0, repair_minutes=10.0, step_seconds=(20.0,), lease_seconds=80.0)
+    inputs = plan(hours=1.0, chip_mtbf_hours=32.0, repair_minutes=10.0, step_seconds=(20.0,), lease_seconds=80.0,
+                  heartbeat_seconds=10.0)
     first, again = simulate(inputs, "diloco"), simulate(inputs, "diloco")
     assert first.failures > 0 and first.as_json() == again.as_json()
     other = simulate(plan(hours=1.0, chip_mtbf_hours=32.0, repair_minutes=10.0, step_seconds=(20.0,),
-                          lease_seconds=80.0, seed=1), "diloco")
+                          lease_seconds=80.0, heartbeat_seconds=10.0, seed=1), "diloco")
     assert other.as_json() != first.as_json()
 
 
@@ -111,6 +114,7 @@ def test_a_token_budget_ends_the_run_when_the_learners_schedules_say_it_is_spent
     ({"chip_mtbf_hour": 5}, "chip_mtbf_hour: unknown key"),
     ({"overlap_steps": 24}, "overlap_steps: tau=24 must be smaller than interval_steps"),
     ({"quorum": 9}, "quorum: K=9 exceeds the number of learners (M=8)"),
+    ({"lease_seconds": 0.5}, "lease_seconds: 0.5 must be at least twice heartbeat_seconds"),
     ({"codec": "int3"}, "codec: unknown codec 'int3'"),
     ({"step_seconds": [1.0, 2.0]}, "step_seconds: 2 values for M=8 learners"),
     ({"hours": 1.0, "steps": 5}, "steps: give one run length"),
