@@ -26,6 +26,8 @@ SWEPT = ("chips", "learners", "chips_per_learner")  # keys that take a list of v
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = ("Every input is described in docs/planning.md and planner/inputs.py; `null` unsets one "
+                     "(--chip-mtbf-hours null: no random failures).")
     parser.add_argument("--config", help="YAML file of plan inputs (keys as the flags, with underscores)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--fail", action="append", default=[], metavar="LEARNER@SECONDS",
