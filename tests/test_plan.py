@@ -9,7 +9,7 @@ from diloco.planner.inputs import PlanError, load_inputs
 from diloco.planner.simulate import simulate
 from diloco.services.cli import main
 
-EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "plan-datacenter.yaml"
+EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "plan" / "datacenter.yaml"
 
 # Four learner units of 16 chips, a small model on fast links, one push every other step.
 SMALL = {"chips": 64, "learners": 4, "model_parameters": 10_000_000, "interval_steps": 8, "fragments": 4,
