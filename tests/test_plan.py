@@ -1,10 +1,12 @@
 """`diloco plan`: the three modes in virtual time, Decoupled DiLoCo decided by the real ShardCore
 and LearnerSchedule. Small fleets and short runs, no sockets: the file runs in seconds."""
+import itertools
 import json
 import pathlib
 
 import pytest
 
+from diloco.planner.failures import FailureModel
 from diloco.planner.inputs import PlanError, load_inputs
 from diloco.planner.simulate import simulate
 from diloco.services.cli import main
@@ -72,6 +74,18 @@ def test_uptime_is_total_with_four_learners_at_a_modest_failure_rate_while_dp_st
         goodput = result.goodput
         measured = sum(seconds for category, seconds in goodput.badput_seconds.items() if category != "other")
         assert goodput.kept_seconds + measured <= goodput.provisioned_seconds * (1 + 1e-9)
+
+
+def test_a_units_failures_come_at_the_rate_of_its_chips_and_last_the_repair_time():
+    # 16 chips of 1600 hours each: a unit fails every 100 hours of uptime on average.
+    failures = FailureModel.from_inputs(plan(chip_mtbf_hours=1600.0, repair_minutes=30.0))
+    outages = list(itertools.islice(failures.outages(2), 2000))
+    assert all(o.end - o.start == 1800.0 for o in outages)
+    uptimes = [b.start - a.end for a, b in zip(outages, outages[1:])]
+    assert sum(uptimes) / len(uptimes) == pytest.approx(100 * 3600, rel=0.05)
+    # A unit's outages are its own: the same in a fleet of another size.
+    bigger = FailureModel.from_inputs(plan(chips=128, learners=8, chip_mtbf_hours=1600.0, repair_minutes=30.0))
+    assert list(itertools.islice(bigger.outages(2), 10)) == outages[:10]
 
 
 def test_the_same_seed_gives_the_same_result_and_another_seed_another():
