@@ -27,6 +27,8 @@ COPY learner learner
 COPY syncer syncer
 COPY localcluster localcluster
 COPY integrations integrations
+# The planner is no service, but the package pip installs maps it (pyproject.toml).
+COPY planner planner
 # The installed 2.13.0+cpu satisfies the torch==2.13.0 pin, so pip keeps it. The
 # sources are not needed once installed; each subcommand's --help imports its module,
 # so a broken install fails the build rather than the first container.

@@ -41,6 +41,7 @@ from diloco.services.client import ShardClient
 from diloco.localcluster.cluster import ExitedBeforeServing, LocalCluster, Proc, free_ports
 from diloco.services.config import Config, ConfigError, ConfigLoader, check_factories, load_config, parse_config
 from diloco.services.export import MODEL_FILE, ExportError, fetch_global_model, write_export
+from diloco.services.goodput import account, no_badput
 from diloco.services.metrics import write_file_sd
 from diloco.services.tls import Identity
 
@@ -433,15 +434,15 @@ def _read_json(path: pathlib.Path) -> dict:
 def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], observer: Observer,
               learner_chaos: Chaos, shard_chaos: Chaos, provisioned: dict[str, float], wall: float,
               timeline: list[dict]) -> dict:
-    """The run's figures. Goodput = kept training compute / provisioned learner time: a learner
-    is provisioned from the start of the run until its budget is spent, and its kept compute
-    is its final step count times its mean step time (steps redone after a crash, waits,
-    start-up, down time, evaluations and checkpoint copies are the badput; `other` is the
-    rest of the provisioned time: the loop's own bookkeeping, starting and applying syncs)."""
+    """The run's figures. Goodput (services/goodput.py) = kept training compute / provisioned
+    learner time: a learner is provisioned from the start of the run until its budget is
+    spent, and its kept compute is its final step count times its mean step time (steps redone
+    after a crash, waits, start-up, down time, evaluations and checkpoint copies are the
+    badput; `other` is the rest of the provisioned time: the loop's own bookkeeping, starting
+    and applying syncs)."""
     statuses = [s for s in observer.last_status if s is not None]
     model_numel = sum(f.numel for s in statuses for f in s.fragments)
-    badput = {"startup": 0.0, "restore": 0.0, "blocked": 0.0, "lost": 0.0, "down": 0.0,
-              "evaluation": 0.0, "checkpoint": 0.0}
+    badput = no_badput()
     useful = provisioned_total = 0.0
     links, per_learner = {}, {}
     totals = {"tokens": 0, "inner_steps": 0, "bytes_up": 0, "bytes_down": 0}
@@ -481,6 +482,7 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
     # Refused contributions: too stale, or refused for any other reason once the header said
     # outer gradient (refusals.* also counts lost seeding races, heartbeats, bad joins).
     refused = counters.get("contributions.refused_stale", 0) + counters.get("contributions.refused", 0)
+    goodput = account(provisioned_total, useful, badput)
     # The run's first evaluation is of the seeded, untrained model; a learner that joins
     # later starts from an already trained global model.
     first_evaluations = [r["evaluations"][0] for r in reports.values() if r.get("evaluations")]
@@ -497,8 +499,8 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         "contributions": {"accepted": int(counters.get("contributions.accepted", 0)),
                           "stale_merged": int(counters.get("contributions.stale_merged", 0)),
                           "refused": int(refused)},
-        "goodput": useful / provisioned_total if provisioned_total else 0.0,
-        "badput_seconds": {**badput, "other": max(0.0, provisioned_total - useful - sum(badput.values()))},
+        "goodput": goodput.share,
+        "badput_seconds": dict(goodput.badput_seconds),
         "useful_seconds": useful,
         "provisioned_seconds": provisioned_total,
         "initial_eval_loss": min(first_evaluations)[3] if first_evaluations else None,

@@ -1,5 +1,5 @@
 """The `diloco` command. Each subcommand lives in the module that owns it and is
-imported only when run, so `services` never imports `learner`, `syncer` or `localcluster` and
+imported only when run, so `services` never imports `learner`, `syncer`, `localcluster` or `planner` and
 `diloco --help` does not load torch.
 
 A subcommand module provides `add_arguments(parser)` and `run(args) -> int`.
@@ -25,6 +25,7 @@ SUBCOMMANDS = {
     "syncer": ("diloco.syncer.main", "run one syncer shard"),
     "learner": ("diloco.learner.main", "run one learner island"),
     "sim": ("diloco.localcluster.sim", "run a whole multi-region cluster as local processes"),
+    "plan": ("diloco.planner.main", "simulate a whole run at datacenter scale in virtual time: goodput by mode"),
     "export": ("diloco.services.export", "write the run's global model from its shards as safetensors"),
     "evaluate": ("diloco.learner.evaluate", "the validation loss of a model file (the run's global model)"),
     "status": ("diloco.services.status", "show a cluster's learners and fragments from its shards"),

@@ -290,6 +290,19 @@ def _key_path(loc: tuple) -> str:
     return "".join(parts) or "(top level)"
 
 
+def validation_message(exc: ValidationError) -> str:
+    """pydantic's errors as one line, each naming the key the user wrote."""
+    lines = []
+    for err in exc.errors():
+        detail = err["msg"]
+        if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):  # models, dataclasses
+            detail = "unknown key"
+        elif "input" in err and err["type"] != "missing" and not isinstance(err["input"], (dict, list)):
+            detail += f" (got {err['input']!r})"
+        lines.append(f"{_key_path(err['loc'])}: {detail}")
+    return "; ".join(dict.fromkeys(lines))
+
+
 def parse_config(data: object, source: str = "config") -> Config:
     """Validates an already-parsed YAML document."""
     if not isinstance(data, dict):
@@ -297,15 +310,7 @@ def parse_config(data: object, source: str = "config") -> Config:
     try:
         cfg = Config.model_validate(data)
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            detail = err["msg"]
-            if err["type"] == "extra_forbidden":
-                detail = "unknown key"
-            elif "input" in err and not isinstance(err["input"], (dict, list)):
-                detail += f" (got {err['input']!r})"
-            lines.append(f"{_key_path(err['loc'])}: {detail}")
-        raise ConfigError(f"{source}: " + "; ".join(dict.fromkeys(lines))) from None
+        raise ConfigError(f"{source}: {validation_message(exc)}") from None
     try:
         _check_relations(cfg)
     except ConfigError as exc:

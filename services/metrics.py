@@ -8,7 +8,7 @@ chart's ServiceMonitor). `up` then carries the same labels, which is what lets t
 rules (deploy/prometheus/diloco-rules.yml) count a dead learner's time as `down` by region:
 a dead process cannot count it itself.
 
-Goodput (DESIGN.md §5) as a learner measures it, all in seconds:
+Goodput (DESIGN.md §5, defined in services/goodput.py) as a learner measures it, all in seconds:
   provisioned  ticks from the moment /metrics serves until the step/token budget is spent
   goodput      compute seconds of inner steps
   badput       startup (serving -> checkpoint loaded), restore (join + pull), blocked (waiting
@@ -34,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from diloco.services.codecs import get_codec
 from diloco.services.config import Config
+from diloco.services.goodput import MEASURED_BY_LEARNER, fragment_compute_seconds
 from diloco.services.wire import pb
 
 # Counter reset times are not needed (rate() detects resets) and would double the series.
@@ -46,9 +47,6 @@ WAN_TRANSFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 # One inner step: a millisecond for a toy model on CPU up to a minute for a large model.
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                 30.0, 60.0)
-
-# Badput categories a learner measures itself; `down` and `overhead` come from the rules.
-LEARNER_BADPUT = ("startup", "restore", "blocked", "lost", "evaluation", "checkpoint")
 
 # The families of syncer/counters.py (`family.label` -> diloco_syncer_<family>_total{label}):
 # label name, and the label values exported as 0 before they first happen, so that rates and
@@ -105,7 +103,7 @@ class LearnerMetrics:
         self._lock = threading.Lock()
         self._serving_since = time.monotonic()
         self._finished_at: float | None = None
-        self._badput = dict.fromkeys(LEARNER_BADPUT, 0.0)
+        self._badput = dict.fromkeys(MEASURED_BY_LEARNER, 0.0)  # `down`, `overhead`: the rules
         self._blocked_seconds: Callable[[], float] = lambda: 0.0
         self._held_versions: Callable[[], Mapping[int, int]] = dict
         self._sync_faults: Callable[[], Mapping[str, int]] = dict
@@ -200,8 +198,8 @@ class LearnerMetrics:
         self.push_seconds.observe(seconds)
         if result == pb.PUSH_RESULT_REFUSED_STALE and self._model_parameters:
             # The learner re-anchors: the fragment's progress since its last sync is dropped.
-            share = header.payload.numel / self._model_parameters
-            self._add_badput("lost", header.c_steps * header.step_seconds * share)
+            self._add_badput("lost", fragment_compute_seconds(header.c_steps, header.step_seconds,
+                                                              header.payload.numel, self._model_parameters))
 
     def pulled(self, bytes_by_codec: Mapping[str, int], seconds: float) -> None:
         for codec, count in bytes_by_codec.items():

@@ -23,6 +23,7 @@ import torch
 
 from diloco.services.config import Config
 from diloco.services.fragments import FragmentPlan, plan_for_config
+from diloco.services.goodput import fragment_compute_seconds
 from diloco.services.payload import ChecksumMismatch, PayloadError, Reassembler, decode_payload, leading_bytes
 from diloco.services.state import state_hash
 from diloco.services.wire import pb
@@ -320,8 +321,8 @@ class ShardCore:
             self._admit(state, header, chunks, staleness, transfer_seconds)
             result = "accepted" if staleness == 0 else "stale_merged"
             self.counters.add(f"contributions.{result}")
-            self.counters.add("kept_compute_seconds",
-                              header.c_steps * header.step_seconds * state.fragment.numel / self.plan.total_numel)
+            self.counters.add("kept_compute_seconds", fragment_compute_seconds(
+                header.c_steps, header.step_seconds, state.fragment.numel, self.plan.total_numel))
             try:
                 committed = self._close_if_due(state)
             except Exception:  # a bug, not the disk: the contribution is safe, the ticker retries the close

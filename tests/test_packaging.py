@@ -1,5 +1,5 @@
 """What `pip install .` puts into a user's environment: the one import name `diloco`, and no
-top-level `services`, `learner`, `syncer`, `localcluster` or `integrations` to collide with the
+top-level `services`, `learner`, `syncer`, `localcluster`, `integrations` or `planner` to collide with the
 user's own modules."""
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_the_wheel_installs_diloco_and_nothing_else_at_top_level(wheel):
         names = set(archive.namelist())
     assert {"diloco/services/cli.py", "diloco/learner/sync.py", "diloco/syncer/core.py",
             "diloco/services/wire/diloco/v1/syncer_pb2.py", "diloco/localcluster/cluster.py",
-            "diloco/localcluster/sim.py", "diloco/integrations/hf.py"} <= names
+            "diloco/localcluster/sim.py", "diloco/integrations/hf.py", "diloco/planner/diloco.py"} <= names
 
 
 def test_an_empty_environment_imports_diloco_but_no_folder_of_the_checkout(wheel, tmp_path):
@@ -45,7 +45,7 @@ def test_an_empty_environment_imports_diloco_but_no_folder_of_the_checkout(wheel
     # From an unrelated folder: nothing of the checkout is on sys.path.
     code = ("import importlib.util, diloco; "
             "print(diloco.__file__); "
-            "print([n for n in ('services', 'learner', 'syncer', 'localcluster', 'integrations') "
+            "print([n for n in ('services', 'learner', 'syncer', 'localcluster', 'integrations', 'planner') "
             "if importlib.util.find_spec(n)])")
     out = subprocess.run([python, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
     location, importable = out.splitlines()

@@ -1,0 +1,471 @@
+"""Decoupled DiLoCo in virtual time, its decisions made by the real cores.
+
+Real: one syncer ShardCore (NullJournal, the virtual clock) owns every fragment and decides
+what it does with each push (merged, stale, refused), when each round closes (every live
+learner, or quorum then grace; leases expiring) and the versions; each learner's
+LearnerSchedule decides when each fragment syncs, when its result is due, how long the
+learner may wait for it, when the schedule holds, and when the run's token budget is spent.
+Pushes are real PushFragment streams of one-element fragments with the learner's real
+metadata (base version, c_steps, c_tokens, step time); heartbeats are real calls.
+
+Modelled: time and bytes. A step takes the learner's step time; a push or pull takes its bytes
+(the codec's size of a fragment of the real model) over the learner's region link, one
+transfer at a time in each direction, plus the link's latency; a round close takes the
+fragment's parameters at the syncer's round-close throughput. A learner that fails loses the
+steps its fragments have not delivered and the step in progress; after its repair it rejoins
+with a new incarnation and pulls the whole model (fp32) before it trains again.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from diloco.learner.schedule import LearnerSchedule
+from diloco.planner.events import EventQueue, VirtualClock
+from diloco.planner.failures import FailureModel, FleetChange
+from diloco.planner.inputs import PlanInputs
+from diloco.planner.outcome import Bandwidth, Ledger, PlanResult, SyncerFacts, Uptime, staleness_counts
+from diloco.services.codecs import get_codec
+from diloco.services.config import Config, parse_config
+from diloco.services.fragments import FragmentPlan, plan_for_config
+from diloco.services.goodput import fragment_compute_seconds
+from diloco.services.payload import describe, iter_chunks
+from diloco.services.wire import pb
+from diloco.syncer.core import ShardCore
+from diloco.syncer.fragment_state import ClosedRound
+from diloco.syncer.refusal import Refusal
+
+FP32 = get_codec("fp32")
+FRAGMENT_NUMEL = 1  # decisions do not depend on the tensors' size: the cores see one element
+PEAK_WINDOW_SECONDS = 60.0
+
+
+def core_config(inputs: PlanInputs) -> Config:
+    """The cluster config the cores run under: the plan's algorithm settings, fp32 one-element
+    fragments (their bytes are modelled), no step budget (the run's length is the plan's)."""
+    m = inputs.num_learners
+    return parse_config({
+        "shards": [{"address": "127.0.0.1:1", "metrics_port": 0}],
+        "learners": [{"id": f"learner-{i}", "region": f"region-{inputs.region(i)}", "metrics_port": 0}
+                     for i in range(m)],
+        "sync": {"fragments": inputs.fragments, "interval_steps": inputs.interval_steps,
+                 "overlap_steps": inputs.overlap_steps, "codec": "fp32",
+                 "max_block_seconds": inputs.max_block_seconds},
+        "syncer": {"quorum": inputs.quorum, "max_staleness": inputs.max_staleness,
+                   "grace": {"mode": inputs.grace_mode, "seconds": inputs.grace_seconds},
+                   "lease_seconds": inputs.lease_seconds, "history_versions": inputs.history_versions,
+                   "max_tokens_per_step": inputs.learner_tokens_per_step()},
+        "trainer": {"max_steps": 1 << 40, "heartbeat_seconds": inputs.heartbeat_seconds,
+                    "max_run_tokens": inputs.target_tokens},
+    }, source="planner core config")
+
+
+class Link:
+    """One learner's link to the syncer in one direction: transfers one at a time."""
+
+    def __init__(self, gbps: float, latency_seconds: float):
+        self.bytes_per_second = gbps * 1e9 / 8
+        self.latency_seconds = latency_seconds
+        self.free_at = 0.0
+        self.bytes_total = 0
+        self.bytes_by_window: Counter[int] = Counter()  # bytes moved in each minute
+
+    def send(self, now: float, nbytes: int) -> float:
+        """Queues a transfer; returns when its last byte has arrived."""
+        start = max(now, self.free_at)
+        end = self.free_at = start + nbytes / self.bytes_per_second
+        self.bytes_total += nbytes
+        window = int(start // PEAK_WINDOW_SECONDS)
+        while end > start and window * PEAK_WINDOW_SECONDS < end:  # spread over the windows it spans
+            overlap = min(end, (window + 1) * PEAK_WINDOW_SECONDS) - max(start, window * PEAK_WINDOW_SECONDS)
+            self.bytes_by_window[window] += nbytes * overlap / (end - start)
+            window += 1
+        return end + self.latency_seconds
+
+
+@dataclass(frozen=True)
+class Waiter:
+    """A learner's pull for the round its contribution counts in."""
+    learner: int
+    life: int
+    base_version: int
+    version: int  # the version that answers it
+
+
+@dataclass(frozen=True)
+class Result:
+    """A sync's answer as it reaches the learner."""
+    version: int
+    applied: bool  # a new global value (False: the push was refused for another reason than staleness)
+
+
+class Learner:
+    """One learner unit: its schedule (the real one) and what the simulation tracks around it."""
+
+    def __init__(self, index: int, inputs: PlanInputs):
+        self.index = index
+        self.id = f"learner-{index}"
+        self.step_seconds = inputs.learner_step_seconds(index)
+        self.tokens_per_step = inputs.learner_tokens_per_step()
+        region = inputs.region(index)
+        self.region = f"region-{region}"
+        latency = inputs.wan_latency_ms[region % len(inputs.wan_latency_ms)] / 1000
+        self.up = Link(inputs.wan_gbps[region], latency)
+        self.down = Link(inputs.wan_gbps[region], latency)
+        self.incarnation = 0
+        self.life = 0  # bumped by every failure and rejoin: events of an earlier life are void
+        self.phase = "training"  # training, restore (pulling the model), down, finished
+        self.phase_since = 0.0
+        self.steps = self.tokens = 0
+        self.lost_seconds = 0.0
+        self.schedule: LearnerSchedule | None = None
+        self.held: dict[int, int] = {}  # fragment -> version of the global value it holds
+        self.delivered_steps: dict[int, int] = {}  # fragment -> c_steps merged, not yet applied
+        self.results: dict[int, Result] = {}  # arrived, waiting for their apply step
+        self.to_apply: list[int] = []  # fragments due at the last step, in order
+        self.blocked_since: float | None = None
+        self.blocks = 0  # waits begun: a wait's time limit ends only its own wait
+        self.last_step_end = 0.0
+
+    @property
+    def training(self) -> bool:
+        return self.phase == "training"
+
+
+class DilocoRun:
+    def __init__(self, inputs: PlanInputs, failures: FailureModel):
+        self.inputs = inputs
+        self.failures = failures
+        self.clock = VirtualClock()
+        self.queue = EventQueue(self.clock)
+        self.cfg = core_config(inputs)
+        self.core = ShardCore(self.cfg, 0, clock=self.clock, wall_clock=self.clock)
+        self.manifest = [(f"fragment.{i}", (FRAGMENT_NUMEL,)) for i in range(inputs.fragments)]
+        self.plan: FragmentPlan = plan_for_config(self.cfg, self.manifest)
+        self.learners = [Learner(i, inputs) for i in range(inputs.num_learners)]
+        self.ledger, self.uptime = Ledger(), Uptime()
+        codec = get_codec(inputs.codec)
+        numel = math.ceil(inputs.model_parameters / inputs.fragments)  # balanced fragments
+        self.update_bytes = codec.encoded_size(numel, inputs.codec_block_size)
+        self.snapshot_bytes = FP32.encoded_size(numel, inputs.codec_block_size)
+        self.close_seconds = numel / inputs.syncer_params_per_second
+        self.waiters: dict[int, list[Waiter]] = defaultdict(list)
+        self.closed: list[tuple[int, ClosedRound]] = []
+        self.core.round_listeners.append(lambda fid, closed: self.closed.append((fid, closed)))
+        self.contributions: Counter[tuple[int, int]] = Counter()  # (fragment, round): pushes merged
+        self.staleness: Counter[int] = Counter()
+        self.refused_stale = 0
+        self.failure_count = 0
+        zeros = FP32.encode(torch.zeros(FRAGMENT_NUMEL), inputs.codec_block_size)
+        self.payload = describe(FP32, FRAGMENT_NUMEL, zeros, inputs.codec_block_size)
+        self.chunks = [pb.PushRequest(chunk=chunk) for chunk in iter_chunks(zeros)]
+        self._changes: Iterator[FleetChange] = failures.changes()
+
+    # ---- the run -------------------------------------------------------------------------
+
+    def run(self, progress: Callable[[float], None]) -> PlanResult:
+        for learner in self.learners:
+            self._join(learner)
+        self._seed()
+        for learner in self.learners:
+            self._start_training(learner, at=0.0)
+        self.uptime.training(0.0, True)
+        self._next_change()
+        self.queue.run(self.inputs.duration_seconds, self._over, progress)
+        return self._result()
+
+    def _over(self) -> bool:
+        """A budget run is over once no learner is training and none has yet to finish."""
+        return (self.inputs.target_tokens is not None and any(l.phase == "finished" for l in self.learners)
+                and not any(l.phase in ("training", "restore") for l in self.learners))
+
+    def _seed(self) -> None:
+        for fragment in self.plan.fragments:
+            header = pb.PushHeader(learner_id=self.learners[0].id, incarnation=1, fragment_id=fragment.id,
+                                   kind=pb.PUSH_KIND_SEED, base_version=0, payload=self.payload)
+            self.core.push(iter([pb.PushRequest(header=header), *self.chunks]))
+
+    def _start_training(self, learner: Learner, at: float) -> None:
+        learner.schedule = LearnerSchedule(self.cfg, self.plan, self.clock)
+        learner.held = {f.id: self.core.fragments[f.id].version for f in self.plan.fragments}
+        learner.delivered_steps = dict.fromkeys(learner.held, 0)
+        learner.results, learner.to_apply, learner.blocked_since = {}, [], None
+        learner.last_step_end = at
+        life = learner.life
+        self.queue.at(at + learner.step_seconds, lambda: self._step_done(learner, life))
+        self.queue.at(at, lambda: self._heartbeat(learner, life))
+
+    # ---- a learner's steps ---------------------------------------------------------------
+
+    def _step_done(self, learner: Learner, life: int) -> None:
+        if learner.life != life:
+            return
+        now = self.clock.now
+        learner.steps += 1
+        learner.tokens += learner.tokens_per_step
+        self.ledger.kept += learner.step_seconds
+        learner.last_step_end = now
+        actions = learner.schedule.step_done(learner.steps - 1, learner.tokens_per_step)
+        for fid in actions.start:
+            self._push(learner, fid)
+        if learner.schedule.run_over(learner.tokens):
+            self._finish(learner)
+            return
+        learner.to_apply = list(actions.apply)
+        self._apply_due(learner)
+
+    def _apply_due(self, learner: Learner) -> None:
+        """Applies the due results in order; waits (blocks) for one that is not in, as long as
+        the schedule allows; then the next step starts."""
+        now = self.clock.now
+        while learner.to_apply:
+            fid = learner.to_apply[0]
+            fragment = learner.schedule.fragments[fid]
+            if fid in learner.results:
+                self._apply(learner, fid, learner.results.pop(fid))
+            elif (limit := fragment.wait_limit()) == 0:
+                fragment.missed()  # trains on; applied at the first step after it arrives
+            else:
+                learner.blocked_since = now
+                learner.blocks += 1
+                if limit is not None:
+                    life, block = learner.life, learner.blocks
+                    self.queue.at(now + limit, lambda: self._wait_over(learner, life, block))
+                return
+            learner.to_apply.pop(0)
+        life = learner.life
+        learner.last_step_end = now
+        self.queue.at(now + learner.step_seconds, lambda: self._step_done(learner, life))
+
+    def _apply(self, learner: Learner, fid: int, result: Result) -> None:
+        learner.schedule.result_arrived(fid, learner.steps - 1, learner.step_seconds, result.applied)
+        if result.applied:
+            learner.held[fid] = result.version
+            learner.delivered_steps[fid] = 0
+
+    def _stop_blocking(self, learner: Learner, fid: int) -> None:
+        waited = self.clock.now - learner.blocked_since
+        learner.schedule.fragments[fid].waited(waited)
+        self.ledger.add("blocked", waited)
+        learner.blocked_since = None
+
+    def _wait_over(self, learner: Learner, life: int, block: int) -> None:
+        if learner.life != life or learner.blocks != block or learner.blocked_since is None:
+            return  # the result came in time, or this life is over
+        fid = learner.to_apply.pop(0)
+        self._stop_blocking(learner, fid)
+        learner.schedule.fragments[fid].missed()
+        self._apply_due(learner)
+
+    def _finish(self, learner: Learner) -> None:
+        """Budget spent: the learner leaves; its provisioned time ends here."""
+        self._phase(learner, "finished")
+        learner.life += 1
+        self.core.leave(learner.id, learner.incarnation)
+        self._tick()  # rounds no longer wait for it
+        self._training_changed()
+
+    # ---- syncs ---------------------------------------------------------------------------
+
+    def _push(self, learner: Learner, fid: int) -> None:
+        fragment = learner.schedule.fragments[fid]
+        header = pb.PushHeader(learner_id=learner.id, incarnation=learner.incarnation, fragment_id=fid,
+                               kind=pb.PUSH_KIND_OUTER_GRADIENT, base_version=learner.held[fid],
+                               c_steps=fragment.steps_since_sync, c_tokens=fragment.tokens_since_sync,
+                               step_seconds=learner.step_seconds, payload=self.payload)
+        arrives = learner.up.send(self.clock.now, self.update_bytes)
+        life = learner.life
+        self.queue.at(arrives, lambda: self._push_arrives(learner, life, header))
+
+    def _push_arrives(self, learner: Learner, life: int, header: pb.PushHeader) -> None:
+        if learner.life != life:
+            return  # the learner died with the push on the wire
+        fid = header.fragment_id
+        try:
+            outcome = self.core.push(iter([pb.PushRequest(header=header), *self.chunks]))
+        except Refusal:
+            self._deliver(learner, fid, Result(header.base_version, applied=False), self.clock.now, 0)
+            return
+        if outcome.result == pb.PUSH_RESULT_REFUSED_STALE:
+            # The learner re-anchors on the current value: the fragment's steps are lost.
+            self.refused_stale += 1
+            learner.delivered_steps[fid] = header.c_steps  # counted lost here, not again if it fails
+            self._lose(learner, fragment_compute_seconds(header.c_steps, header.step_seconds, 1, self.inputs.fragments))
+            self._deliver(learner, fid, Result(outcome.current_version, True), self.clock.now,
+                          outcome.current_version - header.base_version)
+            return
+        self.staleness[outcome.staleness] += 1
+        learner.delivered_steps[fid] = header.c_steps
+        self.waiters[fid].append(Waiter(learner.index, life, header.base_version, outcome.round))
+        self._answer_closed_rounds()
+        self.contributions[fid, outcome.round] += 1
+        if self.contributions[fid, outcome.round] == self.inputs.quorum:
+            self._tick_after_grace(fid, outcome.round)
+
+    def _tick_after_grace(self, fid: int, round_number: int) -> None:
+        """Ticks when quorum and grace may close the round, again while it stays open (an
+        adaptive grace window may have grown)."""
+        def tick() -> None:
+            self._tick()
+            if self.core.fragments[fid].version < round_number:
+                self._tick_after_grace(fid, round_number)
+        self.queue.at(self.clock.now + self.core.fragments[fid].grace.seconds() + 1e-9, tick)
+
+    def _tick(self) -> None:
+        self.core.tick()
+        self._answer_closed_rounds()
+
+    def _answer_closed_rounds(self) -> None:
+        """Each round the core closed answers the pulls waiting for it, once the syncer has
+        computed it (round-close throughput)."""
+        closed, self.closed = self.closed, []
+        for fid, round_ in closed:
+            ready = self.clock.now + self.close_seconds
+            waiting = self.waiters[fid]
+            self.waiters[fid] = [w for w in waiting if w.version > round_.round]
+            self.contributions.pop((fid, round_.round), None)
+            for waiter in waiting:
+                learner = self.learners[waiter.learner]
+                if waiter.version <= round_.round and learner.life == waiter.life:
+                    self._deliver(learner, fid, Result(round_.round, True), ready,
+                                  round_.round - waiter.base_version)
+
+    def _deliver(self, learner: Learner, fid: int, result: Result, ready: float, versions: int) -> None:
+        """The pull of `versions` updates (a snapshot if the syncer's history is shorter)."""
+        nbytes = self.snapshot_bytes if versions > self.inputs.history_versions else versions * self.update_bytes
+        arrives = learner.down.send(ready, nbytes) if nbytes else ready + learner.down.latency_seconds
+        life = learner.life
+        self.queue.at(arrives, lambda: self._result_arrives(learner, life, fid, result))
+
+    def _result_arrives(self, learner: Learner, life: int, fid: int, result: Result) -> None:
+        if learner.life != life:
+            return
+        learner.results[fid] = result
+        if learner.blocked_since is not None and learner.to_apply and learner.to_apply[0] == fid:
+            self._stop_blocking(learner, fid)
+            self._apply_due(learner)
+
+    def _heartbeat(self, learner: Learner, life: int) -> None:
+        if learner.life != life:
+            return
+        rate = learner.tokens_per_step / learner.step_seconds
+        self.core.heartbeat(learner.id, learner.incarnation, step=learner.steps, step_seconds=learner.step_seconds,
+                            tokens_per_second=rate, sync_step=learner.steps + learner.schedule.sync_offset,
+                            tokens=learner.tokens)
+        run_tokens, run_rate = self.core.run_tokens()
+        learner.schedule.heard_run_tokens(run_tokens, run_rate, learner.tokens, rate)
+        self.queue.at(self.clock.now + self.cfg.trainer.heartbeat_seconds, lambda: self._heartbeat(learner, life))
+
+    # ---- failures ------------------------------------------------------------------------
+
+    def _next_change(self) -> None:
+        change = next(self._changes, None)
+        if change is not None:
+            self.queue.at(change.at, lambda: self._fleet_changed(change))
+
+    def _fleet_changed(self, change: FleetChange) -> None:
+        learner = self.learners[change.unit]
+        if learner.phase != "finished":
+            (self._repaired if change.up else self._failed)(learner)
+        self._next_change()
+
+    def _failed(self, learner: Learner) -> None:
+        now = self.clock.now
+        self.failure_count += 1
+        if learner.training:
+            # Lost: each fragment's steps not delivered to the syncer, and the step in progress.
+            undelivered = sum(f.steps_since_sync - learner.delivered_steps[fid]
+                              for fid, f in learner.schedule.fragments.items())
+            self._lose(learner, undelivered * learner.step_seconds / self.inputs.fragments)
+            if learner.blocked_since is not None:
+                self.ledger.add("blocked", now - learner.blocked_since)
+            else:
+                self.ledger.add("lost", now - learner.last_step_end)  # the step in progress
+        self._phase(learner, "down")
+        learner.life += 1
+        # Its lease runs out: rounds stop waiting for it then.
+        self.queue.at(now + self.inputs.lease_seconds + 1e-6, self._tick)
+        self._training_changed()
+
+    def _repaired(self, learner: Learner) -> None:
+        """Pulls the whole model, then rejoins (below)."""
+        learner.life += 1
+        self._phase(learner, "restore")
+        pulled = learner.down.send(self.clock.now, self.snapshot_bytes * self.inputs.fragments)
+        life = learner.life
+        self.queue.at(pulled, lambda: self._restored(learner, life))
+
+    def _restored(self, learner: Learner, life: int) -> None:
+        if learner.life != life:
+            return
+        # Joined once it holds the model: the rounds do not wait for a learner still pulling.
+        self._join(learner)
+        self._phase(learner, "training")
+        self._start_training(learner, self.clock.now)
+        learner.schedule.join_in_phase(self._learner_statuses(), learner.id, learner.steps)
+        self._training_changed()
+
+    def _join(self, learner: Learner) -> None:
+        """A new process: a new incarnation."""
+        learner.incarnation += 1
+        self.core.join(learner.id, learner.incarnation, learner.region, self.manifest)
+
+    def _learner_statuses(self) -> list[pb.LearnerStatus]:
+        """The Status reply's learners, as a rejoining learner reads them to take its phase."""
+        return [pb.LearnerStatus(learner_id=l.id, alive=l.alive, last_step=l.step, sync_step=l.sync_step,
+                                 seconds_since_heartbeat=l.seconds_since_heartbeat, step_seconds=l.step_seconds)
+                for l in self.core.status().learners]
+
+    # ---- accounting ----------------------------------------------------------------------
+
+    def _lose(self, learner: Learner, seconds: float) -> None:
+        """Steps already counted as kept that the run will not keep."""
+        self.ledger.kept -= seconds
+        self.ledger.add("lost", seconds)
+        learner.lost_seconds += seconds
+
+    def _phase(self, learner: Learner, phase: str) -> None:
+        """Ends the learner's current phase: time down or restoring is badput of that name."""
+        if learner.phase in ("down", "restore"):
+            self.ledger.add(learner.phase, self.clock.now - learner.phase_since)
+        learner.phase, learner.phase_since = phase, self.clock.now
+
+    def _training_changed(self) -> None:
+        self.uptime.training(self.clock.now, any(l.training for l in self.learners))
+
+    def _result(self) -> PlanResult:
+        end = self.clock.now
+        for learner in self.learners:
+            if learner.phase == "finished":
+                self.ledger.provisioned += learner.phase_since
+                continue
+            if learner.training and learner.blocked_since is not None:
+                self.ledger.add("blocked", end - learner.blocked_since)
+            self._phase(learner, "finished")
+            self.ledger.provisioned += end
+        counters = self.core.counters_snapshot()
+        syncer = SyncerFacts(int(counters["state.merged_contributions"]), int(counters.get("rounds.all", 0)),
+                             int(counters.get("rounds.quorum_grace", 0)),
+                             sum(s.version for s in self.core.fragments.values()),
+                             int(counters.get("contributions.refused_stale", 0)))
+        kept_tokens = sum(l.tokens - l.lost_seconds / l.step_seconds * l.tokens_per_step for l in self.learners)
+        failure_free = sum(l.tokens_per_step / l.step_seconds for l in self.learners)
+        return PlanResult("diloco", self.inputs.chips, len(self.learners), end, self.ledger.goodput(),
+                          self.uptime.share(end), round(kept_tokens), failure_free, self.failure_count,
+                          self._bandwidth(end), staleness_counts(self.staleness, self.refused_stale), syncer)
+
+    def _bandwidth(self, end: float) -> Bandwidth:
+        links = [(l.up, l.down) for l in self.learners]
+        total = sum(up.bytes_total + down.bytes_total for up, down in links)
+        peak = max((up.bytes_by_window[w] + down.bytes_by_window[w] for up, down in links
+                    for w in set(up.bytes_by_window) | set(down.bytes_by_window)), default=0)
+        return Bandwidth(total * 8 / 1e9 / end / len(links) if end else 0.0,
+                         peak * 8 / 1e9 / PEAK_WINDOW_SECONDS, total)
+
+
+def simulate_diloco(inputs: PlanInputs, failures: FailureModel, progress: Callable[[float], None]) -> PlanResult:
+    return DilocoRun(inputs, failures).run(progress)

@@ -1,0 +1,186 @@
+"""What `diloco plan` simulates: the fleet, its failures, the algorithm's settings, the model,
+the links and the run's length, validated with errors that name the key (or flag) at fault.
+
+A YAML file (--config) holds these keys at its top level; a flag of the same name, dashes for
+underscores, overrides one. Times are in the unit their key names.
+"""
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import ConfigDict, Field, ValidationError
+from pydantic.dataclasses import dataclass
+
+from diloco.services.codecs import CODEC_NAMES
+from diloco.services.config import ConfigLoader, validation_message
+
+Positive = Annotated[float, Field(gt=0)]
+NonNegative = Annotated[float, Field(ge=0)]
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+class PlanError(ValueError):
+    """Inputs that cannot describe a run; the message names the key."""
+
+
+@dataclass(frozen=True, config=_STRICT)
+class InjectedFailure:
+    """One failure at a chosen virtual time, besides (or instead of) the random ones."""
+    learner: NonNegativeInt  # the unit (learner, or data-parallel slice) that fails
+    at_seconds: NonNegative
+    repair_minutes: NonNegative | None = None  # None: the run's repair_minutes
+
+
+@dataclass(frozen=True, config=_STRICT)
+class PlanInputs:
+    # The fleet: `chips` cut into M learner units (or data-parallel slices) of equal size.
+    chips: PositiveInt = 16384
+    learners: PositiveInt | None = None  # M; or give chips_per_learner (neither: M = 8)
+    chips_per_learner: PositiveInt | None = None
+    # Failures: each chip fails after an exponential time of mean chip_mtbf_hours (None: never,
+    # save `failures`); its unit is then down for the repair time (a fixed time, or lognormal
+    # with that median and repair_sigma), which includes restarting its processes.
+    chip_mtbf_hours: Positive | None = 500_000.0
+    repair_minutes: NonNegative = 10.0
+    repair_distribution: Literal["fixed", "lognormal"] = "fixed"
+    repair_sigma: NonNegative = 0.5
+    failures: tuple[InjectedFailure, ...] = ()
+    # Speed: inner step time of each learner (one value: every learner), at a fixed share of
+    # the global batch each (batch_tokens / M per step).
+    step_seconds: tuple[Positive, ...] = (1.0,)
+    batch_tokens: PositiveInt = 4 << 20
+    # Decoupled DiLoCo (H, P, tau, K, ...), as the cluster config's sync and syncer keys.
+    interval_steps: PositiveInt = 24
+    fragments: PositiveInt = 24
+    overlap_steps: NonNegativeInt = 2
+    quorum: PositiveInt = 1
+    grace_mode: Literal["fixed", "adaptive"] = "adaptive"
+    grace_seconds: NonNegative = 1.0
+    max_staleness: NonNegativeInt = 4
+    max_block_seconds: NonNegative = 2.0
+    lease_seconds: Positive = 10.0  # how long a dead learner is waited for
+    # How often learners report their step (the cluster config's trainer.heartbeat_seconds): a
+    # rejoining learner takes its phase from these reports, so their age matters.
+    heartbeat_seconds: Positive = 0.5
+    history_versions: PositiveInt = 32
+    # The model and its traffic: bytes per sync from the codec; links per region (learner i is
+    # in region i mod the number of regions); the syncer closes a round at this many
+    # parameters per second (BENCHMARKS.md §5: 41 M/s, one shard on 2 cores).
+    model_parameters: PositiveInt = 12_000_000_000
+    codec: str = "int4"
+    codec_block_size: PositiveInt = 128
+    wan_gbps: tuple[Positive, ...] = (5.0,)
+    wan_latency_ms: tuple[NonNegative, ...] = (30.0,)
+    syncer_params_per_second: Positive = 41e6
+    # Data parallel: checkpoint interval and reload; elastic: the pause to reconfigure.
+    checkpoint_minutes: Positive = 30.0
+    restore_minutes: NonNegative = 2.0
+    reconfigure_seconds: NonNegative = 60.0
+    # The run's length: one of hours (wall time), steps (global steps at the full batch) or
+    # tokens (neither: 24 hours).
+    hours: Positive | None = None
+    steps: PositiveInt | None = None
+    tokens: PositiveInt | None = None
+    seed: NonNegativeInt = 0
+
+    @property
+    def num_learners(self) -> int:
+        if self.chips_per_learner is not None:
+            return self.chips // self.chips_per_learner
+        return self.learners or 8
+
+    @property
+    def unit_chips(self) -> int:
+        return self.chips // self.num_learners
+
+    def learner_step_seconds(self, index: int) -> float:
+        return self.step_seconds[index % len(self.step_seconds)]
+
+    def learner_tokens_per_step(self) -> int:
+        return self.batch_tokens // self.num_learners
+
+    def region(self, index: int) -> int:
+        return index % len(self.wan_gbps)
+
+    @property
+    def target_tokens(self) -> int | None:
+        """The run's token budget; None for a run of fixed wall time."""
+        return self.tokens if self.tokens is not None else (self.steps * self.batch_tokens if self.steps else None)
+
+    @property
+    def duration_seconds(self) -> float:
+        """A run of fixed wall time lasts this long; a budget run, at most this long."""
+        if self.hours is not None:
+            return self.hours * 3600
+        if self.target_tokens is None:
+            return 24 * 3600.0
+        # A budget run that has not ended by then is stuck (every learner down for good).
+        return math.inf
+
+
+def load_inputs(data: object, source: str = "plan inputs") -> PlanInputs:
+    """Validates a mapping (parsed YAML, or flags) into PlanInputs."""
+    if not isinstance(data, dict):
+        raise PlanError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    data = {key: tuple(value) if isinstance(value, list) else value for key, value in data.items()}
+    failures = []
+    for i, failure in enumerate(data.get("failures", ())):
+        try:
+            failures.append(InjectedFailure(**failure) if isinstance(failure, dict) else failure)
+        except ValidationError as error:
+            raise PlanError(f"{source}: failures[{i}]: {validation_message(error)}") from None
+    if failures:
+        data["failures"] = tuple(failures)
+    try:
+        inputs = PlanInputs(**data)
+        check_relations(inputs)
+    except ValidationError as error:
+        raise PlanError(f"{source}: {validation_message(error)}") from None
+    except PlanError as error:
+        raise PlanError(f"{source}: {error}") from None
+    return inputs
+
+
+def load_file(path: str) -> dict:
+    """A YAML file of inputs (1e9 reads as a number, as in cluster configs)."""
+    with open(path) as file:
+        data = yaml.load(file, Loader=ConfigLoader)
+    return data if data is not None else {}
+
+
+def check_relations(inputs: PlanInputs) -> None:
+    """Constraints between keys that a per-key type cannot express."""
+    if inputs.learners is not None and inputs.chips_per_learner is not None:
+        raise PlanError("learners: give either learners (M) or chips_per_learner, not both")
+    if inputs.chips_per_learner is not None and inputs.chips % inputs.chips_per_learner:
+        raise PlanError(f"chips_per_learner: {inputs.chips_per_learner} does not divide chips={inputs.chips}")
+    m = inputs.num_learners
+    if m > inputs.chips or inputs.chips % m:
+        raise PlanError(f"learners: M={m} does not divide chips={inputs.chips} into equal units")
+    if len(inputs.step_seconds) not in (1, m):
+        raise PlanError(f"step_seconds: {len(inputs.step_seconds)} values for M={m} learners (give 1 or {m})")
+    if len(inputs.wan_latency_ms) not in (1, len(inputs.wan_gbps)):
+        raise PlanError(f"wan_latency_ms: {len(inputs.wan_latency_ms)} values for {len(inputs.wan_gbps)} regions "
+                        f"(wan_gbps); give 1 or one per region")
+    if inputs.overlap_steps >= inputs.interval_steps:
+        raise PlanError(f"overlap_steps: tau={inputs.overlap_steps} must be smaller than "
+                        f"interval_steps (H={inputs.interval_steps})")
+    if inputs.heartbeat_seconds * 2 > inputs.lease_seconds:
+        raise PlanError(f"lease_seconds: {inputs.lease_seconds} must be at least twice heartbeat_seconds "
+                        f"({inputs.heartbeat_seconds})")
+    if inputs.quorum > m:
+        raise PlanError(f"quorum: K={inputs.quorum} exceeds the number of learners (M={m})")
+    if inputs.codec not in CODEC_NAMES:
+        raise PlanError(f"codec: unknown codec {inputs.codec!r} (valid: {', '.join(CODEC_NAMES)})")
+    if inputs.batch_tokens < m:
+        raise PlanError(f"batch_tokens: {inputs.batch_tokens} is less than one token per learner (M={m})")
+    lengths = [key for key in ("hours", "steps", "tokens") if getattr(inputs, key) is not None]
+    if len(lengths) > 1:
+        raise PlanError(f"{lengths[1]}: give one run length (hours, steps or tokens), got {' and '.join(lengths)}")
+    for i, failure in enumerate(inputs.failures):
+        if failure.learner >= m:
+            raise PlanError(f"failures[{i}].learner: {failure.learner} is not a learner unit (M={m})")

@@ -1,0 +1,132 @@
+"""`diloco plan`: goodput of a whole run at datacenter scale, simulated in virtual time.
+
+Every key of planner/inputs.py is a flag (dashes for underscores) and a key of the YAML file
+given with --config; a flag overrides the file. `chips`, `learners` and `chips_per_learner`
+take comma-separated lists (in YAML, lists): every combination is simulated in every mode,
+and --plot draws goodput against chips, one line per mode and M.
+
+    diloco plan --chips 1024,16384,131072 --learners 8,16 --plot goodput.png
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import pathlib
+import sys
+
+import yaml
+
+from diloco.planner.inputs import PlanError, PlanInputs, load_file, load_inputs
+from diloco.planner.outcome import PlanResult
+from diloco.planner.report import plot, table, write_json
+from diloco.planner.simulate import MODES, simulate
+
+SWEPT = ("chips", "learners", "chips_per_learner")  # keys that take a list of values to sweep
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = ("Every input is described in docs/planning.md and planner/inputs.py; `null` unsets one "
+                     "(--chip-mtbf-hours null: no random failures).")
+    parser.add_argument("--config", help="YAML file of plan inputs (keys as the flags, with underscores)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument("--fail", action="append", default=[], metavar="LEARNER@SECONDS",
+                        help="inject a failure of this learner unit at this virtual time (repeatable)")
+    for field in dataclasses.fields(PlanInputs):
+        if field.name == "failures":
+            continue
+        listed = field.name in SWEPT or isinstance(field.default, tuple)
+        parser.add_argument("--" + field.name.replace("_", "-"), dest=field.name,
+                            metavar="V1,V2,..." if listed else "VALUE",
+                            help=f"default {_shown(field.default)}" + (" (a list)" if listed else ""))
+    parser.add_argument("--json", metavar="PATH", help="write every result as JSON here ('-': stdout)")
+    parser.add_argument("--plot", metavar="PNG", help="plot goodput against chips, one line per mode and M")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _shown(default: object) -> str:
+    return ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
+
+
+def plan_points(args: argparse.Namespace) -> list[PlanInputs]:
+    """The inputs of every point of the sweep, from the file and the flags."""
+    data = load_file(args.config) if args.config else {}
+    for field in dataclasses.fields(PlanInputs):
+        text = getattr(args, field.name, None)
+        if text is not None:
+            values = [_scalar(v) for v in text.split(",")]
+            listed = field.name in SWEPT or isinstance(field.default, tuple)
+            data[field.name] = values if listed else values[0] if len(values) == 1 else text
+    if args.fail:
+        data["failures"] = [_failure(text) for text in args.fail]
+    swept = {key: value if isinstance(value, list) else [value] for key, value in data.items()
+             if key in SWEPT}
+    points = []
+    for combination in itertools.product(*swept.values()):
+        point = {**data, **dict(zip(swept, combination))}
+        where = ", ".join(f"{key}={value}" for key, value in zip(swept, combination))
+        points.append(load_inputs(point, source=f"plan inputs ({where})" if where else "plan inputs"))
+    return points
+
+
+def _scalar(text: str) -> object:
+    """A flag's value: a number where it reads as one (12e9 is an integer), else YAML."""
+    try:
+        number = float(text)
+    except ValueError:
+        return yaml.safe_load(text)
+    return int(number) if number.is_integer() and "." not in text else number
+
+
+def _failure(text: str) -> dict:
+    learner, sep, seconds = text.partition("@")
+    try:
+        return {"learner": int(learner), "at_seconds": float(seconds)}
+    except ValueError:
+        raise PlanError(f"--fail {text!r}: expected LEARNER@SECONDS, e.g. 3@3600") from None
+
+
+class Progress:
+    """A progress bar over virtual seconds (tqdm, as `diloco sim` uses), updated sparingly."""
+
+    def __init__(self, inputs: PlanInputs, mode: str, quiet: bool):
+        from tqdm import tqdm
+        total = inputs.duration_seconds if inputs.duration_seconds != float("inf") else None
+        self.bar = None if quiet else tqdm(total=total, unit="s", unit_scale=True, file=sys.stderr,
+                                           desc=f"{mode} M={inputs.num_learners} chips={inputs.chips:,}",
+                                           dynamic_ncols=True, leave=False)
+        self.step = (total or 3600.0) / 200
+
+    def __call__(self, seconds: float) -> None:
+        if self.bar is not None and seconds - self.bar.n >= self.step:
+            self.bar.update(seconds - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    modes = args.modes.split(",")
+    try:
+        if unknown := [m for m in modes if m not in MODES]:
+            raise PlanError(f"--modes: unknown mode {unknown[0]!r} (valid: {', '.join(MODES)})")
+        points = plan_points(args)
+    except (PlanError, OSError, yaml.YAMLError) as error:
+        print(f"invalid: {error}", file=sys.stderr)
+        return 2
+    results: list[PlanResult] = []
+    for inputs, mode in itertools.product(points, modes):
+        progress = Progress(inputs, mode, args.quiet)
+        results.append(simulate(inputs, mode, progress))
+        progress.close()
+    print(table(results))
+    if args.json == "-":
+        write_json(results, pathlib.Path("/dev/stdout"))
+    elif args.json:
+        write_json(results, pathlib.Path(args.json))
+        print(f"json: {args.json}")
+    if args.plot:
+        plot(results, pathlib.Path(args.plot))
+        print(f"plot: {args.plot}")
+    return 0

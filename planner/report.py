@@ -1,0 +1,56 @@
+"""`diloco plan`'s outputs: a table for people, JSON for programs, a plot of goodput against chips."""
+from __future__ import annotations
+
+import json
+import pathlib
+from itertools import groupby
+
+from diloco.planner.outcome import PlanResult
+from diloco.services.goodput import BADPUT, REMAINDER
+
+# The categories a planned run can have (the others belong to a real learner's loop).
+PLANNED_BADPUT = tuple(c for c in BADPUT if c not in ("startup", "evaluation", "checkpoint")) + (REMAINDER,)
+
+
+def table(results: list[PlanResult]) -> str:
+    header = ["mode", "M", "chips", "goodput", *PLANNED_BADPUT, "uptime", "tokens/s", "of failure-free",
+              "failures", "WAN Gbit/s mean/peak", "staleness 0/1/2+/refused"]
+    rows = [header]
+    for r in results:
+        shares = r.goodput.badput_shares()
+        rows.append([r.mode, str(r.learners), f"{r.chips:,}", f"{r.goodput.share:.1%}",
+                     *(f"{shares[c]:.1%}" for c in PLANNED_BADPUT), f"{r.uptime:.1%}",
+                     f"{r.tokens_per_second:.3g}", f"{r.effective_share:.1%}", str(r.failures),
+                     f"{r.bandwidth.mean_gbps:.2f}/{r.bandwidth.peak_gbps:.2f}" if r.bandwidth else "-",
+                     _staleness(r.staleness) if r.staleness else "-"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
+
+
+def _staleness(counts: dict[str, int]) -> str:
+    merged = {int(k): v for k, v in counts.items() if k != "refused"}
+    later = sum(v for k, v in merged.items() if k >= 2)
+    return f"{merged.get(0, 0)}/{merged.get(1, 0)}/{later}/{counts['refused']}"
+
+
+def write_json(results: list[PlanResult], path: pathlib.Path) -> None:
+    path.write_text(json.dumps([r.as_json() for r in results], indent=1))
+
+
+def plot(results: list[PlanResult], path: pathlib.Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ordered = sorted(results, key=lambda r: (r.label, r.chips))
+    for label, points in groupby(ordered, key=lambda r: r.label):
+        points = list(points)
+        ax.plot([p.chips for p in points], [p.goodput.share for p in points], marker="o", label=label)
+    ax.set(xscale="log", xlabel="chips", ylabel="goodput", ylim=(0, 1.02),
+           title="goodput against fleet size (diloco plan)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

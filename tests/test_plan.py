@@ -1,0 +1,167 @@
+"""`diloco plan`: the three modes in virtual time, Decoupled DiLoCo decided by the real ShardCore
+and LearnerSchedule. Small fleets and short runs, no sockets: the file runs in seconds."""
+import itertools
+import json
+import pathlib
+
+import pytest
+
+from diloco.planner.failures import FailureModel
+from diloco.planner.inputs import PlanError, load_inputs
+from diloco.planner.simulate import simulate
+from diloco.services.cli import main
+
+EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "plan" / "datacenter.yaml"
+
+# Four learner units of 16 chips, a small model on fast links, one push every other step.
+SMALL = {"chips": 64, "learners": 4, "model_parameters": 10_000_000, "interval_steps": 8, "fragments": 4,
+         "overlap_steps": 2, "wan_gbps": (10.0,), "chip_mtbf_hours": None}
+
+
+def plan(**inputs):
+    return load_inputs({**SMALL, **inputs})
+
+
+def test_without_failures_every_mode_keeps_almost_all_its_time():
+    inputs = plan(hours=0.05)
+    for mode in ("dp", "elastic", "diloco"):
+        result = simulate(inputs, mode)
+        assert result.goodput.share > 0.99, (mode, result.goodput)
+        assert result.uptime == pytest.approx(1.0) and result.failures == 0
+        assert result.effective_share > 0.99
+
+
+def test_data_parallel_steps_at_the_slowest_learners_pace_and_the_others_wait():
+    result = simulate(plan(hours=0.05, step_seconds=(1.0, 1.0, 1.0, 2.0)), "dp")
+    assert result.step_seconds == 2.0
+    # Three slices wait a second of every two-second step: 3 of 8 slice-seconds.
+    assert result.goodput.badput_shares()["blocked"] == pytest.approx(3 / 8)
+    diloco = simulate(plan(hours=0.05, step_seconds=(1.0, 1.0, 1.0, 2.0)), "diloco")
+    assert diloco.goodput.share > 0.95  # each learner trains at its own pace
+
+
+def test_one_failure_costs_dp_its_work_since_the_checkpoint_and_the_restart_but_diloco_only_that_learners_down_time():
+    inputs = plan(hours=1.0, failures=({"learner": 0, "at_seconds": 600.0},), repair_minutes=5.0,
+                  checkpoint_minutes=8.0, restore_minutes=2.0, step_seconds=(10.0,), lease_seconds=40.0,
+                  heartbeat_seconds=5.0)
+    dp = simulate(inputs, "dp")
+    badput = dp.goodput.badput_seconds
+    assert badput["lost"] == pytest.approx(4 * 120.0)  # 600 s is 120 s past the checkpoint at 480 s
+    assert badput["down"] == pytest.approx(4 * 300.0)  # every slice waits for the repair
+    assert badput["restore"] == pytest.approx(4 * 120.0)  # and for the checkpoint to load
+    assert dp.goodput.share == pytest.approx(1 - (120 + 300 + 120) / 3600)
+
+    diloco = simulate(inputs, "diloco")
+    badput = diloco.goodput.badput_seconds
+    assert badput["down"] == pytest.approx(300.0)  # only the failed learner
+    assert badput["restore"] < 1.0  # pulling a 10M-parameter model at 10 Gbit/s
+    assert badput["lost"] <= 10.0 * (8 + 1)  # at most a sync period of steps and the step in progress
+    assert diloco.goodput.share > 1 - (300 + 90 + 10) / (4 * 3600)
+    assert diloco.uptime == 1.0 and dp.uptime < 1.0
+    # While the dead learner's lease ran, quorum (K=1) and grace closed the rounds without it.
+    assert diloco.syncer.rounds_quorum_grace > 0
+
+
+def test_uptime_is_total_with_four_learners_at_a_modest_failure_rate_while_dp_stops():
+    # Each unit fails about every 4 hours and is down 20 minutes.
+    inputs = plan(hours=12.0, chip_mtbf_hours=64.0, repair_minutes=20.0, step_seconds=(120.0,), lease_seconds=480.0,
+                  heartbeat_seconds=60.0)
+    diloco, dp = simulate(inputs, "diloco"), simulate(inputs, "dp")
+    assert diloco.failures >= 8 and diloco.failures == dp.failures  # the same outages in every mode
+    assert diloco.uptime == 1.0
+    assert dp.uptime < 0.9 and dp.goodput.share < diloco.goodput.share
+    for result in (diloco, dp, simulate(inputs, "elastic")):  # no second is counted twice
+        goodput = result.goodput
+        measured = sum(seconds for category, seconds in goodput.badput_seconds.items() if category != "other")
+        assert goodput.kept_seconds + measured <= goodput.provisioned_seconds * (1 + 1e-9)
+
+
+def test_a_units_failures_come_at_the_rate_of_its_chips_and_last_the_repair_time():
+    # 16 chips of 1600 hours each: a unit fails every 100 hours of uptime on average.
+    failures = FailureModel.from_inputs(plan(chip_mtbf_hours=1600.0, repair_minutes=30.0))
+    outages = list(itertools.islice(failures.outages(2), 2000))
+    assert all(o.end - o.start == 1800.0 for o in outages)
+    uptimes = [b.start - a.end for a, b in zip(outages, outages[1:])]
+    assert sum(uptimes) / len(uptimes) == pytest.approx(100 * 3600, rel=0.05)
+    # A unit's outages are its own: the same in a fleet of another size.
+    bigger = FailureModel.from_inputs(plan(chips=128, learners=8, chip_mtbf_hours=1600.0, repair_minutes=30.0))
+    assert list(itertools.islice(bigger.outages(2), 10)) == outages[:10]
+
+
+def test_the_same_seed_gives_the_same_result_and_another_seed_another():
+    inputs = plan(hours=1.0, chip_mtbf_hours=32.0, repair_minutes=10.0, step_seconds=(20.0,), lease_seconds=80.0,
+                  heartbeat_seconds=10.0)
+    first, again = simulate(inputs, "diloco"), simulate(inputs, "diloco")
+    assert first.failures > 0 and first.as_json() == again.as_json()
+    other = simulate(plan(hours=1.0, chip_mtbf_hours=32.0, repair_minutes=10.0, step_seconds=(20.0,),
+                          lease_seconds=80.0, heartbeat_seconds=10.0, seed=1), "diloco")
+    assert other.as_json() != first.as_json()
+
+
+def test_diloco_rounds_are_closed_by_the_shard_core():
+    result = simulate(plan(hours=0.05), "diloco")
+    syncer = result.syncer
+    assert syncer.versions == syncer.rounds_all + syncer.rounds_quorum_grace > 0
+    # Learners in step: every round closes when all four have contributed, none stale.
+    assert syncer.rounds_quorum_grace == 0
+    assert syncer.merged_contributions == 4 * syncer.versions
+    assert result.staleness == {"0": syncer.merged_contributions, "refused": 0}
+    assert result.bandwidth.mean_gbps > 0 and result.bandwidth.peak_gbps >= result.bandwidth.mean_gbps
+
+
+def test_a_learner_far_behind_makes_stale_contributions_the_core_judges():
+    result = simulate(plan(hours=0.1, step_seconds=(1.0, 1.0, 1.0, 3.0), max_staleness=1), "diloco")
+    assert result.syncer.refused_stale == result.staleness["refused"] > 0
+    assert result.goodput.badput_seconds["lost"] > 0  # refused contributions are lost work
+
+
+def test_a_token_budget_ends_the_run_when_the_learners_schedules_say_it_is_spent():
+    inputs = plan(steps=300)  # 300 global steps at the full batch
+    for mode in ("dp", "elastic", "diloco"):
+        result = simulate(inputs, mode)
+        assert result.tokens == pytest.approx(300 * inputs.batch_tokens, rel=0.05), mode
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ({"chips": 100, "learners": 8}, "learners: M=8 does not divide chips=100"),
+    ({"chips": "many"}, "chips: Input should be a valid integer"),
+    ({"chip_mtbf_hour": 5}, "chip_mtbf_hour: unknown key"),
+    ({"overlap_steps": 24}, "overlap_steps: tau=24 must be smaller than interval_steps"),
+    ({"quorum": 9}, "quorum: K=9 exceeds the number of learners (M=8)"),
+    ({"lease_seconds": 0.5}, "lease_seconds: 0.5 must be at least twice heartbeat_seconds"),
+    ({"codec": "int3"}, "codec: unknown codec 'int3'"),
+    ({"step_seconds": [1.0, 2.0]}, "step_seconds: 2 values for M=8 learners"),
+    ({"hours": 1.0, "steps": 5}, "steps: give one run length"),
+    ({"failures": [{"learner": 8, "at_seconds": 1.0}]}, "failures[0].learner: 8 is not a learner unit"),
+    ({"repair_minutes": -1.0}, "repair_minutes: Input should be greater than or equal to 0"),
+])
+def test_bad_inputs_are_refused_naming_the_key(inputs, message):
+    with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        load_inputs(inputs)
+
+
+def test_the_command_sweeps_chips_and_writes_a_table_json_and_a_plot(tmp_path, capsys):
+    out, png = tmp_path / "plan.json", tmp_path / "goodput.png"
+    code = main(["plan", "--chips", "64,128", "--learners", "4", "--hours", "0.02", "--model-parameters", "1e7",
+                 "--interval-steps", "8", "--fragments", "4", "--fail", "1@30", "--json", str(out),
+                 "--plot", str(png), "--quiet"])
+    assert code == 0
+    results = json.loads(out.read_text())
+    assert [(r["mode"], r["chips"]) for r in results] == [
+        (mode, chips) for chips in (64, 128) for mode in ("dp", "elastic", "diloco")]
+    assert all(r["failures"] == 1 for r in results)
+    assert png.stat().st_size > 0
+    table = capsys.readouterr().out
+    assert "goodput" in table and "diloco" in table
+
+
+def test_the_command_names_a_bad_flag(capsys):
+    assert main(["plan", "--learners", "3", "--chips", "64", "--quiet"]) == 2
+    assert "learners: M=3 does not divide chips=64" in capsys.readouterr().err
+
+
+def test_the_example_config_describes_the_documented_sweep(capsys):
+    assert main(["plan", "--config", str(EXAMPLE), "--hours", "0.01", "--modes", "dp",
+                 "--quiet"]) == 0
+    table = capsys.readouterr().out
+    assert "1,179,648" in table and len(table.splitlines()) == 1 + 6  # 3 fleet sizes x M = 8, 16
