@@ -351,10 +351,10 @@ RENDERERS = {"quality": quality, "bandwidth": bandwidth, "goodput": goodput, "ov
 def later_run(run: dict) -> str:
     """A sentence on sections measured by a later `--merge` run than the rest."""
     m = run["machine"]
-    names = ", ".join(TITLES[name] for name in run["sections"])
-    return (f"Sections {names} come from a later run, `{run['runner']['command']}` ({run['profile']} profile, "
-            f"{run['runner']['wall_seconds'] / 60:.1f} minutes) on {m['date']}: {m['cpu']}, {m['cores']} cores, "
-            f"torch {m['torch']}, commit {m['commit']}; it replaced only those sections.")
+    names = ", ".join(f'"{TITLES[name]}"' for name in run["sections"])
+    return (f"From a later run that replaced only its own sections, `{run['runner']['command']}` ({run['profile']} "
+            f"profile, {run['runner']['wall_seconds'] / 60:.1f} minutes on {m['date']}: {m['cpu']}, {m['cores']} "
+            f"cores, torch {m['torch']}, commit {m['commit']}): {names}.")
 
 
 def render(results: dict, out: pathlib.Path) -> None:
@@ -366,7 +366,8 @@ def render(results: dict, out: pathlib.Path) -> None:
              "Every figure below comes from that run unless said next (also in "
              "[bench/results.json](bench/results.json)); each row names "
              "the command that produced it (the runner only adds where output goes: `--quiet --run-dir --report`, "
-             "`--json`). Regenerate with `make benchmarks`. The models are small so that the whole run fits in 30 "
+             "`--json`). Regenerate with `make benchmarks`, or one section with `python bench/run_all.py --sections "
+             "NAME --merge`. The models are small so that the whole run fits in about 35 "
              "minutes on 2 cores: the method, not the scale, is compared. Other processes may share the machine.", ""]
     lines += [later_run(run) + "\n" for run in results.get("later_runs", [])]
     lines += ["## Summary", "", *summary(results)]
