@@ -12,9 +12,11 @@ pair gets a fresh shard. A run's figure is its mean loop seconds per step (the u
 and `sync.step()`); the ratio is of the medians over the pairs. Target: <= 1.01. The loop runs
 on one torch thread, as the examples do: the shard and the sync's threads get the other cores.
 
-Also times every `sync.step()` of the syncing runs on a step where nothing was due (no sync
-started and no result applied): p50 and p90 in microseconds, and p50 as a share of the
-sync-off step. Exits 1 when a size misses the target.
+Also times every `sync.step()` of the syncing runs: on a step where nothing was due (no sync
+started and no result applied), p50 and p90 in microseconds and p50 as a share of the sync-off
+step; and all calls together per step (what the API itself takes on the training thread, where
+the rest of the ratio is the sync's work elsewhere competing for the cores). Exits 1 when a size
+misses the target.
 """
 from __future__ import annotations
 
@@ -88,30 +90,37 @@ def warm_up(cfg: Config, batches: list) -> None:
         user_step(model, optimizer, x, y)
 
 
-def timed_run(cfg: Config, batches: list, enabled: bool) -> tuple[float, list[float], int]:
-    """The user's loop to the end of the config's step budget: mean loop seconds per step, the
-    seconds of each `sync.step()` on a step where nothing was due, and the syncs started."""
+@dataclass
+class Run:
+    """One run of the user's loop."""
+    seconds_per_step: float  # mean loop seconds per step
+    step_calls: list[float]  # seconds of every `sync.step()` call
+    idle_calls: list[float]  # of those on a step where nothing was due
+    syncs: int  # started
+
+
+def timed_run(cfg: Config, batches: list, enabled: bool) -> Run:
+    """The user's loop to the end of the config's step budget."""
     model, optimizer = fresh_model(cfg)
-    idle_calls = []
+    run = Run(0.0, [], [], 0)
     with DecoupledDiLoCo(model, cfg, cfg.learners[0].id, enabled=enabled, catch_up_seconds=0) as sync:
-        steps, started = 0, time.perf_counter()
+        started = time.perf_counter()
         while not sync.should_stop:
-            x, y = batches[steps % len(batches)]
+            x, y = batches[len(run.step_calls) % len(batches)]
             user_step(model, optimizer, x, y)
             syncs_before = sync.sync.stats.syncs_started if sync.sync else 0
             called = time.perf_counter()
             applied = sync.step(tokens=x.numel())
-            returned = time.perf_counter()
+            run.step_calls.append(time.perf_counter() - called)
             if sync.sync and not applied and sync.sync.stats.syncs_started == syncs_before:
-                idle_calls.append(returned - called)
-            steps += 1
-        seconds_per_step = (time.perf_counter() - started) / steps
-        syncs = sync.sync.stats.syncs_started if sync.sync else 0
-    return seconds_per_step, idle_calls, syncs
+                run.idle_calls.append(run.step_calls[-1])
+        run.seconds_per_step = (time.perf_counter() - started) / len(run.step_calls)
+        run.syncs = sync.sync.stats.syncs_started if sync.sync else 0
+    return run
 
 
 def measure(size: Size, pairs: int) -> dict:
-    off, on, idle_calls, syncs = [], [], [], []
+    runs: dict[bool, list[Run]] = {False: [], True: []}  # by sync enabled
     for pair in range(pairs):
         with tempfile.TemporaryDirectory() as tmp:
             cfg = one_learner_config(DEMO_CONFIG, pathlib.Path(tmp) / "state", size.steps, **size.config)
@@ -122,27 +131,27 @@ def measure(size: Size, pairs: int) -> dict:
             try:
                 cluster.start_shards()
                 for enabled in ((False, True) if pair % 2 == 0 else (True, False)):
-                    seconds, idle, started = timed_run(cfg, batches, enabled)
-                    if enabled:
-                        on.append(seconds)
-                        idle_calls += idle
-                        syncs.append(started)
-                    else:
-                        off.append(seconds)
+                    runs[enabled].append(timed_run(cfg, batches, enabled))
             finally:
                 cluster.stop()
-    deciles = statistics.quantiles(idle_calls, n=10)
-    model = build_model(cfg.model, seed=0)
+    off, on = [run.seconds_per_step for run in runs[False]], [run.seconds_per_step for run in runs[True]]
     off_median, on_median = statistics.median(off), statistics.median(on)
+    idle_calls = [seconds for run in runs[True] for seconds in run.idle_calls]
+    # Every `sync.step()` call (starting syncs and applying results too) on the training thread:
+    # the API's own share of the step, apart from the sync's work on its threads and in the
+    # shard, which competes with the loop for the machine's cores.
+    step_calls = statistics.median(sum(run.step_calls) / len(run.step_calls) for run in runs[True])
+    model = build_model(cfg.model, seed=0)
     return {"size": size.name, "model_parameters": sum(p.numel() for p in model.parameters()),
             "layers": cfg.model.n_layer, "width": cfg.model.n_embd, "seq_len": cfg.model.seq_len,
             "batch_size": cfg.trainer.batch_size, "steps": size.steps, "H": cfg.sync.interval_steps,
             "P": cfg.sync.fragments, "tau": cfg.sync.overlap_steps, "codec": cfg.sync.codec,
             "sync_off_step_seconds": off_median, "sync_on_step_seconds": on_median, "ratio": on_median / off_median,
             "pair_ratios": [b / a for a, b in zip(off, on)], "runs_off": off, "runs_on": on,
-            "syncs_per_run": statistics.median(syncs),
-            "idle_step_call_seconds": {"p50": statistics.median(idle_calls), "p90": deciles[8],
-                                       "calls": len(idle_calls)},
+            "syncs_per_run": statistics.median(run.syncs for run in runs[True]),
+            "step_calls_seconds_per_step": step_calls, "step_calls_share": step_calls / off_median,
+            "idle_step_call_seconds": {"p50": statistics.median(idle_calls),
+                                       "p90": statistics.quantiles(idle_calls, n=10)[8], "calls": len(idle_calls)},
             "idle_step_call_share": statistics.median(idle_calls) / off_median}
 
 
@@ -167,7 +176,8 @@ def main() -> int:
               f"ratio {r['ratio']:.3f} ({r['ratio'] - 1:+.1%} against the loop without sync; pairs "
               f"{min(r['pair_ratios']):.3f} to {max(r['pair_ratios']):.3f}), target <= {TARGET_RATIO} {verdict}; "
               f"sync.step() with nothing due {idle['p50'] * 1e6:.0f} us p50, {idle['p90'] * 1e6:.0f} us p90 "
-              f"({r['idle_step_call_share']:.3%} of the step)")
+              f"({r['idle_step_call_share']:.3%} of the step); every sync.step() call "
+              f"{r['step_calls_seconds_per_step'] * 1e3:.2f} ms per step ({r['step_calls_share']:.2%} of the step)")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({
             "target_ratio": TARGET_RATIO, "pairs": args.pairs, "torch_threads": 1,
