@@ -263,6 +263,11 @@ def user_loop(section: dict, out: pathlib.Path) -> list[str]:
                      f"{s['idle_step_call_share']:.2%}",
                      f"{s['step_calls_seconds_per_step'] * 1e3:.2f} ({s['step_calls_share']:.1%})",
                      code(section["command"])] for s in sizes])
+    noisy = [s for s in sizes if max(s["pair_ratios"]) > section["target_ratio"]]
+    if noisy:
+        lines += ["Pairs above the target: " + ", ".join(f"{s['size']} up to {max(s['pair_ratios']):.3f}" for s in noisy)
+                  + f". On this machine one pair's ratio moves by more than the target's margin: a verdict holds "
+                  f"as a median of {section['pairs']} pairs, not for every pair.", ""]
     return lines
 
 
@@ -336,8 +341,9 @@ def summary(results: dict) -> list[str]:
             f"{s['model_parameters'] / 1e6:.2f}M: sync on / off {s['ratio']:.3f} (pairs {pair_range(s)}), idle "
             f"`sync.step()` {s['idle_step_call_seconds']['p50'] * 1e6:.0f} us ({s['idle_step_call_share']:.2%} "
             f"of a step; all calls {s['step_calls_share']:.1%})" for s in u["sizes"]),
-                     f"<= {u['target_ratio']} (issue 17)", "met" if met == len(u["sizes"]) else
-                     f"**{met} of {len(u['sizes'])} met**"])
+                     f"<= {u['target_ratio']} (issue 17)", ("met" if met == len(u["sizes"]) else
+                     f"**{met} of {len(u['sizes'])} met**") + (" (in the median; some pairs above)" if any(
+                         max(s["pair_ratios"]) > u["target_ratio"] for s in u["sizes"]) else "")])
     if "hf" in results:
         h = results["hf"]
         rows.append(["8. HF Llama", f"sync on / off {h['ratio']:.3f} (pairs {pair_range(h)}), "

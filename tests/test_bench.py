@@ -56,6 +56,7 @@ def test_committed_results_hold_every_section_with_dp_beside_diloco():
     assert max(size["model_parameters"] for size in sizes) >= 25e6  # issue 17: the demo model and one of >= 25M
     for size in sizes:
         assert is_number(size["ratio"]) and is_number(size["idle_step_call_seconds"]["p50"])
+        assert 0 < size["idle_step_call_share"] <= size["step_calls_share"]
         assert len(size["runs_off"]) == len(size["runs_on"]) == results["user_loop"]["pairs"]
     assert is_number(results["hf"]["ratio"])
     assert is_number(results["runner"]["wall_seconds"])
