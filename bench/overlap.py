@@ -23,22 +23,16 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+from bench.one_learner import one_learner_config  # noqa: E402
 from diloco.services.client import ShardClient  # noqa: E402
-from diloco.localcluster.cluster import LocalCluster, free_ports  # noqa: E402
+from diloco.localcluster.cluster import LocalCluster  # noqa: E402
 from diloco.services.codecs import get_codec  # noqa: E402
-from diloco.services.config import load_config, parse_config  # noqa: E402
 
 
 def bench_config(state_dir: pathlib.Path, steps: int, wan_mbps: float | None):
-    data = load_config(ROOT / "examples" / "local-4-regions.yaml").model_dump(mode="json")
-    learner = data["learners"][0]
-    data["learners"] = [{**learner, "metrics_port": 0}]
-    data["shards"] = [{"address": f"127.0.0.1:{free_ports(1)[0]}", "metrics_port": 0}]
-    data["run"]["state_dir"] = str(state_dir)
-    data["syncer"]["quorum"] = 1
-    data["trainer"].update(max_steps=steps, eval_every=10_000, checkpoint_every=10_000)
-    data["rpc"]["wan_mbps"] = wan_mbps
-    return parse_config(data, source="bench config")
+    """The demo's config, one learner; no evaluation or checkpoint inside the measured steps."""
+    return one_learner_config(ROOT / "examples" / "local-4-regions.yaml", state_dir, steps,
+                              trainer={"eval_every": 10_000, "checkpoint_every": 10_000}, rpc={"wan_mbps": wan_mbps})
 
 
 def loop_step_seconds(cluster: LocalCluster, state_dir: pathlib.Path,

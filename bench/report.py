@@ -3,7 +3,8 @@
     python bench/report.py [bench/results.json] [--out .]    # render again without running
 
 Nothing here measures: every number comes from results.json, which the runner wrote from
-the commands it ran.
+the commands it ran. bench/history.md (earlier sessions' measurements, written by hand) is
+appended as the last section, so regenerating keeps it.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 UTILISATION_TARGET = 0.95
+HISTORY = pathlib.Path(__file__).resolve().parent / "history.md"
 
 
 def pct(value: float, signed: bool = False) -> str:
@@ -229,6 +231,59 @@ def recovery(section: dict, out: pathlib.Path) -> list[str]:
                          title="recovery after SIGKILL"), ""]
 
 
+def pair_range(section: dict) -> str:
+    """The spread of a loop-time ratio: the lowest and highest of its pairs' on / off."""
+    return f"{min(section['pair_ratios']):.3f}-{max(section['pair_ratios']):.3f}"
+
+
+def user_loop(section: dict, out: pathlib.Path) -> list[str]:
+    sizes = section["sizes"]
+    load = section["load_average"]
+    lines = [f"A plain PyTorch loop in one process (a GPT of `learner/model.py`, torch AdamW, random bytes, "
+             f"{section['torch_threads']} torch thread) with `DecoupledDiLoCo` syncing against one shard process, "
+             f"against the same loop with `DecoupledDiLoCo(enabled=False)`; mean loop time per step (the user's step "
+             f"and `sync.step()`), median of {section['pairs']} pairs of runs that alternate which goes first, "
+             f"a fresh shard per pair. Ratio: sync on / sync off, so how far the loop is from the one without sync "
+             f"(pairs: the lowest and highest pair's ratio). Target: ratio <= {section['target_ratio']}. "
+             f"`sync.step()` with nothing due: every call of the syncing runs on a step where no sync started and "
+             f"no result was applied; its share is of the sync-off step. All `sync.step()` calls: what the API takes on "
+             f"the training thread per step (gathering fragments, applying results); the rest of the ratio is the "
+             f"sync's work on its own thread and in the shard, competing with the loop for the machine's cores. The "
+             f"shard shares those cores here, which it would not across regions. Load average {load['start']:.1f} at the start, "
+             f"{load['end']:.1f} at the end (other processes share the machine).", ""]
+    lines += table(["model", "parameters", "steps a run (syncs)", "H, P, tau", "sync off ms/step", "sync on ms/step",
+                    "ratio (pairs)", "target", "idle `sync.step()` p50 / p90 us", "of the step",
+                    "all `sync.step()` ms/step (of the step)", "command"],
+                   [[s["size"] + f" ({s['layers']}x{s['width']}, batch {s['batch_size']}x{s['seq_len']})",
+                     f"{s['model_parameters'] / 1e6:.2f}M", f"{s['steps']} ({s['syncs_per_run']:.0f})",
+                     f"{s['H']}, {s['P']}, {s['tau']} ({s['codec']})", f"{s['sync_off_step_seconds'] * 1e3:.1f}",
+                     f"{s['sync_on_step_seconds'] * 1e3:.1f}", f"{s['ratio']:.3f} ({pair_range(s)})",
+                     verdict(s["ratio"] <= section["target_ratio"]),
+                     f"{s['idle_step_call_seconds']['p50'] * 1e6:.0f} / {s['idle_step_call_seconds']['p90'] * 1e6:.0f}",
+                     f"{s['idle_step_call_share']:.2%}",
+                     f"{s['step_calls_seconds_per_step'] * 1e3:.2f} ({s['step_calls_share']:.1%})",
+                     code(section["command"])] for s in sizes])
+    noisy = [s for s in sizes if max(s["pair_ratios"]) > section["target_ratio"]]
+    if noisy:
+        lines += ["Pairs above the target: " + ", ".join(f"{s['size']} up to {max(s['pair_ratios']):.3f}" for s in noisy)
+                  + f". On this machine one pair's ratio moves by more than the target's margin: a verdict holds "
+                  f"as a median of {section['pairs']} pairs, not for every pair.", ""]
+    return lines
+
+
+def hf(section: dict, out: pathlib.Path) -> list[str]:
+    lines = [f"`examples/hf/train.py`, a tiny `LlamaForCausalLM` (random init, bytes as tokens) in its user's own "
+             f"loop with torch AdamW, one thread, against one shard; sync on ({section['P']} fragments, "
+             f"H={section['H']}, tau={section['tau']}, {section['codec']}) against `--no-sync` "
+             f"(`DecoupledDiLoCo(enabled=False)`), {section['repeats']} alternating pairs of {section['steps']}-step "
+             f"runs, medians of the mean loop seconds per step (pairs: the lowest and highest pair's ratio).", ""]
+    lines += table(["sync off ms/step", "sync on ms/step", "ratio (pairs)", "target", "command"],
+                   [[f"{section['sync_off_step_seconds'] * 1e3:.1f}", f"{section['sync_on_step_seconds'] * 1e3:.1f}",
+                     f"{section['ratio']:.3f} ({pair_range(section)})", f"<= {section['target_ratio']}: "
+                     + verdict(section["ratio"] <= section["target_ratio"]), code(section["command"])]])
+    return lines
+
+
 def summary(results: dict) -> list[str]:
     """One headline row per section that ran, with its target or anchor and whether it was met."""
     rows = []
@@ -279,13 +334,38 @@ def summary(results: dict) -> list[str]:
                      f"({sizes[-1]['model_parameters'] / 1e6:.1f}M); shard serving again in "
                      f"{sizes[0]['shard_serving_again_seconds']:.1f} to {sizes[-1]['shard_serving_again_seconds']:.1f} s",
                      "torchft's documented pain: 948 s", "-"])
+    if "user_loop" in results:
+        u = results["user_loop"]
+        met = sum(s["ratio"] <= u["target_ratio"] for s in u["sizes"])
+        rows.append(["7. user loop", "; ".join(
+            f"{s['model_parameters'] / 1e6:.2f}M: sync on / off {s['ratio']:.3f} (pairs {pair_range(s)}), idle "
+            f"`sync.step()` {s['idle_step_call_seconds']['p50'] * 1e6:.0f} us ({s['idle_step_call_share']:.2%} "
+            f"of a step; all calls {s['step_calls_share']:.1%})" for s in u["sizes"]),
+                     f"<= {u['target_ratio']} (issue 17)", ("met" if met == len(u["sizes"]) else
+                     f"**{met} of {len(u['sizes'])} met**") + (" (in the median; some pairs above)" if any(
+                         max(s["pair_ratios"]) > u["target_ratio"] for s in u["sizes"]) else "")])
+    if "hf" in results:
+        h = results["hf"]
+        rows.append(["8. HF Llama", f"sync on / off {h['ratio']:.3f} (pairs {pair_range(h)}), "
+                     f"{h['sync_on_step_seconds'] * 1e3:.1f} vs {h['sync_off_step_seconds'] * 1e3:.1f} ms/step",
+                     f"<= {h['target_ratio']}", verdict(h["ratio"] <= h["target_ratio"])])
     return table(["section", "headline (this run)", "target or anchor", "verdict"], rows)
 
 
 TITLES = {"quality": "1. Quality at equal tokens", "bandwidth": "2. Bandwidth", "goodput": "3. Goodput under failures",
-          "overlap": "4. Overlap", "transport": "5. Transport and syncer", "recovery": "6. Recovery"}
+          "overlap": "4. Overlap", "transport": "5. Transport and syncer", "recovery": "6. Recovery",
+          "user_loop": "7. The API in a user's loop", "hf": "8. Hugging Face Llama on the API (CPU)"}
 RENDERERS = {"quality": quality, "bandwidth": bandwidth, "goodput": goodput, "overlap": overlap,
-             "transport": transport, "recovery": recovery}
+             "transport": transport, "recovery": recovery, "user_loop": user_loop, "hf": hf}
+
+
+def later_run(run: dict) -> str:
+    """A sentence on sections measured by a later `--merge` run than the rest."""
+    m = run["machine"]
+    names = ", ".join(f'"{TITLES[name]}"' for name in run["sections"])
+    return (f"From a later run that replaced only its own sections, `{run['runner']['command']}` ({run['profile']} "
+            f"profile, {run['runner']['wall_seconds'] / 60:.1f} minutes on {m['date']}: {m['cpu']}, {m['cores']} "
+            f"cores, torch {m['torch']}, commit {m['commit']}): {names}.")
 
 
 def render(results: dict, out: pathlib.Path) -> None:
@@ -294,14 +374,18 @@ def render(results: dict, out: pathlib.Path) -> None:
              f"Generated by `{runner['command']}` ({results['profile']} profile) in "
              f"{runner['wall_seconds'] / 60:.1f} minutes on {m['date']}: {m['cpu']}, {m['cores']} cores, "
              f"{m['ram_gib']} GiB RAM, torch {m['torch']}, Python {m['python']}, commit {m['commit']}. "
-             "Every figure below comes from that run (also in [bench/results.json](bench/results.json)); each row names "
+             "Every figure below comes from that run unless said next (also in "
+             "[bench/results.json](bench/results.json)); each row names "
              "the command that produced it (the runner only adds where output goes: `--quiet --run-dir --report`, "
-             "`--json`). Regenerate with `make benchmarks`. The models are small so that the whole run fits in 30 "
+             "`--json`). Regenerate with `make benchmarks`, or one section with `python bench/run_all.py --sections "
+             "NAME --merge`. The models are small so that the whole run fits in about 35 "
              "minutes on 2 cores: the method, not the scale, is compared. Other processes may share the machine.", ""]
+    lines += [later_run(run) + "\n" for run in results.get("later_runs", [])]
     lines += ["## Summary", "", *summary(results)]
     for name in RENDERERS:
         if name in results:
             lines += [f"## {TITLES[name]}", "", *RENDERERS[name](results[name], out)]
+    lines += [HISTORY.read_text()]
     (out / "BENCHMARKS.md").write_text("\n".join(lines))
 
 

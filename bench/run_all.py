@@ -1,22 +1,25 @@
 """Runs every benchmark fresh on this machine and writes BENCHMARKS.md, bench/results.json and
 the plots under bench/plots/.
 
-    python bench/run_all.py                    # the full run: under 30 minutes on 2 cores
+    python bench/run_all.py                    # the full run: about 35 minutes on 2 cores
     python bench/run_all.py --quick            # tiny sizes, a few minutes: for development
     python bench/run_all.py --quick --sections transport --out /tmp/b   # a subset, elsewhere
+    python bench/run_all.py --sections user_loop,hf --merge   # run these again, keep the rest
 
-Six sections (issue #8), each from real processes talking gRPC on loopback:
+Eight sections (issues #8 and #17), each from real processes talking gRPC on loopback:
 1. quality: final validation loss of diloco against data parallel (`diloco sim --mode dp`)
    at the same model, data, seed and token budget;
 2. bandwidth: bytes on the wire per token from the same runs, and the Gbit/s a learner of a
    1B or 12B model would need at a 1 s step;
 3. goodput: diloco and dp under SIGKILLs of learners at three failure rates;
 4. overlap: bench/overlap.py; 5. transport and syncer: bench/syncer_push.py;
-6. recovery: bench/recovery.py.
+6. recovery: bench/recovery.py; 7. user loop: bench/user_loop.py (the API in a plain PyTorch
+loop against the same loop with sync off); 8. hf: bench/hf_overlap.py (a Hugging Face Llama).
 Commands run one after another, never two at once, so timings do not compete with each other
 (other tenants of the machine still may: timings are medians of repeats). Every row of
 BENCHMARKS.md names its command; the runner only adds where the output goes (--run-dir,
---report, --json, --quiet).
+--report, --json, --quiet). With --merge the sections run replace theirs in the existing
+bench/results.json and every other figure stays as it was; the header names both runs.
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ from bench.report import render  # noqa: E402
 from diloco.services.config import load_config  # noqa: E402
 from diloco.localcluster.sim import Chaos  # noqa: E402
 
-SECTIONS = ("quality", "bandwidth", "goodput", "overlap", "transport", "recovery")
+SECTIONS = ("quality", "bandwidth", "goodput", "overlap", "transport", "recovery", "user_loop", "hf")
 QUALITY_TARGET = 0.02  # diloco's final loss within 2 % of dp's (issue #8)
 STREAMING_DILOCO_RATIO = 400  # anchor: fewer bits than dp at equal loss
 PAPER_GOODPUT = {"diloco": 0.88, "dp": 0.27}  # anchor: Decoupled DiLoCo at a high failure rate
@@ -70,6 +73,8 @@ class Profile:
     overlap: tuple[str, ...]  # arguments of bench/overlap.py
     transport: tuple[str, ...]  # of bench/syncer_push.py
     recovery: tuple[str, ...]  # of bench/recovery.py
+    user_loop: tuple[str, ...]  # of bench/user_loop.py
+    hf: tuple[str, ...]  # of bench/hf_overlap.py
 
 
 FULL = Profile("full", steps=400, learners=(4, 8), intervals=(25, 100), codecs=("int4", "bf16"),
@@ -77,12 +82,14 @@ FULL = Profile("full", steps=400, learners=(4, 8), intervals=(25, 100), codecs=(
                goodput_learners=4, goodput_seconds=120, down_shares=(0.05, 0.10, 0.25), restart_delay=12.0,
                overlap=("--steps", "80", "--repeats", "3", "--wan-mbps", "50", "5"),
                transport=("--params", "16000000", "--rounds", "3", "--shards", "1", "2"),
-               recovery=("--sizes", "2x64", "4x256", "4x512", "--kills", "3"))
+               recovery=("--sizes", "2x64", "4x256", "4x512", "--kills", "3"),
+               user_loop=("--pairs", "3"), hf=("--steps", "300", "--repeats", "3"))
 QUICK = Profile("quick", steps=60, learners=(2,), intervals=(25,), codecs=("int4",), llama_intervals=(25,),
                 goodput_learners=2, goodput_seconds=20, down_shares=(0.25,), restart_delay=4.0,
                 overlap=("--steps", "30", "--repeats", "1", "--wan-mbps", "5"),
                 transport=("--params", "1000000", "--rounds", "1", "--shards", "1", "2"),
-                recovery=("--sizes", "2x64", "--kills", "1"))
+                recovery=("--sizes", "2x64", "--kills", "1"),
+                user_loop=("--pairs", "1", "--sizes", "demo"), hf=("--steps", "60", "--repeats", "1"))
 
 
 class Runner:
@@ -279,11 +286,24 @@ def machine() -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
+def merged(previous: dict, fresh: dict, sections: list[str]) -> dict:
+    """`previous` results with `sections` taken from the `fresh` run. The header keeps the run
+    that made the rest; `later_runs` says which sections came from which later run, so that no
+    figure is credited to a machine, date or commit it was not measured on."""
+    later = {"sections": sections, **{key: fresh[key] for key in ("profile", "machine", "runner")}}
+    earlier = [{**run, "sections": [s for s in run["sections"] if s not in sections]}
+               for run in previous.get("later_runs", [])]
+    return {**previous, **{name: fresh[name] for name in sections},
+            "later_runs": [run for run in earlier if run["sections"]] + [later]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a few minutes, for development")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)}")
     parser.add_argument("--out", default=str(ROOT), help="where BENCHMARKS.md, bench/results.json and bench/plots/ go")
+    parser.add_argument("--merge", action="store_true",
+                        help="replace only these sections in the existing bench/results.json under --out")
     parser.add_argument("--work", default=str(ROOT / ".diloco" / "bench"), help="run directories and raw reports")
     args = parser.parse_args()
     wanted = args.sections.split(",")
@@ -307,12 +327,17 @@ def main() -> int:
         results["transport"] = runner.script("transport", "bench/syncer_push.py", profile.transport)
     if "recovery" in wanted:
         results["recovery"] = runner.script("recovery", "bench/recovery.py", profile.recovery)
+    if "user_loop" in wanted:
+        results["user_loop"] = runner.script("user_loop", "bench/user_loop.py", profile.user_loop)
+    if "hf" in wanted:
+        results["hf"] = runner.script("hf", "bench/hf_overlap.py", profile.hf)
     results["runner"] = {"command": shlex.join(["python", "bench/run_all.py", *sys.argv[1:]]),
                          "wall_seconds": time.monotonic() - started}
     out = pathlib.Path(args.out)
     (out / "bench").mkdir(parents=True, exist_ok=True)
-    (out / "bench" / "results.json").write_text(json.dumps(results, indent=1))
-    render(results, out)
+    written = merged(json.loads((out / "bench" / "results.json").read_text()), results, wanted) if args.merge else results
+    (out / "bench" / "results.json").write_text(json.dumps(written, indent=1))
+    render(written, out)
     print(f"done in {results['runner']['wall_seconds'] / 60:.1f} min: {out / 'BENCHMARKS.md'}, "
           f"{out / 'bench' / 'results.json'}")
     return 0

@@ -1,5 +1,6 @@
-"""The benchmark runner: a quick run of one section end to end, and the shape of the committed
-bench/results.json (every section, numbers not strings, the dp baseline beside diloco)."""
+"""The benchmark runner: a quick run of one section end to end, the shape of the committed
+bench/results.json (every section, numbers not strings, the dp baseline beside diloco), and
+BENCHMARKS.md rendered from it (every section numbered, the history kept, merged runs named)."""
 from __future__ import annotations
 
 import json
@@ -10,8 +11,11 @@ import sys
 
 import pytest
 
+from bench.report import HISTORY, TITLES, render
+from bench.run_all import merged
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SECTIONS = ("quality", "bandwidth", "goodput", "overlap", "transport", "recovery")
+SECTIONS = ("quality", "bandwidth", "goodput", "overlap", "transport", "recovery", "user_loop", "hf")
 
 
 def is_number(value) -> bool:
@@ -48,4 +52,36 @@ def test_committed_results_hold_every_section_with_dp_beside_diloco():
     assert all(is_number(link["utilisation"]) for link in results["overlap"]["links"])
     assert all(is_number(run["push_vs_raw"]) for run in results["transport"]["runs"])
     assert all(is_number(size["learner_back_to_training_seconds"]) for size in results["recovery"]["sizes"])
+    sizes = results["user_loop"]["sizes"]
+    assert max(size["model_parameters"] for size in sizes) >= 25e6  # issue 17: the demo model and one of >= 25M
+    for size in sizes:
+        assert is_number(size["ratio"]) and is_number(size["idle_step_call_seconds"]["p50"])
+        assert 0 < size["idle_step_call_share"] <= size["step_calls_share"]
+        assert len(size["runs_off"]) == len(size["runs_on"]) == results["user_loop"]["pairs"]
+    assert is_number(results["hf"]["ratio"])
     assert is_number(results["runner"]["wall_seconds"])
+
+
+def test_benchmarks_md_numbers_every_section_and_ends_with_the_history(tmp_path):
+    results = json.loads((ROOT / "bench" / "results.json").read_text())
+    render(results, tmp_path)
+    markdown = (tmp_path / "BENCHMARKS.md").read_text()
+    headings = [line for line in markdown.splitlines() if line.startswith("## ")]
+    assert headings == ["## Summary", *(f"## {TITLES[name]}" for name in SECTIONS), "## History and notes"]
+    summary = markdown.split("## Summary")[1].split("\n## ")[0]
+    numbered = [line.split(".")[0] for line in summary.splitlines() if line[:3].startswith("| ") and line[2].isdigit()]
+    assert numbered == [f"| {number}" for number in range(1, len(SECTIONS) + 1)]  # a summary row each
+    assert markdown.endswith(HISTORY.read_text())
+    assert "python bench/user_loop.py" in markdown and "python bench/hf_overlap.py" in markdown
+
+
+def test_merging_replaces_only_the_sections_run_and_names_the_run_that_made_them():
+    def run(commit: str, **sections) -> dict:
+        return {"machine": {"commit": commit}, "profile": "full", "runner": {"command": f"run {commit}"}, **sections}
+
+    full = run("a", quality={"q": 1}, hf={"h": 1})
+    once = merged(full, run("b", hf={"h": 2}), ["hf"])
+    assert once["quality"] == {"q": 1} and once["hf"] == {"h": 2} and once["machine"]["commit"] == "a"
+    assert [(r["sections"], r["machine"]["commit"]) for r in once["later_runs"]] == [(["hf"], "b")]
+    twice = merged(once, run("c", hf={"h": 3}, quality={"q": 3}), ["quality", "hf"])
+    assert [(r["sections"], r["machine"]["commit"]) for r in twice["later_runs"]] == [(["quality", "hf"], "c")]

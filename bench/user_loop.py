@@ -1,0 +1,189 @@
+"""The API's cost in a user's own loop: a plain PyTorch loop (a GPT of learner/model.py, torch
+AdamW, batches of random bytes) with `DecoupledDiLoCo` syncing, against the same loop with
+`DecoupledDiLoCo(enabled=False)`, both in this process, against a real shard process on loopback.
+
+    python bench/user_loop.py [--pairs 3] [--sizes demo 25M] [--json PATH]
+
+Two sizes: the demo's model and sync settings (examples/local-4-regions.yaml: 446k parameters,
+H=50, P=4, tau=3, int4), and a GPT of 25M parameters (8 layers, width 512) with H=16, so that
+its short runs hold several syncs of every fragment. For each size, `--pairs` pairs of runs
+alternate which one goes first (off-on, on-off, ...) so machine noise hits both alike; each
+pair gets a fresh shard. A run's figure is its mean loop seconds per step (the user's step
+and `sync.step()`); the ratio is of the medians over the pairs. Target: <= 1.01. The loop runs
+on one torch thread, as the examples do: the shard and the sync's threads get the other cores.
+
+Also times every `sync.step()` of the syncing runs: on a step where nothing was due (no sync
+started and no result applied), p50 and p90 in microseconds and p50 as a share of the sync-off
+step; and all calls together per step (what the API itself takes on the training thread, where
+the rest of the ratio is the sync's work elsewhere competing for the cores). Exits 1 when a size
+misses the target.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from bench.one_learner import one_learner_config  # noqa: E402
+from diloco import DecoupledDiLoCo  # noqa: E402
+from diloco.learner.model import build_model  # noqa: E402
+from diloco.localcluster.cluster import LocalCluster  # noqa: E402
+from diloco.services.config import Config  # noqa: E402
+
+TARGET_RATIO = 1.01
+DEMO_CONFIG = ROOT / "examples" / "local-4-regions.yaml"
+DISTINCT_BATCHES = 8  # the loop cycles through these: data loading is not what is measured
+
+
+@dataclass(frozen=True)
+class Size:
+    """A model: steps per run, and what its runs change in the demo's config (by section)."""
+    name: str
+    steps: int
+    config: dict[str, dict]
+
+
+SIZES = {size.name: size for size in (
+    Size("demo", steps=100, config={}),
+    # The demo's 1.5 s lease is shorter than seeding 100 MB of fp32 takes on a loaded 2-core
+    # machine, and a learner sends no heartbeat until it has joined every shard.
+    Size("25M", steps=24, config={"model": {"n_layer": 8, "n_head": 8, "n_embd": 512, "seq_len": 64},
+                                  "trainer": {"batch_size": 4}, "sync": {"interval_steps": 16},
+                                  "syncer": {"lease_seconds": 10.0}}),
+)}
+
+
+def random_batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    windows = torch.randint(256, (DISTINCT_BATCHES, cfg.trainer.batch_size, cfg.model.seq_len + 1), generator=generator)
+    return [(w[:, :-1], w[:, 1:]) for w in windows]
+
+
+def user_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    _, loss = model(x, y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def fresh_model(cfg: Config) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = build_model(cfg.model, seed=cfg.run.seed)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def warm_up(cfg: Config, batches: list) -> None:
+    """A few steps outside any measured run: torch.optim's first step imports torch._dynamo
+    (about a second), which would otherwise land in whichever run comes first."""
+    model, optimizer = fresh_model(cfg)
+    for x, y in batches[:3]:
+        user_step(model, optimizer, x, y)
+
+
+@dataclass
+class Run:
+    """One run of the user's loop."""
+    seconds_per_step: float  # mean loop seconds per step
+    step_calls: list[float]  # seconds of every `sync.step()` call
+    idle_calls: list[float]  # of those on a step where nothing was due
+    syncs: int  # started
+
+
+def timed_run(cfg: Config, batches: list, enabled: bool) -> Run:
+    """The user's loop to the end of the config's step budget."""
+    model, optimizer = fresh_model(cfg)
+    run = Run(0.0, [], [], 0)
+    with DecoupledDiLoCo(model, cfg, cfg.learners[0].id, enabled=enabled, catch_up_seconds=0) as sync:
+        started = time.perf_counter()
+        while not sync.should_stop:
+            x, y = batches[len(run.step_calls) % len(batches)]
+            user_step(model, optimizer, x, y)
+            syncs_before = sync.sync.stats.syncs_started if sync.sync else 0
+            called = time.perf_counter()
+            applied = sync.step(tokens=x.numel())
+            run.step_calls.append(time.perf_counter() - called)
+            if sync.sync and not applied and sync.sync.stats.syncs_started == syncs_before:
+                run.idle_calls.append(run.step_calls[-1])
+        run.seconds_per_step = (time.perf_counter() - started) / len(run.step_calls)
+        run.syncs = sync.sync.stats.syncs_started if sync.sync else 0
+    return run
+
+
+def measure(size: Size, pairs: int) -> dict:
+    runs: dict[bool, list[Run]] = {False: [], True: []}  # by sync enabled
+    for pair in range(pairs):
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = one_learner_config(DEMO_CONFIG, pathlib.Path(tmp) / "state", size.steps, **size.config)
+            batches = random_batches(cfg)
+            if pair == 0:
+                warm_up(cfg, batches)
+            cluster = LocalCluster(cfg, pathlib.Path(tmp) / "run")
+            try:
+                cluster.start_shards()
+                for enabled in ((False, True) if pair % 2 == 0 else (True, False)):
+                    runs[enabled].append(timed_run(cfg, batches, enabled))
+            finally:
+                cluster.stop()
+    off, on = [run.seconds_per_step for run in runs[False]], [run.seconds_per_step for run in runs[True]]
+    off_median, on_median = statistics.median(off), statistics.median(on)
+    idle_calls = [seconds for run in runs[True] for seconds in run.idle_calls]
+    # Every `sync.step()` call (starting syncs and applying results too) on the training thread:
+    # the API's own share of the step, apart from the sync's work on its threads and in the
+    # shard, which competes with the loop for the machine's cores.
+    step_calls = statistics.median(sum(run.step_calls) / len(run.step_calls) for run in runs[True])
+    model = build_model(cfg.model, seed=0)
+    return {"size": size.name, "model_parameters": sum(p.numel() for p in model.parameters()),
+            "layers": cfg.model.n_layer, "width": cfg.model.n_embd, "seq_len": cfg.model.seq_len,
+            "batch_size": cfg.trainer.batch_size, "steps": size.steps, "H": cfg.sync.interval_steps,
+            "P": cfg.sync.fragments, "tau": cfg.sync.overlap_steps, "codec": cfg.sync.codec,
+            "sync_off_step_seconds": off_median, "sync_on_step_seconds": on_median, "ratio": on_median / off_median,
+            "pair_ratios": [b / a for a, b in zip(off, on)], "runs_off": off, "runs_on": on,
+            "syncs_per_run": statistics.median(run.syncs for run in runs[True]),
+            "step_calls_seconds_per_step": step_calls, "step_calls_share": step_calls / off_median,
+            "idle_step_call_seconds": {"p50": statistics.median(idle_calls),
+                                       "p90": statistics.quantiles(idle_calls, n=10)[8], "calls": len(idle_calls)},
+            "idle_step_call_share": statistics.median(idle_calls) / off_median}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
+    parser.add_argument("--json", help="also write the figures here (bench/run_all.py reads them)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    load_before = os.getloadavg()[0]
+    rows = [measure(SIZES[name], args.pairs) for name in args.sizes]
+    load_after = os.getloadavg()[0]
+    print(f"user loop: sync on vs enabled=False, median of {args.pairs} alternating pairs, 1 torch thread; "
+          f"load average {load_before:.2f} at the start, {load_after:.2f} at the end")
+    for r in rows:
+        verdict = "met" if r["ratio"] <= TARGET_RATIO else "MISSED"
+        idle = r["idle_step_call_seconds"]
+        print(f"{r['size']:>5}: {r['model_parameters'] / 1e6:.2f}M parameters, {r['steps']} steps a run "
+              f"(H={r['H']} P={r['P']} tau={r['tau']}, {r['syncs_per_run']:.0f} syncs): "
+              f"sync off {r['sync_off_step_seconds'] * 1e3:.1f} ms/step, on {r['sync_on_step_seconds'] * 1e3:.1f}; "
+              f"ratio {r['ratio']:.3f} ({r['ratio'] - 1:+.1%} against the loop without sync; pairs "
+              f"{min(r['pair_ratios']):.3f} to {max(r['pair_ratios']):.3f}), target <= {TARGET_RATIO} {verdict}; "
+              f"sync.step() with nothing due {idle['p50'] * 1e6:.0f} us p50, {idle['p90'] * 1e6:.0f} us p90 "
+              f"({r['idle_step_call_share']:.3%} of the step); every sync.step() call "
+              f"{r['step_calls_seconds_per_step'] * 1e3:.2f} ms per step ({r['step_calls_share']:.2%} of the step)")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({
+            "target_ratio": TARGET_RATIO, "pairs": args.pairs, "torch_threads": 1,
+            "load_average": {"start": load_before, "end": load_after}, "sizes": rows}, indent=1))
+    return 0 if all(r["ratio"] <= TARGET_RATIO for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
