@@ -103,8 +103,8 @@ class ClaimBounds:
         if report.tokens > report.step * self.tokens_per_step:
             _refuse("tokens", f"tokens={report.tokens} in {report.step} steps is more tokens per step than "
                               f"{self._tokens_per_step_source()}")
-        if previous is not None and previous.tokens_at:
-            elapsed = max(0.0, now - previous.tokens_at)
+        if previous is not None and previous.heartbeat_at:
+            elapsed = max(0.0, now - previous.heartbeat_at)
             allowed = max(previous.tokens_per_second, rate) * (elapsed + self.lease_seconds) + self.tokens_per_step
             if report.tokens - previous.tokens > allowed:
                 _refuse("tokens", f"tokens={report.tokens} grew by {report.tokens - previous.tokens} in "

@@ -120,7 +120,7 @@ class LearnerView:
     alive: bool
     step: int
     staleness: int  # versions behind, summed over this shard's fragments it reported
-    seconds_since_heartbeat: float
+    seconds_since_heartbeat: float  # age of step and sync_step (a push renews the lease, not them)
     tokens_per_second: float
     sync_step: int
     step_seconds: float
@@ -190,7 +190,7 @@ class ShardCore:
         now = self.clock()
         learners = self.membership.learners(now)
         budget = self.claims.max_steps * self.claims.tokens_per_step
-        heard = sum(min(budget, l.tokens + (l.tokens_per_second * (now - l.tokens_at) if l.alive and l.tokens_at
+        heard = sum(min(budget, l.tokens + (l.tokens_per_second * (now - l.heartbeat_at) if l.alive and l.heartbeat_at
                                             else 0.0))
                     for l in learners)
         merged = max((s.committed.merged_tokens for s in self.fragments.values() if s.committed), default=0)
@@ -408,7 +408,8 @@ class ShardCore:
         learners = tuple(
             LearnerView(l.id, l.region, l.incarnation, l.alive, l.step,
                         sum(max(0, versions[f] - v) for f, v in l.held_versions.items() if f in versions),
-                        now - l.last_seen, l.tokens_per_second, l.sync_step, l.step_seconds, l.tokens)
+                        now - (l.heartbeat_at or l.last_seen), l.tokens_per_second, l.sync_step, l.step_seconds,
+                        l.tokens)
             for l in self.membership.learners(now))
         return ShardStatus(self.shard_index, self.plan.digest if self.plan else "",
                            tuple(self._view(state) for state in self.fragments.values()), learners,

@@ -47,7 +47,7 @@ class Learner:
     step_seconds: float = 0.0
     tokens_per_second: float = 0.0
     tokens: int = 0  # trained, as last reported
-    tokens_at: float = 0.0  # when (a push renews last_seen, not this)
+    heartbeat_at: float = 0.0  # when step, sync_step and tokens were reported (a push renews last_seen, not this)
     held_versions: dict[int, int] = field(default_factory=dict)  # fragment id -> version held
 
     @property
@@ -100,7 +100,7 @@ class Membership:
         with self._lock:
             learner = self._learners[learner_id]
             learner.step, learner.step_seconds, learner.sync_step = report.step, report.step_seconds, report.sync_step
-            learner.tokens_per_second, learner.tokens, learner.tokens_at = report.tokens_per_second, report.tokens, now
+            learner.tokens_per_second, learner.tokens, learner.heartbeat_at = report.tokens_per_second, report.tokens, now
             learner.held_versions = dict(report.held_versions)
 
     def record(self, learner_id: str, incarnation: int) -> Learner | None:

@@ -449,6 +449,18 @@ def test_a_heartbeat_number_out_of_range_is_refused_naming_it_and_changes_nothin
     assert after.learners[0].seconds_since_heartbeat == pytest.approx(1.0)
 
 
+def test_a_push_renews_the_lease_but_does_not_make_the_step_report_look_fresher():
+    # A rejoining learner advances the others' sync_step by seconds_since_heartbeat /
+    # step_seconds: measured from a push, it would land out of phase with them.
+    shard = Shard(make_config(lease_seconds=10.0), joined=("a", "b"))
+    shard.core.heartbeat("a", 1, **HONEST_HEARTBEAT)
+    shard.clock.advance(2.0)
+    shard.push("a", 0, delta(0, shard.numel()), c_steps=4, c_tokens=4 * T)
+    shard.clock.advance(0.5)
+    a = next(l for l in shard.core.status().learners if l.id == "a")
+    assert a.seconds_since_heartbeat == pytest.approx(2.5) and a.sync_step == HONEST_HEARTBEAT["sync_step"]
+
+
 def test_heartbeat_tokens_grow_no_faster_than_the_claimed_rate_allows():
     shard = Shard(make_config(lease_seconds=2.0), joined=("a",))
     core = shard.core
