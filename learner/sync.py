@@ -147,7 +147,8 @@ class SyncStats:
 
 
 class ShardLink:
-    """One shard: its client and whether this learner is currently joined to it."""
+    """One shard: its client and whether this learner is a member of it (its Join was accepted;
+    the fragments it lacked may still be being seeded or restored)."""
 
     def __init__(self, index: int, client: ShardClient):
         self.index = index
@@ -187,6 +188,7 @@ class StreamingSync:
         self._stop = threading.Event()
         self._should_stop: Callable[[], bool] = lambda: False  # set by start()
         self._left = threading.Event()  # the learner said goodbye: no heartbeats, no rejoining
+        self._started = threading.Event()  # start() is done: heartbeat threads rejoin from now on
         # One thread per fragment: a sync waiting for its round must never keep another
         # fragment's push from going out (that push may be what closes the round).
         self._pool = ThreadPoolExecutor(max_workers=len(plan.fragments), thread_name_prefix="sync")
@@ -213,6 +215,13 @@ class StreamingSync:
         self._should_stop = should_stop
         self.step, self.tokens = step, tokens
         self._restored = (restored or {}).get("fragments", {})
+        # One heartbeat thread per shard: a shard that does not answer must not keep the
+        # others from hearing this learner before its lease on them runs out. They start
+        # before the joins: seeding and pulling a large model can take longer than a lease.
+        self._heartbeats = [threading.Thread(target=self._heartbeat_loop, args=(link,), daemon=True,
+                                             name=f"heartbeat-{link.index}") for link in self.links]
+        for thread in self._heartbeats:
+            thread.start()
         for link in self.links:
             self._join_with_retry(link, should_stop)
         self._join_in_phase()
@@ -232,7 +241,9 @@ class StreamingSync:
             feedback = ErrorFeedback(self.codec, fragment.numel, self.cfg.sync.codec_block_size)
             if saved and not reanchored:  # a residual built on another value means nothing
                 feedback.residual = saved["residual"].clone()
-            state = self.fragments[fragment.id] = FragmentSync(fragment, anchor, version, feedback)
+            state = FragmentSync(fragment, anchor, version, feedback)
+            with self._lock:  # heartbeat threads read held_versions meanwhile
+                self.fragments[fragment.id] = state
             if saved:
                 # Keep local progress since the checkpoint's anchor, like any merge.
                 self._adopt(state, anchor, version)
@@ -242,12 +253,7 @@ class StreamingSync:
         self.stats.versions_behind_at_join = behind
         log.info("learner %s (incarnation %d) joined %d shards; %d versions behind; syncing at step + %d",
                  self.learner_id, self.incarnation, len(self.links), behind, self.schedule.sync_offset)
-        # One heartbeat thread per shard: a shard that does not answer must not keep the
-        # others from hearing this learner before its lease on them runs out.
-        self._heartbeats = [threading.Thread(target=self._heartbeat_loop, args=(link,), daemon=True,
-                                             name=f"heartbeat-{link.index}") for link in self.links]
-        for thread in self._heartbeats:
-            thread.start()
+        self._started.set()
         return behind
 
     def _join_in_phase(self) -> None:
@@ -278,15 +284,20 @@ class StreamingSync:
         if reply.plan_digest != self.plan.digest:
             raise JoinRefused(f"shard {link.index} uses plan {reply.plan_digest[:12]}, this learner "
                               f"{self.plan.digest[:12]}: model or sync settings differ")
-        for info in reply.fragments:
-            fragment = self.plan.fragments[info.fragment_id]
-            held = self._held(fragment.id)
-            if held is not None and held[0] >= 1 and (not info.initialized or info.version < held[0]):
-                self._restore(link, fragment, info, *held)
-            elif not info.initialized:
-                self._seed(link, fragment, copy_to_host(fragment, self.params).wait())
         with self._lock:
-            link.joined = True
+            link.joined = True  # heartbeats keep the lease while seeding
+        try:
+            for info in reply.fragments:
+                fragment = self.plan.fragments[info.fragment_id]
+                held = self._held(fragment.id)
+                if held is not None and held[0] >= 1 and (not info.initialized or info.version < held[0]):
+                    self._restore(link, fragment, info, *held)
+                elif not info.initialized:
+                    self._seed(link, fragment, copy_to_host(fragment, self.params).wait())
+        except BaseException:
+            with self._lock:  # joining again seeds what is still missing
+                link.joined = False
+            raise
 
     def _held(self, fragment_id: int) -> tuple[int, torch.Tensor] | None:
         """(version, global value) this learner holds of a fragment: while starting, its
@@ -634,7 +645,8 @@ class StreamingSync:
     # ---- heartbeats, leave, final state ---------------------------------------------
 
     def held_versions(self) -> dict[int, int]:
-        return {fid: s.version for fid, s in self.fragments.items()}
+        with self._lock:
+            return {fid: s.version for fid, s in self.fragments.items()}
 
     def leave(self) -> None:
         """Budget spent: stop counting towards any round (a synchronous round would wait for
@@ -658,6 +670,8 @@ class StreamingSync:
         while not self._stop.wait(interval) and not self._left.is_set():
             try:
                 if not link.joined:
+                    if not self._started.is_set():
+                        continue  # start() joins it
                     self._join(link)
                     log.info("rejoined shard %d", link.index)
                 held = {fid: v for fid, v in self.held_versions().items()

@@ -118,6 +118,15 @@ def test_sim_wan_cap_limits_each_learners_link(tmp_path):
         assert 0 < link["bytes_per_second"] <= 2e6 / 8 * 1.2, link
 
 
+def test_a_learner_whose_seeding_and_pulling_outlast_a_lease_keeps_it_with_heartbeats(tmp_path):
+    # Each fragment takes about 0.9 s over a 0.2 Mbit/s link, the lease is 0.5 s: the
+    # heartbeats that keep it must already run while the learner seeds and pulls at start-up.
+    report = run_sim(tmp_path, "--learners", "2", "--shards", "1", "--steps", "20", "--wan-mbps", "0.2",
+                     "--set", "syncer.lease_seconds=0.5", "--set", "trainer.heartbeat_seconds=0.1")
+    assert report["restarts"]["learners"] == 0 and report["inner_steps"] == 2 * 20
+    assert report["contributions"]["accepted"] > 0 and report["state_hashes_agree"] is True
+
+
 def test_sim_duration_run_keeps_the_steps_after_the_time_is_up_inside_provisioned_time(tmp_path):
     # When --duration is up the learners still train until they are told to stop (after the
     # last rounds' grace), then wait for their syncs in flight: those steps are goodput and
