@@ -56,11 +56,8 @@ class Size:
 
 SIZES = {size.name: size for size in (
     Size("demo", steps=100, config={}),
-    # The demo's 1.5 s lease is shorter than seeding 100 MB of fp32 takes on a loaded 2-core
-    # machine, and a learner sends no heartbeat until it has joined every shard.
     Size("25M", steps=24, config={"model": {"n_layer": 8, "n_head": 8, "n_embd": 512, "seq_len": 64},
-                                  "trainer": {"batch_size": 4}, "sync": {"interval_steps": 16},
-                                  "syncer": {"lease_seconds": 10.0}}),
+                                  "trainer": {"batch_size": 4}, "sync": {"interval_steps": 16}}),
 )}
 
 
