@@ -27,6 +27,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+from diloco.learner.checkpoint import load_checkpoint  # noqa: E402
 from diloco.services.client import ShardClient  # noqa: E402
 from diloco.localcluster.cluster import LocalCluster, free_ports, wait_serving  # noqa: E402
 from diloco.services.config import Config, load_config, parse_config  # noqa: E402
@@ -72,6 +73,7 @@ def measure_size(layers: int, width: int, kills: int, work: pathlib.Path) -> dic
     cfg = size_config(work / "state", layers, width)
     cluster = LocalCluster(cfg, work / "run")
     learner = cluster.learners[0]
+    checkpoint = cluster.learner_report_path("learner-0").with_name("checkpoint.pt")
     back_to_training, serving_again = [], []
     try:
         cluster.start_shards()
@@ -82,10 +84,12 @@ def measure_size(layers: int, width: int, kills: int, work: pathlib.Path) -> dic
         for _ in range(kills):
             old = watch.learner("learner-0")[0].incarnation
             learner.kill()
+            restored = load_checkpoint(checkpoint)["step"]
             started = time.monotonic()
             learner.start()
-            # Trained again: a new incarnation, past the first heartbeat (which reports step 0).
-            watch.wait(lambda l, s: l.incarnation != old and l.last_step > 0)
+            # Trained again: a new incarnation past the step it restored, which its heartbeats
+            # report while it rejoins.
+            watch.wait(lambda l, s: l.incarnation != old and l.last_step > restored)
             back_to_training.append(time.monotonic() - started)
             watch.wait(lambda l, s: l.last_step >= 15)  # a checkpoint behind it before the next kill
         for _ in range(kills):
