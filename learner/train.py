@@ -117,14 +117,14 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.zero_grad()
         micro_batches = self.cfg.grad_accum_steps
-        loss_sum, tokens = 0.0, 0
+        loss_sum, tokens = torch.zeros((), dtype=torch.float64, device=self.device), 0
         for micro in range(micro_batches):
             x, y = (t.to(self.device, non_blocking=True) for t in self.data.next_batch())
             with self._gradient_sync(last=micro == micro_batches - 1):
                 with self._autocast():  # the forward pass only: backward runs in the ops' own dtypes
                     _, loss = self.forward_module(x, y)
                 (loss / micro_batches).backward()
-            loss_sum += loss.item()
+            loss_sum += loss.detach().double()  # read once per step: .item() waits for the device
             tokens += x.numel()
         # With clipping off the norm is still measured (max_norm=inf scales by exactly 1).
         max_norm = self.cfg.inner_optimizer.grad_clip or math.inf
@@ -134,7 +134,7 @@ class Trainer:
             time.sleep((self.slowdown - 1.0) * (time.perf_counter() - started))
         self.step += 1
         self.tokens += tokens
-        return StepStats(loss=loss_sum / micro_batches, tokens=tokens, seconds=time.perf_counter() - started,
+        return StepStats(loss=loss_sum.item() / micro_batches, tokens=tokens, seconds=time.perf_counter() - started,
                          lr=lr, grad_norm=grad_norm.item())
 
     def _autocast(self) -> contextlib.AbstractContextManager:
