@@ -363,14 +363,15 @@ class ErrorFeedback:
             raise ValueError(f"residual must be {expected}, got {got}")
         self._residual = value
 
-    def compress(self, values: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+    def compress(self, values: torch.Tensor, *, in_place: bool = False) -> tuple[bytes, torch.Tensor]:
         """(payload, decoded): the payload to send and exactly what the receiver will decode.
 
         The residual is replaced by a new tensor, never modified in place, so a caller may keep
         the old one to roll back a push that was lost. If encoding fails (a non-finite value)
-        the residual is left as it was.
+        the residual is left as it was. With in_place, the residual tensor itself is advanced
+        (a syncer shard, which never rolls back, saves a copy of it).
         """
-        total = values + self._residual
+        total = self._residual.add_(values) if in_place else values + self._residual
         payload = self.codec.encode(total, self.block_size)
         decoded = self.codec.decode(payload, self.numel, self.block_size)
         self._residual = total.sub_(decoded)

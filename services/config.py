@@ -101,7 +101,13 @@ class SyncerConfig(_Section):
     max_staleness: NonNegativeInt = 4  # versions; older contributions are refused
     stale_weight_decay: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0  # weight *= decay**staleness
     outer_optimizer: OuterOptimizerConfig = OuterOptimizerConfig()
-    history_versions: PositiveInt = 32  # L: decoded updates kept for catch-up pulls
+    # L: encoded updates kept for catch-up pulls, at most; fewer while a chain of them would
+    # be larger than the fp32 snapshot a learner pulls instead (about 7 in int4).
+    history_versions: PositiveInt = 32
+    # A fragment's state is written in full once the contributions logged since the last full
+    # write reach this many times its size (16 bytes per parameter); a restart replays them.
+    # 0: after every round.
+    snapshot_log_ratio: Annotated[float, Field(ge=0.0)] = 1.0
     lease_seconds: PositiveFloat = 5.0
     max_update_norm: PositiveFloat = 1.0e4  # pushes whose decoded L2 norm is larger are refused
     # The most tokens one learner (every process of its island) trains on per inner step: bounds

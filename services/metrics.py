@@ -58,6 +58,9 @@ SYNCER_COUNTER_FAMILIES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "learners": ("event", ("joined", "rejoined", "left", "expired")),
     "seeds": (None, ()),
     "kept_compute_seconds": (None, ()),
+    "journal_bytes": (None, ()),
+    "snapshots": (None, ()),
+    "replayed_rounds": (None, ()),
 }
 SYNCER_COUNTER_HELP = {
     "contributions": "Outer-gradient pushes by what the shard did with them.",
@@ -67,6 +70,9 @@ SYNCER_COUNTER_HELP = {
     "seeds": "Fragments seeded with a learner's initial values.",
     "kept_compute_seconds": "Learner compute embodied in merged contributions: "
                             "c_steps * step_seconds * fragment share.",
+    "journal_bytes": "Bytes the shard wrote to its state folder (log records and snapshots).",
+    "snapshots": "Full writes of a fragment's state (the log starts over after each).",
+    "replayed_rounds": "Rounds closed again from the log when the shard restarted.",
 }
 
 

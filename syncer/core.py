@@ -48,18 +48,30 @@ class LoggedContribution:
     payload: tuple[bytes, ...]  # encoded, the chunks as received
 
 
+@dataclass(frozen=True)
+class LoggedClose:
+    """A round close as the journal records it: with the round's contributions, enough to
+    close it again with the same bits."""
+    closed: ClosedRound
+    base_state_hash: str  # of the value the round was applied to: a replay that reaches another diverged
+
+
 class Journal(Protocol):
-    """Where the core makes its state durable. fix_manifest and commit return only once what
-    they were given survives a crash; append only writes the record, and sync makes every
-    record appended before it durable (so that the slow part runs outside the fragment's
-    lock). If a call raises, the core changes nothing; an OSError (a full or failing disk)
-    refuses the request that needed the write (syncer/disk.py)."""
+    """Where the core makes its state durable: a write-ahead log per fragment of contributions
+    and round closes, and from time to time the fragment's whole state, after which the log
+    starts over. fix_manifest, close_round and commit return only once what they were given
+    survives a crash; append only writes the record, and sync makes every record appended
+    before it durable (so that the slow part runs outside the fragment's lock). If a call
+    raises, the core changes nothing; an OSError (a full or failing disk) refuses the request
+    that needed the write (syncer/disk.py)."""
 
     def fix_manifest(self, manifest: Manifest, plan_digest: str) -> None: ...
 
     def append(self, fragment_id: int, contribution: LoggedContribution) -> None: ...
 
     def sync(self, fragment_id: int) -> None: ...
+
+    def close_round(self, fragment_id: int, close: LoggedClose) -> None: ...
 
     def commit(self, snapshot: FragmentSnapshot) -> None: ...
 
@@ -76,6 +88,9 @@ class NullJournal:
     def sync(self, fragment_id: int) -> None:
         pass
 
+    def close_round(self, fragment_id: int, close: LoggedClose) -> None:
+        pass
+
     def commit(self, snapshot: FragmentSnapshot) -> None:
         pass
 
@@ -86,7 +101,7 @@ class Restored:
     manifest: Manifest | None
     plan_digest: str  # of the plan the state was written under
     snapshots: dict[int, FragmentSnapshot]
-    contributions: dict[int, list[LoggedContribution]]  # per fragment, in admission order
+    log: dict[int, list[LoggedContribution | LoggedClose]]  # per fragment, since its snapshot, in order
 
 
 @dataclass(frozen=True)
@@ -139,14 +154,14 @@ class ShardStatus:
 class ShardCore:
     def __init__(self, cfg: Config, shard_index: int, *, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, journal: Journal | None = None,
-                 state_location: str = "its journal"):
+                 state_location: str = "its journal", counters: Counters | None = None):
         cfg.shard(shard_index)  # validates the index
         self.cfg, self.shard_index = cfg, shard_index
         self.clock, self.wall_clock = clock, wall_clock
         # A full or failing disk refuses the request that needed the write (syncer/disk.py).
         self.journal = DiskGuardedJournal(journal or NullJournal(), state_location)
         self.claims = ClaimBounds.from_config(cfg)
-        self.counters = Counters()
+        self.counters = counters or Counters()  # shared with the journal, which counts what it writes
         self.membership = Membership([l.id for l in cfg.learners], cfg.syncer.lease_seconds, self.counters)
         self._plan_lock = threading.Lock()
         self.manifest: Manifest | None = None
@@ -355,17 +370,31 @@ class ShardCore:
     # ---- rounds --------------------------------------------------------------------------
 
     def tick(self) -> list[int]:
-        """Closes every round that is due by time alone (grace passed, leases expired).
-        Returns the ids of the fragments that got a new version."""
+        """Closes every round that is due by time alone (grace passed, leases expired), and
+        writes the fragments' full state where it is due. Returns the ids of the fragments
+        that got a new version."""
         closed = []
         for state in list(self.fragments.values()):
             with state.lock:
                 if self._close_if_due(state):
                     closed.append(state.id)
+                if state.snapshot_due():
+                    self._write_snapshot(state)
         return closed
+
+    def _write_snapshot(self, state: FragmentState) -> None:
+        """Called with state.lock held."""
+        try:
+            self.journal.commit(state.committed)
+        except Refusal:  # a disk that cannot take it (logged once): the log still holds every round, the next tick retries
+            return
+        state.snapshot_written()
+        self.counters.add("snapshots")
 
     def _close_if_due(self, state: FragmentState) -> bool:
         """Called with state.lock held."""
+        if state.failure is not None:
+            return False
         started = self.clock()
         # Whom a round waits for: the live learners, or with wait_for_all (synchronous data
         # parallel) every learner still in the run, also while it is down.
@@ -378,16 +407,16 @@ class ShardCore:
         if reason is None:
             return False
         round_ = state.round
-        snapshot = state.closing(reason, live_ids, started, self.wall_clock())
+        closed = state.closing(reason, live_ids, started, self.wall_clock())
         try:
-            self.journal.commit(snapshot)
+            self.journal.close_round(state.id, LoggedClose(closed, state.committed.state_hash))
         except Refusal:  # a disk that cannot take it (logged once): the round stays open, the next push or tick retries
             return False
-        state.install(snapshot)
+        state.close(closed)
         state.observe_close(round_, self.clock() - started)
         self.counters.add(f"rounds.{reason}")
         for listener in self.round_listeners:
-            listener(state.id, snapshot.last_round)
+            listener(state.id, closed)
         return True
 
     # ---- reads ---------------------------------------------------------------------------
@@ -426,9 +455,9 @@ class ShardCore:
     # ---- restart -------------------------------------------------------------------------
 
     def restore(self, restored: Restored) -> None:
-        """Adopts what the journal read back: the manifest, each fragment's last committed
-        state, then the open round's contributions, re-admitted in their original order.
-        Learners are not restored (see membership.py)."""
+        """Adopts what the journal read back: the manifest, each fragment's last state written
+        in full, then its log replayed: contributions re-admitted and rounds closed again, in
+        their original order. Learners are not restored (see membership.py)."""
         if restored.manifest is None:
             return
         self._fix_manifest(restored.manifest, durable=True)
@@ -442,17 +471,30 @@ class ShardCore:
                 raise ValueError(f"fragment {fid}: stored state has {snapshot.value.numel()} elements, "
                                  f"the plan {state.fragment.numel}")
             state.install(snapshot)
-        for fid, contributions in restored.contributions.items():
-            state = self._fragment(fid)
-            for contribution in contributions:
-                if contribution.round < state.round.number:
-                    continue  # a leftover of a round the snapshot already holds
-                if state.committed is None or contribution.round > state.round.number:
-                    raise ValueError(f"fragment {fid}: journal holds a contribution to round "
-                                     f"{contribution.round}, but the open round is {state.round.number}")
-                header = self._in_range(fid, contribution.header)
-                self._admit(state, header, contribution.payload, state.version - header.base_version, 0.0)
-                self.counters.add("contributions.restored")
+        for fid, entries in restored.log.items():
+            self._replay(self._fragment(fid), entries)
+
+    def _replay(self, state: FragmentState, entries: list[LoggedContribution | LoggedClose]) -> None:
+        snapshot_version = state.version
+        for entry in entries:
+            round_number = entry.closed.round if isinstance(entry, LoggedClose) else entry.round
+            if state.committed is None or round_number != state.round.number:
+                raise ValueError(f"fragment {state.id}: journal holds a record of round {round_number}, "
+                                 f"but the open round is {state.round.number}")
+            if isinstance(entry, LoggedClose):
+                if entry.base_state_hash != state.committed.state_hash:
+                    raise ValueError(f"fragment {state.id}: replaying the journal reached version {state.version} "
+                                     f"with state hash {state.committed.state_hash[:16]}, but round "
+                                     f"{round_number} closed on {entry.base_state_hash[:16]}")
+                state.close(entry.closed)
+                self.counters.add("replayed_rounds")
+                continue
+            header = self._in_range(state.id, entry.header)
+            self._admit(state, header, entry.payload, state.version - header.base_version, 0.0)
+            self.counters.add("contributions.restored")
+        log.info("fragment %d: restored version %d: snapshot of version %d, %d rounds replayed from the log, "
+                 "%d contributions in the open round", state.id, state.version, snapshot_version,
+                 state.version - snapshot_version, state.round.count)
 
     def _in_range(self, fragment_id: int, header: pb.PushHeader) -> pb.PushHeader:
         """A logged contribution was acknowledged: one whose claims are out of range (logged

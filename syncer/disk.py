@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 from diloco.syncer.refusal import Refusal
 
 if TYPE_CHECKING:  # the core imports this module
-    from diloco.syncer.core import Journal, LoggedContribution, Manifest
+    from diloco.syncer.core import Journal, LoggedClose, LoggedContribution, Manifest
     from diloco.syncer.fragment_state import FragmentSnapshot
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,9 @@ class DiskGuardedJournal:
 
     def sync(self, fragment_id: int) -> None:
         self._disk.write(lambda: self._journal.sync(fragment_id))
+
+    def close_round(self, fragment_id: int, close: LoggedClose) -> None:
+        self._disk.write(lambda: self._journal.close_round(fragment_id, close))
 
     def commit(self, snapshot: FragmentSnapshot) -> None:
         self._disk.write(lambda: self._journal.commit(snapshot))

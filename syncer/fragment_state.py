@@ -1,10 +1,14 @@
 """One fragment on its shard: the committed state and the open round.
 
-The committed state (FragmentSnapshot) is an immutable record: global value, Nesterov buffer,
-error-feedback residual, version and the encoded updates learners catch up from. A seed or a
-round close computes the next record in full, the journal makes it durable, and only then is
-it installed, so a failure on the way leaves the fragment as it was and readers (pulls,
-Status) see either the old record or the new one, never a mix.
+The committed state (FragmentSnapshot) is a record of the global value, Nesterov buffer,
+error-feedback residual, version and the encoded updates learners catch up from. A seed is
+computed in full, made durable, then installed. A round close is decided first (ClosedRound:
+everything besides the logged contributions that determines it), the decision is made
+durable, and only then applied: in place on the buffers only the fragment reads (momentum,
+residual, period sum), into a new tensor for the value, which readers (pulls, Status) take
+without a lock. So a close needs about half again the fragment's memory rather than twice it,
+a journal failure leaves the fragment as it was, and replaying the same decisions after a
+restart gives the same bits.
 
 The open round holds what arrived since: a running merge of the contributions and the
 bookkeeping that decides when it closes.
@@ -30,6 +34,7 @@ from diloco.syncer.outer import OuterOptimizer
 from diloco.syncer.refusal import Refusal
 
 FP32 = get_codec("fp32")
+SNAPSHOT_BYTES_PER_PARAM = 16  # fp32 value, momentum, residual and period sum
 
 
 class ContributionKey(NamedTuple):
@@ -49,11 +54,13 @@ class Encoded:
 
 @dataclass(frozen=True)
 class ClosedRound:
+    """How a round closed: with the round's logged contributions, all a replay needs."""
     round: int
     close_reason: str  # "all" or "quorum_grace"
     contributors: int  # distinct learners
     closed_unix_seconds: float
     duration_seconds: float  # from the round's first contribution to its close
+    share: float  # of the live learners the round held (see FragmentState.closing)
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,7 @@ class FragmentSnapshot:
     fragment_id: int
     version: int
     value: torch.Tensor  # fp32 global value; never modified once in a snapshot
+    # The fragment's own buffers: the next round close advances them in place.
     momentum: torch.Tensor
     residual: torch.Tensor  # what the encoded updates have not delivered yet
     history: tuple[Encoded, ...]  # the updates to versions version-len+1 .. version
@@ -147,6 +155,8 @@ class FragmentState:
         self._feedback = ErrorFeedback(self.codec, fragment.numel, self.block_size)
         self.committed: FragmentSnapshot | None = None  # None until seeded
         self.round = OpenRound(1, fragment.numel, syncer.merge)
+        self.logged_bytes = 0  # payload bytes of the contributions logged since the last full write
+        self.failure: str | None = None  # set while a close is part way (under the lock), and left set if it fails
         # A learner may RESTORE the fragment's global value (docs/protocol.md) while nothing
         # here can be lost by it: no durable state when the process started, and since then
         # no contribution admitted and no round closed.
@@ -187,6 +197,7 @@ class FragmentState:
             raise Refusal("unseeded", "FAILED_PRECONDITION",
                           f"fragment {self.id} has not been seeded: push its initial value "
                           "(PUSH_KIND_SEED) first")
+        self.check_not_failed()
         if key.base_version > committed.version:
             raise self._ahead(key.base_version)
         if key in self.round.contributions or key in committed.recent_keys:
@@ -194,6 +205,11 @@ class FragmentState:
                           f"learner {key.learner_id!r} incarnation {key.incarnation} already "
                           f"contributed to fragment {self.id} from base version {key.base_version}")
         return committed.version - key.base_version
+
+    def check_not_failed(self) -> None:
+        if self.failure is not None:
+            raise Refusal("fragment_failed", "INTERNAL",
+                          f"{self.failure}: restart the shard, which replays the round from its journal")
 
     def check_restorable(self, base_version: int) -> None:
         """A RESTORE at base_version would lose nothing here (see `restorable`)."""
@@ -215,6 +231,7 @@ class FragmentState:
         round_ = self.round
         self.restorable = False
         round_.contributions[key] = PendingContribution(header, chunks, weight, tokens)
+        self.logged_bytes += sum(len(chunk) for chunk in chunks)
         round_.contributors.add(key.learner_id)
         round_.transfer_seconds += transfer_seconds
         if round_.first_at is None:
@@ -254,9 +271,18 @@ class FragmentState:
         return FragmentSnapshot(self.id, version, values, zeros, zeros.clone(), (), state_hash(values), 0, 0,
                                 frozenset(), None, zeros.clone(), 0.0)
 
-    def closing(self, reason: str, live_ids: frozenset[str], now: float, unix_now: float) -> FragmentSnapshot:
-        """The state after merging the open round: outer step, encode the update with error
-        feedback, apply exactly the decoded update. Changes nothing by itself.
+    def closing(self, reason: str, live_ids: frozenset[str], now: float, unix_now: float) -> ClosedRound:
+        """The decision to close the open round for `reason`: with the round's logged
+        contributions, all `close` needs. Changes nothing."""
+        round_ = self.round
+        return ClosedRound(round_.number, reason, len(round_.contributors), unix_now, now - round_.first_at,
+                           share=len(round_.contributors) / len(live_ids | round_.contributors))
+
+    def close(self, closed: ClosedRound) -> None:
+        """Merges the open round as `closed` decided and installs the next version: outer
+        step, encode the update with error feedback, apply exactly the decoded update. Call it
+        only once the decision is durable: it advances momentum, residual and period sum in
+        place, so a failure part way leaves them undefined (`failure` says so).
 
         A round that holds only some of the live learners counts for their share: learners
         that are not in lockstep reach the shard at different times, so with a small quorum
@@ -272,41 +298,67 @@ class FragmentState:
         gradients and, measured on the demo, made the loss climb. A round with every live
         learner is exactly the plain DiLoCo outer step."""
         committed, round_ = self.committed, self.round
-        share = len(round_.contributors) / len(live_ids | round_.contributors)
-        merged = round_.merged() * share
-        period_sum = committed.period_sum + merged
-        period_share = committed.period_share + share
+        if closed.round != round_.number:
+            raise ValueError(f"fragment {self.id}: a close of round {closed.round}, but round {round_.number} is open")
+        self.failure = f"fragment {self.id}: applying round {round_.number} failed part way"
+        step = round_.merged().mul_(closed.share)
+        period_sum = committed.period_sum.add_(step)
+        period_share = committed.period_share + closed.share
         if period_share >= 1.0 - 1e-9:
-            momentum, period_update = self.optimizer.step(committed.momentum, period_sum)
-            # The period's earlier rounds already applied -lr * (period_sum - merged).
-            update = period_update + (period_sum - merged) * self.optimizer.lr
-            period_sum, period_share = torch.zeros_like(period_sum), 0.0
+            update = self.optimizer.end_period(committed.momentum, period_sum, step)
+            period_sum.zero_()
+            period_share = 0.0
         else:
-            momentum, update = committed.momentum, merged * -self.optimizer.lr
-        self._feedback.residual = committed.residual  # compress() replaces it, never modifies it
-        payload, decoded = self._feedback.compress(update)
-        residual = self._feedback.residual
-        value = committed.value.clone()
+            update = step.mul_(-self.optimizer.lr)
+        self._feedback.residual = committed.residual
+        payload, decoded = self._feedback.compress(update, in_place=True)
+        del update, step
+        value = committed.value.clone()  # pulls read the old one without a lock
         apply_update(value, decoded)  # the same call learners use: same bits on both sides
+        del decoded
         version = committed.version + 1
         update_record = Encoded(version, describe(self.codec, self.fragment.numel, payload, self.block_size),
                                 payload)
         oldest_mergeable = version - self.rules.max_staleness
         recent = frozenset(k for k in committed.recent_keys | round_.contributions.keys()
                            if k.base_version >= oldest_mergeable)
-        return FragmentSnapshot(
-            self.id, version, value, momentum, residual,
-            (committed.history + (update_record,))[-self.rules.history_versions:],
+        self.committed = FragmentSnapshot(
+            self.id, version, value, committed.momentum, self._feedback.residual,
+            self._history(committed.history + (update_record,)),
             state_hash(value), committed.merged_contributions + round_.count,
             committed.merged_tokens + sum(c.tokens for c in round_.contributions.values()), recent,
-            ClosedRound(round_.number, reason, len(round_.contributors), unix_now, now - round_.first_at),
-            period_sum, period_share)
+            closed, period_sum, period_share)
+        self.round = OpenRound(version + 1, self.fragment.numel, self.rules.merge)
+        self.failure = None
+
+    def _history(self, updates: tuple[Encoded, ...]) -> tuple[Encoded, ...]:
+        """The newest updates, at most history_versions, while a chain of them is smaller
+        than the fp32 snapshot a learner further behind pulls instead."""
+        kept, chain_bytes = [], 0
+        for update in reversed(updates[-self.rules.history_versions:]):
+            chain_bytes += len(update.payload)
+            if chain_bytes > FP32.encoded_size(self.fragment.numel, self.block_size):
+                break
+            kept.append(update)
+        return tuple(reversed(kept))
 
     def install(self, snapshot: FragmentSnapshot) -> None:
-        """Adopts a committed state (a seed, a closed round, or one restored from disk) and
+        """Adopts a state written in full (a seed, a restore, or one read back from disk) and
         opens the round that follows it."""
         self.committed = snapshot
         self.round = OpenRound(snapshot.version + 1, self.fragment.numel, self.rules.merge)
+        self.logged_bytes = 0
+
+    def snapshot_due(self) -> bool:
+        """Whether to write the committed state in full: once the contributions logged since
+        the last full write add up to syncer.snapshot_log_ratio times its size, so a round's
+        durable bytes stay a small multiple of what it received and a restart replays a
+        bounded log. Only between rounds: the next log starts empty."""
+        return (self.committed is not None and self.round.count == 0 and self.failure is None and self.logged_bytes > 0
+                and self.logged_bytes >= self.rules.snapshot_log_ratio * SNAPSHOT_BYTES_PER_PARAM * self.fragment.numel)
+
+    def snapshot_written(self) -> None:
+        self.logged_bytes = 0
 
     def observe_close(self, round_: OpenRound, close_seconds: float) -> None:
         self.grace.quorum_seconds.observe(round_.quorum_seconds)

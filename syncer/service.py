@@ -28,6 +28,7 @@ from diloco.services.payload import iter_chunks
 from diloco.services.rpc import Server
 from diloco.services.tls import load_identity, shard_name
 from diloco.services.wire import pb, pb_grpc
+from diloco.syncer.counters import Counters
 from diloco.syncer.core import FragmentView, ShardCore
 from diloco.syncer.guard import CallGuard
 from diloco.syncer.refusal import Refusal
@@ -238,10 +239,11 @@ def start_shard(cfg: Config, shard_index: int, listen: str = "127.0.0.1:0",
     with mutual TLS unless the config says plaintext: the shard's certificate comes from
     `tls_dir`, else <tls.dir>/shard-<i>. `health_listen`: also a plaintext health-only port."""
     identity = load_identity(cfg, shard_name(shard_index), tls_dir)
-    store = ShardStore(shard_state_dir(cfg.run.state_dir if state_dir is None else state_dir, shard_index))
+    counters = Counters()
+    store = ShardStore(shard_state_dir(cfg.run.state_dir if state_dir is None else state_dir, shard_index), counters)
     try:
         check_state_folder(store.directory)  # fails at start, naming it, not on the first Join
-        core = ShardCore(cfg, shard_index, journal=store, state_location=str(store.directory))
+        core = ShardCore(cfg, shard_index, journal=store, state_location=str(store.directory), counters=counters)
         core.restore(store.load())
         servicer = SyncerServicer(core)
         server = Server(cfg.rpc, [SERVICE_NAME], max_workers=worker_threads(cfg), identity=identity)

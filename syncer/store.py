@@ -1,38 +1,46 @@
 """A shard's durable state, under `<run.state_dir>/shard-<I>/`:
 
     manifest.json            the model manifest the first join fixed, with the plan digest
-    fragment-<p>/snapshot    the last committed state: value, momentum, residual, the delayed-momentum period sum, version,
-                             bookkeeping (replaced atomically: write a temporary file, fsync,
-                             rename over, fsync the folder)
-    fragment-<p>/update-<v>  the encoded update that made version v (written before the
-                             snapshot that lists it with its sha256, removed once it leaves
-                             the history)
-    fragment-<p>/round.log   the contributions admitted to the open round, one record each
-                             (the round's tag, round number, push header, payload), written
-                             and synced before the push is acknowledged
+    fragment-<p>/snapshot    the fragment's state written in full: value, momentum, residual, the
+                             delayed-momentum period sum, version, bookkeeping (replaced
+                             atomically: write a temporary file, fsync, rename over, fsync the
+                             folder)
+    fragment-<p>/update-<v>  an encoded update of the snapshot's history, which learners catch up
+                             from (written before the snapshot that lists it with its sha256,
+                             removed once it leaves the history)
+    fragment-<p>/round.log   the write-ahead log since the snapshot: every contribution admitted
+                             (the round number, push header, payload), synced before the push is
+                             acknowledged, and every round close (ClosedRound and the state hash
+                             it closed on), synced before the new version shows
+
+A write-ahead log, so that a round costs its contributions and a small record rather than the
+fragment's whole state (16 bytes per parameter): the core writes a snapshot only once the log
+has grown to a multiple of its size (syncer.snapshot_log_ratio), and the log starts over after
+it. A restart loads the snapshot and replays the log with the same arithmetic: the round's
+contributions merged in key order, the close as recorded. Each close record names the state
+hash the round closed on, so a replay that does not reach the same bits stops the restart.
 
 Why nothing acknowledged is lost: a push is acknowledged only once its log record is on disk,
-and a new version is visible to anyone only once the snapshot holding it is. After a crash the
-snapshot gives the last version and the log records of the round after it rebuild the open
-round.
+and a new version is visible to anyone only once its close record is. A snapshot replaces the
+log only when its state holds everything logged (the open round is empty then).
 
-An update file is trusted only as the committed snapshot names it: a commit that failed (a full
-disk) can leave update-<v> of an attempt whose round then closed again differently. So a commit
-(re)writes every update the last committed snapshot does not hold, and a restart serves an update
-only if its sha256 matches the one the snapshot recorded.
+An update file is trusted only as the committed snapshot names it: a snapshot write that failed
+(a full disk) can leave update files no snapshot names. So a snapshot (re)writes every update
+the last committed snapshot does not hold, and a restart serves an update only if its sha256
+matches the one the snapshot recorded; the replayed rounds rebuild the updates since.
 
-The log is rewritten in place from its start each round rather than truncated: overwriting
-cached pages is an order of magnitude faster than writing fresh ones. So the bytes after the open
-round's records are leftovers of earlier rounds, whole records or pieces of them. To tell those
-from the open round's, each snapshot draws a random 16-byte tag for the round it opens, and
-every record of that round starts with it. The tag is written nowhere else and never sent, so
-no leftover and no payload a learner chose can carry it. The open round's records are one run
-of frames from offset 0 (a restart appends right after them, a commit starts over at 0); the run
-ends at the first frame that is not intact or not tagged. Then:
-  - no intact tagged record after that point: it is the end of the round. A record torn there
+The log is rewritten in place from its start after each snapshot rather than truncated:
+overwriting cached pages is an order of magnitude faster than writing fresh ones. So the bytes
+after the log's records are leftovers of earlier logs, whole records or pieces of them. To tell
+those from the current log's, each snapshot draws a random 16-byte tag for the log it starts,
+and every record of that log starts with it. The tag is written nowhere else and never sent, so
+no leftover and no payload a learner chose can carry it. The log's records are one run of frames
+from offset 0 (a restart appends right after them, a snapshot starts over at 0); the run ends
+at the first frame that is not intact or not tagged. Then:
+  - no intact tagged record after that point: it is the end of the log. A record torn there
     by the crash (or damaged there; the two look alike) was the last one written, never
     acknowledged, and is dropped with the leftovers after it;
-  - an intact tagged record after it: a record in the middle of the round is damaged, and the
+  - an intact tagged record after it: a record in the middle of the log is damaged, and the
     ones after it may have been acknowledged. The shard stops with StoreError naming the file
     and offset rather than drop them. (A machine that lost power before the log's fdatasync
     can leave this too, with nothing after the offset acknowledged; the message says so.)
@@ -57,14 +65,16 @@ from typing import Iterator
 import torch
 
 from diloco.services.wire import pb
-from diloco.syncer.core import LoggedContribution, Manifest, Restored
+from diloco.syncer.core import LoggedClose, LoggedContribution, Manifest, Restored
+from diloco.syncer.counters import Counters
 from diloco.syncer.fragment_state import ClosedRound, ContributionKey, Encoded, FragmentSnapshot
 
 _FRAME = struct.Struct("<QI")  # body length, crc32 of body
 _LENGTH = struct.Struct("<I")  # of an embedded message
 _ROUND = struct.Struct("<Q")
-_TAG_BYTES = 16  # the open round's log tag: random, so nothing else carries it by chance
-_SNAPSHOT_FORMAT = "diloco.syncer-snapshot/4"
+_TAG_BYTES = 16  # the log's tag: random, so nothing else carries it by chance
+_CONTRIBUTION, _CLOSE = b"c", b"r"  # a log record's kind, right after the tag
+_SNAPSHOT_FORMAT = "diloco.syncer-snapshot/5"
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +92,9 @@ class ShardStore:
     (under that fragment's lock); a fragment's own lock here only keeps close() from pulling
     a file out from under a call still running at shutdown."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, counters: Counters | None = None):
         self.directory = pathlib.Path(directory)
+        self.counters = counters or Counters()  # journal_bytes: what it wrote
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._fragments: dict[int, _FragmentFiles] = {}
@@ -92,16 +103,29 @@ class ShardStore:
 
     def fix_manifest(self, manifest: Manifest, plan_digest: str) -> None:
         text = json.dumps({"plan_digest": plan_digest, "tensors": [[n, list(s)] for n, s in manifest]})
-        _write_atomically(self.directory / "manifest.json", [text.encode()])
+        self._written(_write_atomically(self.directory / "manifest.json", [text.encode()]))
 
     def append(self, fragment_id: int, contribution: LoggedContribution) -> None:
         header = contribution.header.SerializeToString()
         # Written part by part, without joining the parts into one copy, and without reading the
         # payload for its checksum again: its crc32 was verified against the header on receipt.
         with self._files(fragment_id) as files:
-            record = _frame([files.log_tag, _ROUND.pack(contribution.round), _LENGTH.pack(len(header)), header],
+            record = _frame([files.log_tag, _CONTRIBUTION, _ROUND.pack(contribution.round),
+                             _LENGTH.pack(len(header)), header],
                             contribution.payload, contribution.header.payload.crc32)
-            files.log_end += _write_parts_at(files.log(), record, files.log_end)
+            files.log_end += self._written(_write_parts_at(files.log(), record, files.log_end))
+
+    def close_round(self, fragment_id: int, close: LoggedClose) -> None:
+        body = json.dumps({"closed": close.closed.__dict__, "base_state_hash": close.base_state_hash}).encode()
+        with self._files(fragment_id) as files:
+            start = files.log_end
+            try:
+                files.log_end += self._written(_write_parts_at(files.log(), _frame([files.log_tag, _CLOSE, body]),
+                                                               start))
+                _sync_data(files.log())
+            except OSError:  # the round stays open: its next record goes over this one
+                files.log_end = start
+                raise
 
     def sync(self, fragment_id: int) -> None:
         with self._files(fragment_id) as files:
@@ -118,13 +142,13 @@ class ShardStore:
                 digest = files.committed_updates.get(update.version)
                 if digest is None:  # maybe a failed commit's file is there: never trust it
                     body = _update_body(update)
-                    _write_file(files.folder / f"update-{update.version}", _frame(body))
+                    self._written(_write_file(files.folder / f"update-{update.version}", _frame(body)))
                     digest = _sha256(body)
                 digests[update.version] = digest
             next_tag = os.urandom(_TAG_BYTES)
-            _write_atomically(files.folder / "snapshot",  # the commit point
-                              _frame(_snapshot_body(snapshot, digests, next_tag)))
-            # Everything logged is merged now: the next round's records overwrite it, with their own tag.
+            self._written(_write_atomically(files.folder / "snapshot",  # the commit point
+                                            _frame(_snapshot_body(snapshot, digests, next_tag))))
+            # Everything logged is in the snapshot now: the next log overwrites it, with its own tag.
             files.log_end, files.log_tag = 0, next_tag
             for version in sorted(files.committed_updates.keys() - digests.keys()):
                 (files.folder / f"update-{version}").unlink(missing_ok=True)
@@ -136,6 +160,10 @@ class ShardStore:
         for files in fragments:
             with files.lock:
                 files.close()
+
+    def _written(self, nbytes: int) -> int:
+        self.counters.add("journal_bytes", nbytes)
+        return nbytes
 
     @contextlib.contextmanager
     def _files(self, fragment_id: int) -> Iterator["_FragmentFiles"]:
@@ -160,16 +188,16 @@ class ShardStore:
             plan_digest = data["plan_digest"]
         except (ValueError, KeyError, TypeError) as error:
             raise StoreError(f"{manifest_path}: unreadable manifest: {error}") from None
-        snapshots, contributions = {}, {}
+        snapshots, logs = {}, {}
         for folder in sorted(self.directory.glob("fragment-*")):
             fragment_id = int(folder.name.split("-", 1)[1])
             (folder / "snapshot.tmp").unlink(missing_ok=True)  # a snapshot that never got renamed in
             if (folder / "snapshot").exists():
                 snapshots[fragment_id] = self._load_snapshot(fragment_id, folder)
-                contributions[fragment_id] = self._load_log(fragment_id, folder / "round.log")
+                logs[fragment_id] = self._load_log(fragment_id, folder / "round.log")
             elif _has_a_record(folder / "round.log"):  # records are only ever written after a seed
                 raise StoreError(f"{folder / 'round.log'}: holds contributions, but {folder / 'snapshot'} is missing")
-        return Restored(manifest, plan_digest, snapshots, contributions)
+        return Restored(manifest, plan_digest, snapshots, logs)
 
     def _load_snapshot(self, fragment_id: int, folder: pathlib.Path) -> FragmentSnapshot:
         path = folder / "snapshot"
@@ -202,20 +230,13 @@ class ShardStore:
             meta["merged_contributions"], meta["merged_tokens"], frozenset(ContributionKey(*key) for key in meta["recent_keys"]),
             ClosedRound(**last_round) if last_round else None, period_sum, meta["period_share"])
 
-    def _load_log(self, fragment_id: int, path: pathlib.Path) -> list[LoggedContribution]:
+    def _load_log(self, fragment_id: int, path: pathlib.Path) -> list[LoggedContribution | LoggedClose]:
         with self._files(fragment_id) as files:
-            bodies, end = _read_open_round(path, files.log_tag) if path.exists() else ([], 0)
-            # New records go right after the open round's, over a record the crash tore (it was
-            # never acknowledged) and over leftovers of rounds merged before.
+            bodies, end = _read_log(path, files.log_tag) if path.exists() else ([], 0)
+            # New records go right after the log's, over a record the crash tore (it was never
+            # acknowledged) and over leftovers of logs before the snapshot.
             files.log_end = end
-        contributions = []
-        for body in bodies:
-            (round_number,) = _ROUND.unpack_from(body, _TAG_BYTES)
-            (length,) = _LENGTH.unpack_from(body, _TAG_BYTES + _ROUND.size)
-            start = _TAG_BYTES + _ROUND.size + _LENGTH.size
-            header = pb.PushHeader.FromString(bytes(body[start:start + length]))
-            contributions.append(LoggedContribution(round_number, header, (bytes(body[start + length:]),)))
-        return contributions
+        return [_log_entry(body) for body in bodies]
 
 
 class _FragmentFiles:
@@ -227,8 +248,8 @@ class _FragmentFiles:
         self.lock = threading.Lock()
         self.committed_updates: dict[int, str] = {}  # version: sha256, as the committed snapshot names them
         self.closed = False
-        self.log_end = 0  # where the open round's next record goes
-        self.log_tag = os.urandom(_TAG_BYTES)  # the open round's; the committed snapshot names it
+        self.log_end = 0  # where the log's next record goes
+        self.log_tag = os.urandom(_TAG_BYTES)  # the log's; the committed snapshot names it
         self._log_fd: int | None = None
 
     def log(self) -> int:
@@ -242,6 +263,18 @@ class _FragmentFiles:
         if self._log_fd is not None:
             os.close(self._log_fd)
         self.closed = True
+
+
+def _log_entry(body: memoryview) -> LoggedContribution | LoggedClose:
+    kind, at = bytes(body[_TAG_BYTES:_TAG_BYTES + 1]), _TAG_BYTES + 1
+    if kind == _CLOSE:
+        record = json.loads(bytes(body[at:]))
+        return LoggedClose(ClosedRound(**record["closed"]), record["base_state_hash"])
+    (round_number,) = _ROUND.unpack_from(body, at)
+    (length,) = _LENGTH.unpack_from(body, at + _ROUND.size)
+    start = at + _ROUND.size + _LENGTH.size
+    header = pb.PushHeader.FromString(bytes(body[start:start + length]))
+    return LoggedContribution(round_number, header, (bytes(body[start + length:]),))
 
 
 def _load_history(folder: pathlib.Path, digests: dict[int, str]) -> tuple[Encoded, ...]:
@@ -368,10 +401,10 @@ def _read_frames(path: pathlib.Path) -> tuple[list[memoryview], int]:
     return bodies, offset
 
 
-def _read_open_round(path: pathlib.Path, tag: bytes) -> tuple[list[memoryview], int]:
-    """The bodies of the open round's records (the run of intact frames carrying its tag from
-    the start of the log) and where they end; StoreError if an intact record of the round
-    follows the end of that run (see the module docstring)."""
+def _read_log(path: pathlib.Path, tag: bytes) -> tuple[list[memoryview], int]:
+    """The bodies of the log's records (the run of intact frames carrying its tag from the
+    start of the file) and where they end; StoreError if an intact record of the log follows
+    the end of that run (see the module docstring)."""
     data = _read(path)
     view, bodies, offset = memoryview(data), [], 0
     while (body := _intact_body(view, offset)) is not None and body[:_TAG_BYTES] == tag:
@@ -383,8 +416,8 @@ def _read_open_round(path: pathlib.Path, tag: bytes) -> tuple[list[memoryview], 
         later = found - _FRAME.size
         if _intact_body(view, later) is not None:
             raise StoreError(
-                f"{path}: the record at offset {offset} is damaged, and an intact record of the open "
-                f"round follows at offset {later}: the contributions from offset {offset} on may have "
+                f"{path}: the record at offset {offset} is damaged, and an intact record of the log "
+                f"follows at offset {later}: the contributions from offset {offset} on may have "
                 f"been acknowledged, so the shard will not drop them. If the machine lost power (nothing "
                 f"after a torn record was acknowledged then), truncate the file to {offset} bytes to "
                 f"drop them; otherwise restore the shard's state folder from a copy")
@@ -412,20 +445,23 @@ def _read(path: pathlib.Path) -> bytearray:
     return data
 
 
-def _write_file(path: pathlib.Path, parts: list) -> None:
+def _write_file(path: pathlib.Path, parts: list) -> int:
+    """Writes and fsyncs the file; returns its size."""
     with open(path, "wb") as file:
-        for part in parts:
-            file.write(memoryview(part).cast("B"))
+        size = sum(file.write(memoryview(part).cast("B")) for part in parts)
         file.flush()
         os.fsync(file.fileno())
+    return size
 
 
-def _write_atomically(path: pathlib.Path, parts: list) -> None:
-    """Readers see the old file or the new one, whole, whenever the machine stops."""
+def _write_atomically(path: pathlib.Path, parts: list) -> int:
+    """Readers see the old file or the new one, whole, whenever the machine stops. Returns
+    its size."""
     temporary = path.with_name(path.name + ".tmp")
-    _write_file(temporary, parts)
+    size = _write_file(temporary, parts)
     os.replace(temporary, path)
     _fsync_dir(path.parent)
+    return size
 
 
 _sync_data = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync

@@ -1,6 +1,7 @@
 """The shard's decisions, driven directly with a fake clock: round closing, merging, staleness,
 the outer step, error feedback, membership and seeding. No gRPC, no sleeping."""
 import contextlib
+import copy
 import errno
 import math
 
@@ -316,8 +317,22 @@ def test_a_replica_applying_the_decoded_updates_holds_the_shards_bits():
     assert torch.allclose(delivered + residual, asked, atol=1e-5)  # ...and nothing is lost for good
 
 
+def test_history_holds_only_a_chain_of_updates_smaller_than_the_snapshot_a_learner_pulls_instead():
+    shard = Shard(make_config(codec="int4", history_versions=32), joined=("a",))
+    n = shard.numel()
+    for version in range(12):
+        shard.push("a", 0, delta(version, n), base=version)
+    history = shard.core.fragments[0].committed.history
+    update_bytes, snapshot_bytes = len(history[-1].payload), 4 * n
+    assert len(history) == snapshot_bytes // update_bytes < 12
+    oldest = 12 - len(history)
+    assert [u.version for u in shard.core.pull(0, oldest).items] == list(range(oldest + 1, 13))
+    plan = shard.core.pull(0, oldest - 1)  # one version further behind: the whole value, bit for bit
+    assert plan.snapshot and torch.equal(decode_payload(plan.items[0].header, plan.items[0].payload), shard.value())
+
+
 def test_pull_sends_a_snapshot_when_the_history_no_longer_reaches_back():
-    shard = Shard(make_config(history_versions=2), joined=("a",))
+    shard = Shard(make_config(codec="int4", history_versions=2), joined=("a",))
     for version in range(3):
         shard.push("a", 0, delta(version, shard.numel()), base=version)
     assert [u.version for u in shard.core.pull(0, 1).items] == [2, 3]
@@ -405,21 +420,24 @@ class KeepingJournal(NullJournal):
 
     def __init__(self):
         self.manifest, self.plan_digest = None, ""
-        self.snapshots, self.contributions = {}, {}
+        self.snapshots, self.log = {}, {}
 
     def fix_manifest(self, manifest, plan_digest):
         self.manifest, self.plan_digest = manifest, plan_digest
 
     def append(self, fragment_id, contribution):
-        self.contributions.setdefault(fragment_id, []).append(contribution)
+        self.log.setdefault(fragment_id, []).append(contribution)
+
+    def close_round(self, fragment_id, close):
+        self.log.setdefault(fragment_id, []).append(close)
 
     def commit(self, snapshot):
-        self.snapshots[snapshot.fragment_id] = snapshot
-        self.contributions[snapshot.fragment_id] = []
+        self.snapshots[snapshot.fragment_id] = copy.deepcopy(snapshot)  # the core advances its buffers in place
+        self.log[snapshot.fragment_id] = []
 
     def restored(self):
-        return Restored(self.manifest, self.plan_digest, dict(self.snapshots),
-                        {fid: list(logged) for fid, logged in self.contributions.items()})
+        return Restored(self.manifest, self.plan_digest, copy.deepcopy(self.snapshots),
+                        {fid: list(logged) for fid, logged in self.log.items()})
 
 
 HONEST_HEARTBEAT = {"step": 10, "step_seconds": 0.5, "tokens_per_second": T / 0.5, "tokens": 10 * T, "sync_step": 11}
@@ -495,12 +513,12 @@ def test_a_push_claiming_out_of_range_numbers_is_refused_before_it_is_logged(cla
     with refused("INVALID_ARGUMENT", reason) as info:
         shard.push("a", 0, delta(1, shard.numel()), **claims)
     assert field in info.value.message
-    assert not any(journal.contributions.values()) and shard.core.fragments[0].round.count == 0
+    assert not any(journal.log.values()) and shard.core.fragments[0].round.count == 0
     counters = shard.core.counters.snapshot()
     assert counters[f"refusals.{reason}"] == 1 and counters["contributions.refused"] == 1
     assert "kept_compute_seconds" not in counters
     shard.push("a", 0, delta(1, shard.numel()), c_steps=10, c_tokens=10 * T)  # the honest claim
-    assert len(journal.contributions[0]) == 1
+    assert len(journal.log[0]) == 1
 
 
 def test_no_contribution_weighs_more_than_one_sync_period_at_the_most_tokens_per_step():
@@ -536,7 +554,7 @@ def test_a_logged_contribution_out_of_range_is_merged_with_its_claims_clamped_on
     n = shard.numel()
     x, y = delta(1, n), delta(2, n)
     shard.push("a", 0, x, c_steps=4, c_tokens=4 * T)
-    logged = journal.contributions[0][0]
+    logged = journal.log[0][0]
     logged.header.c_tokens, logged.header.step_seconds = 2**64 - 1, float("nan")  # as an old shard took it
     restarted = ShardCore(cfg, 0, clock=shard.clock, journal=NullJournal())
     restarted.restore(journal.restored())
@@ -654,7 +672,7 @@ class FillingJournal(KeepingJournal):
 
     def __init__(self):
         super().__init__()
-        self.full, self.failing = False, {"append", "sync", "commit"}
+        self.full, self.failing = False, {"append", "sync", "close_round", "commit"}
 
     def _write(self, call):
         if self.full and call in self.failing:
@@ -666,6 +684,10 @@ class FillingJournal(KeepingJournal):
 
     def sync(self, fragment_id):
         self._write("sync")
+
+    def close_round(self, fragment_id, close):
+        self._write("close_round")
+        super().close_round(fragment_id, close)
 
     def commit(self, snapshot):
         self._write("commit")
@@ -705,7 +727,7 @@ def test_a_push_whose_round_cannot_be_committed_is_accepted_and_merged_once_the_
     sgd = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
     shard = Shard(make_config(merge="mean", outer_optimizer=sgd), journal=journal, joined=("a",))
     n = shard.numel()
-    journal.full, journal.failing = True, {"commit"}  # room for a log record, not for a snapshot
+    journal.full, journal.failing = True, {"close_round"}  # room for the push's record, not for the close's
     reply = shard.push("a", 0, delta(1, n))
     assert reply.result == pb.PUSH_RESULT_ACCEPTED and not reply.committed and shard.version() == 0
     journal.full = False

@@ -62,7 +62,11 @@ def test_restart_restores_committed_state_and_open_round_bit_for_bit(tmp_path):
         assert torch.equal(getattr(restored, name), getattr(original, name)), name
     assert [(u.version, u.payload) for u in restored.history] == [(u.version, u.payload) for u in original.history]
     counters = core.counters_snapshot()
-    assert (counters["contributions.restored"], counters["state.merged_contributions"]) == (2, 9)
+    # Nothing was written in full since the seed: the restart replayed the three rounds' nine
+    # contributions and closes, then re-admitted the open round's two.
+    assert not counters.get("snapshots")
+    assert (counters["replayed_rounds"], counters["contributions.restored"], counters["state.merged_contributions"]) \
+        == (3, 11, 9)
 
     # The restored round still refuses duplicates and closes exactly like the twin's.
     with pytest.raises(Refusal, match="already contributed"):
@@ -154,12 +158,14 @@ def test_a_lost_update_file_shortens_the_history_to_a_snapshot(tmp_path):
     assert core.pull(0, 1).snapshot  # update 2 is gone: a learner at 1 gets the whole value
 
 
-def test_an_update_written_before_a_crash_is_never_reused(tmp_path):
-    """A crash between writing update-2 and renaming in the snapshot that names it: round 2 is
-    open again after the restart and may close differently, so that file must never be served."""
-    shard = Shard(make_config(), journal=ShardStore(tmp_path), joined=("a",))
+def test_an_update_file_no_snapshot_names_is_never_reused(tmp_path):
+    """A crash between writing update-2 and renaming in the snapshot that names it (or bytes
+    that are not what the snapshot recorded): the restart rebuilds version 2 from the log and
+    serves that, never the file."""
+    shard = Shard(make_config(codec="int4", snapshot_log_ratio=0), journal=ShardStore(tmp_path), joined=("a",))
     n = shard.numel()
     shard.push("a", 0, delta(1, n))  # version 1
+    shard.core.tick()  # written in full, with update-1
     at_version_1 = shard.value().clone()
     folder = tmp_path / "fragment-0"
     (folder / "update-2").write_bytes((folder / "update-1").read_bytes())  # the crash's leftover
@@ -204,10 +210,11 @@ def test_a_damaged_record_in_the_middle_of_the_round_stops_the_restart_naming_th
 def test_the_rounds_last_record_torn_or_damaged_is_dropped_with_the_leftovers_after_it(tmp_path, how):
     """Round 2's records overwrite round 1's; the crash tore b's (or it was damaged: the two
     look alike at the end of the round). a's record stays, b's and round 1's leftovers go."""
-    shard = Shard(make_config(quorum=3), journal=ShardStore(tmp_path))
+    shard = Shard(make_config(quorum=3, snapshot_log_ratio=0), journal=ShardStore(tmp_path))
     n = shard.numel()
-    for i, learner in enumerate(LEARNERS):  # round 1 closes with three records in the log
+    for i, learner in enumerate(LEARNERS):  # round 1 closes with three records and its close in the log
         shard.push(learner, 0, delta(i, n))
+    shard.core.tick()  # written in full: the next log starts over at 0
     log = tmp_path / "fragment-0" / "round.log"
     round_1 = log.read_bytes()
     shard.push("a", 0, delta(10, n), base=1)
@@ -228,33 +235,37 @@ def test_the_rounds_last_record_torn_or_damaged_is_dropped_with_the_leftovers_af
     assert restarted(shard, tmp_path).fragments[0].round.count == 2
 
 
-def test_an_update_file_left_by_a_failed_commit_is_rewritten_when_the_round_closes_differently(tmp_path, monkeypatch):
-    """The disk fills after update-1 of the round's first close is written: the snapshot write
-    fails and the round stays open. It closes again with one more contribution, a different
-    update for version 1, and that one is what a restart serves."""
-    shard = Shard(make_config(quorum=2), journal=ShardStore(tmp_path))
+def test_a_snapshot_the_disk_cannot_take_leaves_the_log_in_charge_until_one_can(tmp_path, monkeypatch):
+    """The disk fills while the full state is written (update files already there): nothing is
+    lost, a restart replays the log since the last snapshot, and the next tick with room writes it."""
+    shard = Shard(make_config(codec="int4", snapshot_log_ratio=0), journal=ShardStore(tmp_path), joined=("a",))
     n = shard.numel()
-    shard.push("a", 0, delta(1, n))
-    shard.push("b", 0, delta(2, n))
-    shard.clock.now += 1.5  # the grace after the quorum passed (c still holds its lease): the round is due
 
     def disk_full(path, parts):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     with monkeypatch.context() as patch:
         patch.setattr(store, "_write_atomically", disk_full)
-        assert shard.core.tick() == []  # the close failed: the round stays open
-    assert (tmp_path / "fragment-0" / "update-1").exists() and shard.version() == 0
-    shard.push("c", 0, delta(3, n))  # closes round 1 with three contributions
-    (update,) = shard.core.fragments[0].committed.history
-    restored = restarted(shard, tmp_path).fragments[0].committed
-    assert [(u.version, u.payload) for u in restored.history] == [(1, update.payload)]
+        for version in range(3):
+            shard.push("a", 0, delta(version, n), base=version)
+            shard.core.tick()
+    assert (tmp_path / "fragment-0" / "update-3").exists()  # written, named by no snapshot
+    assert shard.version() == 3 and not shard.core.counters.snapshot().get("snapshots")
+    expected = shard.core.status().fragments[0].state_hash
+    core = restarted(shard, tmp_path)
+    assert (core.status().fragments[0].state_hash, core.counters_snapshot()["replayed_rounds"]) == (expected, 3)
+    core.tick()
+    assert core.counters_snapshot()["snapshots"] == 1
+    restored = restarted(shard, tmp_path)
+    assert restored.status().fragments[0].state_hash == expected and not restored.counters_snapshot().get("replayed_rounds")
+    assert [u.version for u in restored.pull(0, 0).items] == [1, 2, 3]
 
 
 def test_an_update_file_that_is_not_the_one_the_snapshot_names_is_never_served(tmp_path):
-    shard = Shard(make_config(), journal=ShardStore(tmp_path), joined=("a",))
+    shard = Shard(make_config(codec="int4", snapshot_log_ratio=0), journal=ShardStore(tmp_path), joined=("a",))
     for version in range(2):
         shard.push("a", 0, delta(version, shard.numel()), base=version)
+        shard.core.tick()
     folder = tmp_path / "fragment-0"
     (folder / "update-2").write_bytes((folder / "update-1").read_bytes())  # whole, checksum and all
     core = restarted(shard, tmp_path)

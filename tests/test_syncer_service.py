@@ -2,7 +2,10 @@
 shard), concurrent learners ending with the shard's exact bits, and kill -9 of a shard process
 losing nothing it acknowledged (real `diloco syncer` processes)."""
 import contextlib
+import itertools
 import pathlib
+import random
+import re
 import signal
 import socket
 import subprocess
@@ -24,6 +27,7 @@ from diloco.services.payload import describe, iter_chunks
 from diloco.services.state import state_hash
 from diloco.services.tls import OPERATOR, certs_dir, issue_cluster_certs, learner_name, load_identity
 from diloco.services.wire import pb
+from diloco.syncer.core import ShardCore
 from diloco.syncer.service import start_shard
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -529,13 +533,99 @@ def test_kill_9_loses_no_acknowledged_contribution(cluster):
             learner.close()
 
 
+def test_kill_9_at_random_points_of_rounds_and_snapshots_restores_an_uninterrupted_runs_bits(cluster):
+    """Three learners push a fixed sequence of rounds to shard 0 while it is killed at random
+    moments (pushes, round closes, snapshots; a snapshot every few rounds) and restarted. Each
+    push is retried until acknowledged (ALREADY_EXISTS: it was). The shard must end with the
+    bits of an in-process twin that saw each push once and never stopped."""
+    # wait_for_all: a round closes with all three contributions, also on a restarted shard that
+    # only some have joined again (else the first to rejoin would close a restored round early).
+    cfg, shards = cluster(quorum=3, wait_for_all=True, lease_seconds=3600.0, snapshot_log_ratio=0.3)
+    victim, rounds, rng = shards[0], 12, random.Random(20)
+    manifest = [(f"w{i}", (40_000,)) for i in range(8)]  # 100k parameters per fragment: 1.6 MB snapshots
+    twin = ShardCore(cfg, 0)
+    clients = {l: ShardClient(victim.address, cfg.rpc, l, 1, identity=identity(cfg, l)) for l in LEARNERS}
+    fragments = {}
+
+    def join_all():
+        for learner in LEARNERS:
+            fragments.update((f.fragment_id, f.numel) for f in clients[learner].join("r", manifest).fragments)
+
+    def delivered(learner, push):
+        """Retries a push until the shard holds it; after a failure every learner joins again
+        first, so no round closes on a restarted shard that knows only some of them."""
+        for _ in range(400):
+            try:
+                push(clients[learner])
+                return
+            except grpc.RpcError as error:
+                if error.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    return
+            time.sleep(0.05)
+            with contextlib.suppress(grpc.RpcError):
+                join_all()
+        raise AssertionError(f"{learner}'s push never got through:\n{victim.log_path.read_text()}")
+
+    def kill_soon():
+        """SIGKILL a moment into the push that starts now: while it streams, logs, closes the
+        round or writes a snapshot. Then restart."""
+        time.sleep(rng.uniform(0.0, 0.05))
+        victim.kill()
+        victim.start()
+        victim.wait_serving()
+
+    try:
+        join_all()
+        for learner in LEARNERS:
+            twin.join(learner, 1, "r", manifest)
+        for fid, numel in fragments.items():
+            seed = torch.randn(numel, generator=torch.Generator().manual_seed(fid))
+            delivered("a", lambda c: c.push(fid, seed, codec="fp32", block_size=BLOCK, kind=pb.PUSH_KIND_SEED))
+            twin.push(push_requests_for(cfg, "a", fid, seed, kind=pb.PUSH_KIND_SEED))
+        pushes = list(itertools.product(range(1, rounds + 1), LEARNERS, fragments.items()))
+        kill_at, killers = sorted(rng.sample(range(len(pushes)), 4)), []
+        for index, (round_, learner, (fid, numel)) in enumerate(pushes):
+            if index in kill_at:
+                killers.append(threading.Thread(target=kill_soon))
+                killers[-1].start()
+            outer = torch.randn(numel, generator=torch.Generator().manual_seed(1000 * round_ + 10 * fid + ord(learner)))
+            claims = dict(base_version=round_ - 1, c_steps=8, c_tokens=8 * 64, step_seconds=0.1)
+            delivered(learner, lambda c: c.push(fid, outer * 0.01, codec="int4", block_size=BLOCK, **claims))
+            twin.push(push_requests_for(cfg, learner, fid, outer * 0.01, **claims))
+            if killers:
+                killers[-1].join(60)  # one kill at a time: the next push waits for the restart
+        status = clients["a"].status()
+        expected = {f.id: (rounds, f.state_hash) for f in twin.status().fragments}
+        assert {f.fragment_id: (f.version, f.state_hash) for f in status.fragments} == expected
+        assert status.counters["state.merged_contributions"] == rounds * len(LEARNERS) * len(fragments)
+        restores = re.findall(r"restored version (\d+): snapshot of version (\d+), (\d+) rounds replayed",
+                              victim.log_path.read_text())
+        assert len(restores) == 2 * len(kill_at)  # a line per fragment and restart
+        assert any(int(snapshot) > 0 for _, snapshot, _ in restores)  # snapshots were written...
+        assert any(int(replayed) > 0 for _, _, replayed in restores)  # ...and rounds replayed after them
+    finally:
+        for client in clients.values():
+            client.close()
+
+
+def push_requests_for(cfg, learner, fid, values, *, kind=pb.PUSH_KIND_OUTER_GRADIENT, **claims):
+    """The PushFragment stream a ShardClient sends, for a core in this process."""
+    codec = get_codec("fp32" if kind == pb.PUSH_KIND_SEED else cfg.sync.codec)
+    payload = codec.encode(values, BLOCK)
+    header = pb.PushHeader(learner_id=learner, incarnation=1, fragment_id=fid, kind=kind,
+                           payload=describe(codec, values.numel(), payload, BLOCK), **claims)
+    yield pb.PushRequest(header=header)
+    for chunk in iter_chunks(payload):
+        yield pb.PushRequest(chunk=chunk)
+
+
 # ---- a full disk, a port in use, a state folder that cannot be written ---------------------
 
 def test_a_full_disk_refuses_pushes_with_resource_exhausted_naming_the_state_folder(tmp_path, caplog):
     _, cfg = write_config(tmp_path, lease_seconds=3600.0, grace={"mode": "fixed", "seconds": 600.0})
     handle = start_shard(cfg, 0)
     store, full = handle.store, threading.Event()
-    for name in ("append", "commit"):  # the disk fills up under the running shard
+    for name in ("append", "close_round", "commit"):  # the disk fills up under the running shard
         def failing(*args, write=getattr(store, name)):
             if full.is_set():
                 raise OSError(28, "No space left on device")
