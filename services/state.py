@@ -11,7 +11,7 @@ import torch
 def state_hash(values: torch.Tensor) -> str:
     """sha256 of a fragment's fp32 value: equal hashes mean equal bits."""
     flat = values.detach().to(torch.float32).contiguous().view(-1)
-    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+    return hashlib.sha256(flat.numpy().data).hexdigest()  # the buffer itself: no copy of it
 
 
 def apply_update(value: torch.Tensor, update: torch.Tensor) -> None:

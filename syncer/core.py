@@ -7,7 +7,7 @@ durability from an injected Journal (the service passes syncer.store.ShardStore;
 keeps nothing), and every outcome is counted in `counters`. Refusals raise Refusal.
 
 Thread safety: each fragment has a lock held around every change to it; membership and
-counters have their own. Lock order: fragment, then membership / counters / plan.
+counters have their own. Lock order: fragment, then membership / counters / plan / closing.
 """
 from __future__ import annotations
 
@@ -164,12 +164,16 @@ class ShardCore:
         self.counters = counters or Counters()  # shared with the journal, which counts what it writes
         self.membership = Membership([l.id for l in cfg.learners], cfg.syncer.lease_seconds, self.counters)
         self._plan_lock = threading.Lock()
+        # One round close at a time: each already uses every core (torch's threads), and the
+        # temporaries of closes on several threads at once would add up.
+        self._closing = threading.Lock()
         self.manifest: Manifest | None = None
         self.plan: FragmentPlan | None = None
         self.fragments: dict[int, FragmentState] = {}  # the fragments this shard owns
         # Called with (fragment id, ClosedRound) for every round closed, under the fragment's
         # lock: the metrics exporter's round-duration histogram and outer-step counter.
         self.round_listeners: list[Callable[[int, ClosedRound], None]] = []
+        self.last_push_at: float | None = None  # when the last push ended, whatever its outcome
 
     # ---- membership ----------------------------------------------------------------------
 
@@ -235,6 +239,8 @@ class ShardCore:
                 if header.kind == pb.PUSH_KIND_OUTER_GRADIENT and refusal.reason != "duplicate":
                     self.counters.add("contributions.refused")
                 raise
+            finally:
+                self.last_push_at = self.clock()
 
     def _push(self, header: pb.PushHeader, requests: Iterator[pb.PushRequest]) -> PushOutcome:
         state = self._check_header(header)
@@ -412,7 +418,8 @@ class ShardCore:
             self.journal.close_round(state.id, LoggedClose(closed, state.committed.state_hash))
         except Refusal:  # a disk that cannot take it (logged once): the round stays open, the next push or tick retries
             return False
-        state.close(closed)
+        with self._closing:
+            state.close(closed)
         state.observe_close(round_, self.clock() - started)
         self.counters.add(f"rounds.{reason}")
         for listener in self.round_listeners:

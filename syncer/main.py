@@ -7,19 +7,16 @@ lets in-flight calls drain, closes its files and exits 0.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import sys
 
 from diloco.services.config import ConfigError, load_config
 from diloco.services.metrics import SyncerMetrics, serve
+from diloco.syncer.memory import keep_freed_memory
 from diloco.syncer.service import start_shard
 from diloco.syncer.store import StoreError
 
 log = logging.getLogger("syncer")
-
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt parameters
-TOP_PAD_BYTES = 64 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,26 +28,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: <tls.dir>/shard-<I> of the config)")
     parser.add_argument("--drain-seconds", type=float, default=5.0,
                         help="how long in-flight calls may finish after SIGTERM")
-
-
-def keep_freed_memory() -> None:
-    """Every round allocates and frees the same large tensors (decoded pushes, the merge, the
-    outer step). glibc hands blocks this large back to the kernel at once, so every round would
-    fault in each page again, which on a VM costs more than the arithmetic done on it. Keeping
-    freed memory for reuse makes the shard's footprint its peak, which it needs anyway.
-
-    Pushes are received on many threads, each allocating from a heap of its own arena; the
-    trim threshold does not stop glibc from unmapping such a heap once it is all free, only
-    the top pad does. Without it each push faulted its megabytes in afresh: in
-    bench/syncer_push.py, 55 to 77 thousand page faults per round's push window against 8 to
-    12 thousand with it (after the first round), and a third less CPU."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: its allocator keeps its own counsel
-        return
-    libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
-    libc.mallopt(M_TRIM_THRESHOLD, 1 << 40)
-    libc.mallopt(M_TOP_PAD, TOP_PAD_BYTES)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -40,26 +40,28 @@ class RoundAccumulator:
         self._norm = 0.0  # rda: sum of w * |delta|
 
     def add(self, delta: torch.Tensor, weight: float, norm: float) -> None:
-        """Folds in one outer gradient with its weight (normalised: at most 1) and L2 norm."""
+        """Folds in one outer gradient with its weight (normalised: at most 1) and L2 norm.
+        May overwrite `delta`."""
         if self._sum is None:
             self._sum = torch.zeros(self.numel)
         if self.method == "rda":
             # A zero outer gradient has no direction: it adds only its (zero) norm, which
             # pulls the merged norm down, as a learner that made no progress should.
             if norm > 0:  # divided first: weight / norm overflows float32 for a tiny norm
-                self._sum.add_(torch.div(delta, norm), alpha=weight)
+                self._sum.add_(delta.div_(norm), alpha=weight)
             self._norm += weight * norm
         else:
             self._sum.add_(delta, alpha=weight)
         self._weight += weight
 
     def merged(self) -> torch.Tensor:
-        """A new tensor; zeros when nothing with a weight or a direction was added."""
+        """The running sum's own memory, scaled (call it once); zeros when nothing with a
+        weight or a direction was added."""
         if self._sum is None or self._weight == 0:
             return torch.zeros(self.numel)
         if self.method == "mean":
-            return self._sum / self._weight
+            return self._sum.div_(self._weight)
         length = float(torch.linalg.vector_norm(self._sum))
         if length == 0:  # no contribution had a direction, or they cancelled exactly
             return torch.zeros(self.numel)
-        return self._sum * ((self._norm / self._weight) / length)
+        return self._sum.mul_((self._norm / self._weight) / length)

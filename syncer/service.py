@@ -31,6 +31,7 @@ from diloco.services.wire import pb, pb_grpc
 from diloco.syncer.counters import Counters
 from diloco.syncer.core import FragmentView, ShardCore
 from diloco.syncer.guard import CallGuard
+from diloco.syncer.memory import release_freed_memory
 from diloco.syncer.refusal import Refusal
 from diloco.syncer.store import ShardStore, shard_state_dir
 
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Syncer"].full_name
 TICK_SECONDS = 0.05
+IDLE_RELEASE_SECONDS = 1.0
 
 
 def _answer_refusals(method):
@@ -187,10 +189,13 @@ def _cluster_settings(cfg: Config) -> pb.ClusterSettings:
 
 
 class Ticker:
-    """A thread that closes the rounds due by time alone."""
+    """A thread that closes the rounds due by time alone, writes the snapshots due, and gives
+    the memory of the last rounds back to the system once pushes have stopped for
+    IDLE_RELEASE_SECONDS (syncer/memory.py)."""
 
     def __init__(self, core: ShardCore, on_new_version, interval: float = TICK_SECONDS):
         self.core, self.on_new_version, self.interval = core, on_new_version, interval
+        self._released_after: float | None = None  # the last push before the last release
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"shard-{core.shard_index}-ticker", daemon=True)
         self._thread.start()
@@ -202,6 +207,10 @@ class Ticker:
                     self.on_new_version()
             except Exception:  # a bug: a full disk is the core's to report (syncer/disk.py), once
                 log.exception("closing a round failed")
+            last_push = self.core.last_push_at
+            if last_push != self._released_after and self.core.clock() - last_push >= IDLE_RELEASE_SECONDS:
+                release_freed_memory()
+                self._released_after = last_push
 
     def stop(self) -> None:
         self._stopping.set()

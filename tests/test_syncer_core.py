@@ -218,7 +218,7 @@ def test_rda_keeps_the_norm_of_orthogonal_inputs_and_the_mean_shrinks_it():
     for method in ("rda", "mean"):
         accumulator = RoundAccumulator(16, method)
         for x in inputs:
-            accumulator.add(x, weight=1.0, norm=float(x.norm()))
+            accumulator.add(x.clone(), weight=1.0, norm=float(x.norm()))  # add() may overwrite its input
         merged[method] = accumulator.merged()
     assert merged["rda"].norm() == pytest.approx(2.0)
     assert merged["mean"].norm() == pytest.approx(2.0 / math.sqrt(m))
@@ -227,11 +227,12 @@ def test_rda_keeps_the_norm_of_orthogonal_inputs_and_the_mean_shrinks_it():
 
 
 def test_rda_counts_a_zero_outer_gradient_in_the_norm_without_nan():
-    accumulator = RoundAccumulator(8, "rda")
-    accumulator.add(torch.zeros(8), weight=1.0, norm=0.0)
-    assert torch.equal(accumulator.merged(), torch.zeros(8))
+    zero_only, accumulator = RoundAccumulator(8, "rda"), RoundAccumulator(8, "rda")
+    for a in (zero_only, accumulator):
+        a.add(torch.zeros(8), weight=1.0, norm=0.0)
+    assert torch.equal(zero_only.merged(), torch.zeros(8))
     x = torch.full((8,), 0.5)
-    accumulator.add(x, weight=1.0, norm=float(x.norm()))
+    accumulator.add(x.clone(), weight=1.0, norm=float(x.norm()))
     merged = accumulator.merged()
     assert torch.isfinite(merged).all()
     assert torch.allclose(merged, x / 2)  # direction of x, half its norm
