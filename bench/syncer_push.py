@@ -61,7 +61,7 @@ from diloco.services.config import RpcConfig, load_config  # noqa: E402
 from diloco.services.payload import iter_chunks  # noqa: E402
 from diloco.services.rpc import Server  # noqa: E402
 from diloco.services.wire import pb, pb_grpc  # noqa: E402
-from diloco.syncer.main import keep_freed_memory  # noqa: E402
+from diloco.syncer.memory import keep_freed_memory  # noqa: E402
 from diloco.syncer.merge import RoundAccumulator  # noqa: E402
 from diloco.syncer.outer import OuterOptimizer  # noqa: E402
 
@@ -163,7 +163,8 @@ class InProcessRound:
             for per_pusher in self.payloads:
                 delta = INT4.decode(per_pusher[fragment], n, BLOCK)
                 accumulator.add(delta, 1.0, float(torch.linalg.vector_norm(delta)))
-            self.momentum[fragment], update = self.optimizer.step(self.momentum[fragment], accumulator.merged())
+            merged = accumulator.merged()
+            update = self.optimizer.end_period(self.momentum[fragment], merged, merged)
             _, decoded = self.feedback[fragment].compress(update)
             apply_update(self.value[fragment], decoded)
         self.seconds.append(time.perf_counter() - started)
