@@ -12,7 +12,7 @@ Eight sections (issues #8 and #17), each from real processes talking gRPC on loo
 2. bandwidth: bytes on the wire per token from the same runs, and the Gbit/s a learner of a
    1B or 12B model would need at a 1 s step;
 3. goodput: diloco and dp under SIGKILLs of learners at three failure rates;
-4. overlap: bench/overlap.py; 5. transport and syncer: bench/syncer_push.py;
+4. overlap: bench/overlap.py; 5. transport and syncer: bench/syncer_push.py and bench/syncer_scale.py;
 6. recovery: bench/recovery.py; 7. user loop: bench/user_loop.py (the API in a plain PyTorch
 loop against the same loop with sync off); 8. hf: bench/hf_overlap.py (a Hugging Face Llama).
 Commands run one after another, never two at once, so timings do not compete with each other
@@ -72,6 +72,7 @@ class Profile:
     restart_delay: float
     overlap: tuple[str, ...]  # arguments of bench/overlap.py
     transport: tuple[str, ...]  # of bench/syncer_push.py
+    scale: tuple[str, ...]  # of bench/syncer_scale.py
     recovery: tuple[str, ...]  # of bench/recovery.py
     user_loop: tuple[str, ...]  # of bench/user_loop.py
     hf: tuple[str, ...]  # of bench/hf_overlap.py
@@ -81,13 +82,14 @@ FULL = Profile("full", steps=400, learners=(4, 8), intervals=(25, 100), codecs=(
                llama_intervals=(25, 50),  # the bench's H and the demo's
                goodput_learners=4, goodput_seconds=120, down_shares=(0.05, 0.10, 0.25), restart_delay=12.0,
                overlap=("--steps", "80", "--repeats", "3", "--wan-mbps", "50", "5"),
-               transport=("--params", "16000000", "--rounds", "3", "--shards", "1", "2"),
+               transport=("--params", "16000000", "--rounds", "3", "--shards", "1", "2"), scale=(),
                recovery=("--sizes", "2x64", "4x256", "4x512", "--kills", "3"),
                user_loop=("--pairs", "3"), hf=("--steps", "300", "--repeats", "3"))
 QUICK = Profile("quick", steps=60, learners=(2,), intervals=(25,), codecs=("int4",), llama_intervals=(25,),
                 goodput_learners=2, goodput_seconds=20, down_shares=(0.25,), restart_delay=4.0,
                 overlap=("--steps", "30", "--repeats", "1", "--wan-mbps", "5"),
                 transport=("--params", "1000000", "--rounds", "1", "--shards", "1", "2"),
+                scale=("--params", "4000000", "--compare-params", "0", "--rounds", "2"),
                 recovery=("--sizes", "2x64", "--kills", "1"),
                 user_loop=("--pairs", "1", "--sizes", "demo"), hf=("--steps", "60", "--repeats", "1"))
 
@@ -324,7 +326,8 @@ def main() -> int:
     if "overlap" in wanted:
         results["overlap"] = runner.script("overlap", "bench/overlap.py", profile.overlap)
     if "transport" in wanted:
-        results["transport"] = runner.script("transport", "bench/syncer_push.py", profile.transport)
+        results["transport"] = {**runner.script("transport", "bench/syncer_push.py", profile.transport),
+                                "scale": runner.script("transport-scale", "bench/syncer_scale.py", profile.scale)}
     if "recovery" in wanted:
         results["recovery"] = runner.script("recovery", "bench/recovery.py", profile.recovery)
     if "user_loop" in wanted:

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,12 +43,16 @@ sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 from bench.syncer_push import BLOCK, INT4, in_parallel, wait_serving  # noqa: E402
 from diloco.localcluster.cluster import free_ports  # noqa: E402
 from diloco.services.client import ShardClient  # noqa: E402
-from diloco.services.config import load_config  # noqa: E402
+from diloco.services.codecs import get_codec  # noqa: E402
+from diloco.services.config import load_config, parse_config  # noqa: E402
+from diloco.services.payload import describe, iter_chunks  # noqa: E402
+from diloco.syncer.core import ShardCore  # noqa: E402
 from diloco.services.wire import pb  # noqa: E402
 from diloco.syncer.service import IDLE_RELEASE_SECONDS  # noqa: E402
 
 PACKAGES = ("services", "learner", "syncer", "localcluster", "integrations", "planner")
 FRAGMENTS, PUSHERS = 4, 4
+FP32 = get_codec("fp32")
 SNAPSHOT_BYTES_PER_PARAM = 16
 
 
@@ -152,6 +157,117 @@ def measure(params: int, rounds: int, code: Path, state_dir: Path, label: str) -
         shutil.rmtree(work, ignore_errors=True)
 
 
+def close_seconds_per_param(contributions: int, numel: int = 16_000_000) -> float:
+    """Seconds per fragment parameter of one round close with this many contributions, timed in
+    this process around the shard's own FragmentState.close (merge, outer step, int4 encode with
+    error feedback, apply, state hash)."""
+    learners = [f"l{i}" for i in range(contributions)] + ["observer"]  # the observer keeps the round open
+    cfg = parse_config({"shards": [{"address": "127.0.0.1:1"}], "learners": [{"id": l, "region": "r"} for l in learners],
+                        "sync": {"fragments": 1, "interval_steps": 2, "overlap_steps": 1, "codec": "int4",
+                                 "codec_block_size": BLOCK},
+                        "syncer": {"quorum": contributions, "grace": {"mode": "fixed", "seconds": 3600.0},
+                                   "max_update_norm": 1.0e9, "lease_seconds": 3600.0}})
+    core = ShardCore(cfg, 0)
+    for learner in learners:
+        core.join(learner, 1, "r", [("w", (numel,))])
+    core.push(push_stream("l0", torch.zeros(numel), FP32, pb.PUSH_KIND_SEED))
+    for i in range(contributions):
+        core.push(push_stream(f"l{i}", torch.randn(numel) * 1e-3, INT4, pb.PUSH_KIND_OUTER_GRADIENT))
+    state = core.fragments[0]
+    closed = state.closing("all", frozenset(learners), time.monotonic(), time.time())
+    started = time.perf_counter()
+    state.close(closed)
+    return (time.perf_counter() - started) / numel
+
+
+def push_stream(learner: str, values: torch.Tensor, codec, kind: int):
+    payload = codec.encode(values, BLOCK)
+    yield pb.PushRequest(header=pb.PushHeader(learner_id=learner, incarnation=1, fragment_id=0, kind=kind,
+                                              c_steps=24, c_tokens=24 * 1024, step_seconds=1.0,
+                                              payload=describe(codec, values.numel(), payload, BLOCK)))
+    for chunk in iter_chunks(payload):
+        yield pb.PushRequest(chunk=chunk)
+
+
+def disk_write_bytes_per_second(folder: Path, nbytes: int = 1 << 30) -> float:
+    """Writing and fsyncing a file of nbytes in the state's folder, as a snapshot is written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = os.urandom(1 << 24) * (nbytes >> 24)
+    path = folder / "disk-bandwidth"
+    started = time.perf_counter()
+    with open(path, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    seconds = time.perf_counter() - started
+    path.unlink()
+    return nbytes / seconds
+
+
+@dataclass(frozen=True)
+class Measured:
+    """This machine's figures the capacity table scales from."""
+    cores: int
+    close_seconds_per_param: float  # one round close with PLAN["learners"] contributions, per fragment parameter
+    rest_bytes_per_param: float  # RSS at rest, per owned parameter
+    close_bytes_per_param: float  # the peak less the rest, per parameter of the closing fragment
+    durable_vs_received: float  # durable bytes per round over the encoded bytes the round received
+    disk_bytes_per_second: float
+
+
+# The run the table is for: the paper's settings, int4 with 128-value blocks, shard machines of
+# 16 cores and 128 GiB.
+PLAN = {"fragments": 24, "learners": 8, "interval_steps": 100, "overlap_steps": 2, "step_seconds": 1.0}
+SHARD_CORES, SHARD_MEMORY = 16, 128 * 2**30
+INT4_BYTES_PER_PARAM = INT4.encoded_size(BLOCK * 1024, BLOCK) / (BLOCK * 1024)
+
+
+def capacity(measured: Measured, params: float) -> dict:
+    """What a syncer needs for a model of `params` parameters under PLAN, scaled linearly from
+    this machine's measurements (cores for the arithmetic, disk bandwidth for snapshots). A
+    fragment whose close does not fit one shard's memory needs more fragments than PLAN's."""
+    fragments = PLAN["fragments"]
+    while True:
+        fragment = params / fragments
+        per_shard = lambda shards: (measured.rest_bytes_per_param * params / shards
+                                    + (measured.close_bytes_per_param + PLAN["learners"] * INT4_BYTES_PER_PARAM) * fragment)
+        shards = next((s for s in range(1, fragments + 1) if per_shard(s) <= 0.8 * SHARD_MEMORY), None)
+        if shards:
+            break
+        fragments *= 2
+    period = PLAN["interval_steps"] * PLAN["step_seconds"]
+    close_here = fragment * measured.close_seconds_per_param
+    received = PLAN["learners"] * INT4_BYTES_PER_PARAM * fragment  # per round of one fragment
+    return {"params": params, "fragments": fragments, "fragment_params": fragment, "close_seconds_here": close_here,
+            "cores_for_window": measured.cores * close_here / (PLAN["overlap_steps"] * PLAN["step_seconds"]),
+            "shards": shards, "shard_memory_gib": per_shard(shards) / 2**30,
+            "memory_at_rest_gib": measured.rest_bytes_per_param * params / 2**30,
+            "wan_in_mbytes_per_second": received * fragments / period / 1e6,
+            "disk_mbytes_per_second": measured.durable_vs_received * received * fragments / period / 1e6,
+            "snapshot_seconds": SNAPSHOT_BYTES_PER_PARAM * fragment / measured.disk_bytes_per_second,
+            # the snapshot, its replacement while it is written, a log up to its size, the history
+            "disk_gib_per_shard": (3 * SNAPSHOT_BYTES_PER_PARAM + 4) * params / shards / 2**30}
+
+
+def print_capacity(measured: Measured) -> list[dict]:
+    print(f"\ncapacity for H={PLAN['interval_steps']}, P={PLAN['fragments']}, M={PLAN['learners']}, "
+          f"tau={PLAN['overlap_steps']}, {PLAN['step_seconds']:g} s steps, int4; shards of {SHARD_CORES} cores and "
+          f"{SHARD_MEMORY / 2**30:.0f} GiB (80 % used), scaled from this machine: a close of M={PLAN['learners']} "
+          f"takes {measured.close_seconds_per_param * 1e9:.1f} ns per fragment parameter on {measured.cores} cores, "
+          f"disk {measured.disk_bytes_per_second / 1e6:.0f} MB/s")
+    print("| model | fragments | per fragment | close here | cores to close in tau steps | shards | memory per shard | "
+          "at rest, all shards | WAN in | disk writes | snapshot write | disk per shard |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = [capacity(measured, params) for params in (1e9, 12e9, 70e9)]
+    for row in rows:
+        print(f"| {row['params'] / 1e9:.0f}B | {row['fragments']} | {row['fragment_params'] / 1e6:.0f}M | {row['close_seconds_here']:.1f} s | "
+              f"{row['cores_for_window']:.0f} | {row['shards']} | {row['shard_memory_gib']:.0f} GiB | "
+              f"{row['memory_at_rest_gib']:.0f} GiB | {row['wan_in_mbytes_per_second']:.0f} MB/s | "
+              f"{row['disk_mbytes_per_second']:.0f} MB/s | {row['snapshot_seconds']:.0f} s | "
+              f"{row['disk_gib_per_shard']:.0f} GiB |")
+    return rows
+
+
 def report(run: dict) -> None:
     received, durable = run["received_bytes_per_round_per_fragment"], run["durable_bytes_per_round_per_fragment"]
     print(f"{run['label']}, {run['params'] / 1e6:.0f}M parameters, {run['rounds']} rounds:")
@@ -186,8 +302,16 @@ def main() -> int:
             report(run)
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         print(f"this machine: {os.cpu_count()} cores, {memory / 2**30:.0f} GiB")
+        now = runs[-1]
+        measured = Measured(
+            os.cpu_count(), statistics.median(close_seconds_per_param(PLAN["learners"]) for _ in range(3)),
+            now["rss_bytes_per_param"], (now["peak_rss_bytes_per_param"] - now["rss_bytes_per_param"]) * FRAGMENTS,
+            now["durable_bytes_per_round_per_fragment"] / now["received_bytes_per_round_per_fragment"],
+            disk_write_bytes_per_second(state_root))
+        rows = print_capacity(measured)
         if args.json:
-            Path(args.json).write_text(json.dumps({"runs": runs}, indent=1))
+            Path(args.json).write_text(json.dumps({"runs": runs, "measured": measured.__dict__, "plan": PLAN,
+                                                   "capacity": rows}, indent=1))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
