@@ -241,25 +241,43 @@ class BlockCodec(Codec):
         step = self._chunk_values(block_size)
         for start in range(0, numel, step):
             count = min(step, numel - start)
-            offset, size = 4 * blocks + self._code_bytes(start), self._code_bytes(count)
-            values = self._from_codes(self._unpack(_read(payload, torch.uint8, offset, size), count))
+            chunk = out[start : start + count]
+            self._unscaled(payload, 4 * blocks + self._code_bytes(start), chunk)
             scale = scales[start // block_size : start // block_size + -(-count // block_size)]
             whole = count // block_size * block_size  # whole blocks, then the partial one (if any)
-            dest = out[start : start + whole].view(-1, block_size)
-            torch.mul(values[:whole].view(-1, block_size), scale[: whole // block_size, None], out=dest)
-            torch.mul(values[whole:], scale[whole // block_size :], out=out[start + whole : start + count])
+            chunk[:whole].view(-1, block_size).mul_(scale[: whole // block_size, None])
+            chunk[whole:].mul_(scale[whole // block_size :])
         return out
+
+    def _unscaled(self, payload: bytes | memoryview, offset: int, out: torch.Tensor) -> torch.Tensor:
+        """Writes the values of the len(out) codes at byte `offset` of the payload, before
+        scaling, into `out`: one gather from the table of what each byte decodes to."""
+        table = self._byte_values
+        per_byte = 8 // self.bits
+        whole = len(out) // per_byte  # bytes all of whose codes are wanted
+        codes = torch.from_numpy(np.frombuffer(payload, np.uint8, whole, offset).astype(np.int32))
+        torch.index_select(table, 0, codes, out=out[: whole * per_byte].view(table.dtype))
+        if len(out) % per_byte:  # an odd count of 4-bit codes ends on a low nibble
+            last = int(np.frombuffer(payload, np.uint8, 1, offset + whole)[0])
+            out[-1] = table[last : last + 1].view(torch.float32)[0]
+        return out
+
+    @cached_property
+    def _byte_values(self) -> torch.Tensor:
+        """What each of the 256 byte values decodes to before scaling: its code (8-bit), or
+        its pair of codes, low nibble first (4-bit), held as integer bits so that a gather
+        copies a byte's values whole, as one element."""
+        codes = torch.arange(256, dtype=torch.uint8)
+        if self.bits == 8:
+            return self._from_codes(codes).view(torch.int32)
+        pairs = torch.stack((self._from_codes(codes & 0xF), self._from_codes(codes >> 4)), dim=1)
+        return pairs.contiguous().view(torch.int64).view(-1)
 
     def _pack(self, chunk_codes: torch.Tensor) -> torch.Tensor:
         if self.bits == 8:
             return chunk_codes
         pairs = F.pad(chunk_codes, (0, len(chunk_codes) % 2)).view(-1, 2)
         return pairs[:, 0] | (pairs[:, 1] << 4)
-
-    def _unpack(self, packed: torch.Tensor, count: int) -> torch.Tensor:
-        if self.bits == 8:
-            return packed
-        return torch.stack((packed & 0xF, packed >> 4), dim=1).view(-1)[:count]
 
 
 @dataclass(frozen=True)

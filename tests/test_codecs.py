@@ -147,6 +147,20 @@ def test_fp4_flushes_only_below_half_the_smallest_level():
     assert torch.equal(round_trip("fp4_e3m0", values), expected)
 
 
+def test_int4_decodes_every_byte_as_two_nibbles_low_first():
+    """Each byte value, in every position, the last one of an odd count (a lone low nibble) too."""
+    nibbles = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1], dtype=torch.float32)
+    packed = torch.arange(256, dtype=torch.uint8)
+    expected = torch.stack((nibbles[(packed & 0xF).long()], nibbles[(packed >> 4).long()]), dim=1).view(-1)
+    scale = torch.tensor([0.5]).numpy().tobytes()
+    for numel in (512, 511):
+        for last in range(256):  # every byte value as the payload's last byte
+            codes = torch.cat((packed[:255], torch.tensor([last], dtype=torch.uint8)))
+            decoded = get_codec("int4").decode(scale + codes.numpy().tobytes(), numel, block_size=512)
+            want = torch.cat((expected[:510], expected[2 * last : 2 * last + 2]))[:numel] * 0.5
+            assert torch.equal(decoded, want)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     name=st.sampled_from(CODEC_NAMES),
