@@ -44,7 +44,7 @@ class Encoded:
     """An encoded tensor at a version: an update (history) or a snapshot of the value."""
     version: int
     header: pb.PayloadHeader
-    payload: bytes
+    payload: bytes | memoryview
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,7 @@ class FragmentState:
                                  sync.overlap_steps)
         self._feedback = ErrorFeedback(self.codec, fragment.numel, self.block_size)
         self.committed: FragmentSnapshot | None = None  # None until seeded
+        self._snapshot_item: tuple[torch.Tensor, Encoded] | None = None  # the last value pulled whole, as sent
         self.round = OpenRound(1, fragment.numel, syncer.merge)
         # A learner may RESTORE the fragment's global value (docs/protocol.md) while nothing
         # here can be lost by it: no durable state when the process started, and since then
@@ -325,9 +326,19 @@ class FragmentState:
         if base_version is not None and base_version >= committed.version - len(committed.history):
             updates = tuple(u for u in committed.history if u.version > base_version)
             return PullPlan(False, updates, committed.state_hash)
-        payload = FP32.encode(committed.value, self.block_size)
-        snapshot = Encoded(committed.version, describe(FP32, self.fragment.numel, payload, self.block_size), payload)
-        return PullPlan(True, (snapshot,), committed.state_hash)
+        return PullPlan(True, (self._snapshot(committed),), committed.state_hash)
+
+    def _snapshot(self, committed: FragmentSnapshot) -> Encoded:
+        """The committed value as an fp32 payload: a view of the tensor's own bytes (a committed
+        value is never modified, and fp32 is its layout), described once per value, as its
+        checksum reads every byte. Pulls racing on a new value may each describe it: harmless."""
+        cached = self._snapshot_item
+        if cached is not None and cached[0] is committed.value:
+            return cached[1]
+        payload = memoryview(committed.value.numpy()).cast("B")
+        item = Encoded(committed.version, describe(FP32, self.fragment.numel, payload, self.block_size), payload)
+        self._snapshot_item = (committed.value, item)
+        return item
 
 
 _KIND_NAMES = {pb.PUSH_KIND_SEED: "seed", pb.PUSH_KIND_RESTORE: "restore", pb.PUSH_KIND_OUTER_GRADIENT: "outer gradient"}
