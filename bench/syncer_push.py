@@ -186,8 +186,9 @@ class InProcessRound:
         started = time.perf_counter()
         for fragment, n in self.fragments:
             accumulator = RoundAccumulator(n, "rda")
+            delta = torch.empty(n)  # every contribution decoded into one buffer, as the shards do
             for per_pusher in self.payloads:
-                delta = INT4.decode(per_pusher[fragment], n, BLOCK)
+                INT4.decode(per_pusher[fragment], n, BLOCK, out=delta)
                 accumulator.add(delta, 1.0, float(torch.linalg.vector_norm(delta)))
             self.momentum[fragment], update = self.optimizer.step(self.momentum[fragment], accumulator.merged())
             _, decoded = self.feedback[fragment].compress(update)

@@ -50,6 +50,10 @@ DEFAULT_BLOCK_SIZE = 128
 # Quantise this many values at a time, so that the fp32 temporaries stay in cache instead of
 # costing fresh (page-faulting) allocations the size of the whole tensor.
 _CHUNK_VALUES = 1 << 18
+# Decoding takes a few operations per chunk, each of which must take the GIL back from the
+# threads receiving other pulls (they hold it a whole message at a time): larger chunks, fewer
+# waits. Measured on 4 concurrent pulls: 2^22 values beat 2^18 by about a sixth.
+_DECODE_CHUNK_VALUES = 1 << 22
 
 
 def _read(payload: bytes | memoryview, dtype: torch.dtype, offset: int = 0, count: int = -1) -> torch.Tensor:
@@ -88,8 +92,10 @@ class Codec(ABC):
             raise ValueError(f"{self.name} encodes 1-D float32 tensors, got {values.dtype} of shape {shape}")
         return self._encode(values.contiguous(), block_size)
 
-    def decode(self, payload: bytes | memoryview, numel: int, block_size: int) -> torch.Tensor:
-        """A new 1-D fp32 tensor of `numel` values."""
+    def decode(self, payload: bytes | memoryview, numel: int, block_size: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """A 1-D fp32 tensor of `numel` values: a new one, or `out` (contiguous, fp32, `numel`
+        values) overwritten, for a caller that decodes many payloads into one buffer."""
         expected = self.encoded_size(numel, block_size)
         size = memoryview(payload).nbytes
         if size != expected:
@@ -97,9 +103,14 @@ class Codec(ABC):
                 f"{self.name} payload of {size} bytes does not match numel={numel}, "
                 f"block_size={block_size}: expected {expected}"
             )
+        if out is None:  # only now: a header's numel alone must not allocate
+            out = torch.empty(numel)
+        elif out.dtype != torch.float32 or out.shape != (numel,) or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous float32 tensor of shape ({numel},), "
+                             f"got {out.dtype} of shape {tuple(out.shape)}")
         if numel == 0:  # nothing to read (and torch cannot view an empty byte buffer as another dtype)
-            return torch.empty(0)
-        return self._decode(payload, numel, block_size)
+            return out
+        return self._decode(payload, block_size, out)
 
     def norm_bound(self, payload: bytes | memoryview, numel: int, block_size: int) -> float:
         """An upper bound of the L2 norm of `decode(payload, ...)` of a payload of the right
@@ -125,7 +136,7 @@ class Codec(ABC):
     def _encode(self, values: torch.Tensor, block_size: int) -> bytes: ...
 
     @abstractmethod
-    def _decode(self, payload: bytes | memoryview, numel: int, block_size: int) -> torch.Tensor: ...
+    def _decode(self, payload: bytes | memoryview, block_size: int, out: torch.Tensor) -> torch.Tensor: ...
 
     @abstractmethod
     def _encoded_size(self, numel: int, block_size: int) -> int: ...
@@ -146,8 +157,8 @@ class FloatCodec(Codec):
         # numpy has no bfloat16: hand it the bits as int16.
         return encoded.view(torch.int16 if self.dtype == torch.bfloat16 else self.dtype).numpy().tobytes()
 
-    def _decode(self, payload: bytes | memoryview, numel: int, block_size: int) -> torch.Tensor:
-        return _read(payload, self.dtype).float()
+    def _decode(self, payload: bytes | memoryview, block_size: int, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(_read(payload, self.dtype))
 
     def _encoded_size(self, numel: int, block_size: int) -> int:
         return numel * self.dtype.itemsize
@@ -193,13 +204,14 @@ class BlockCodec(Codec):
     def _encoded_size(self, numel: int, block_size: int) -> int:
         return 4 * -(-numel // block_size) + self._code_bytes(numel)
 
-    def _chunk_values(self, block_size: int) -> int:
-        """Values per chunk: whole blocks, and an even count so that 4-bit codes pack into whole bytes."""
-        return block_size * 2 * max(1, _CHUNK_VALUES // (2 * block_size))
+    def _chunk_values(self, block_size: int, about: int) -> int:
+        """Values per chunk, about `about` of them: whole blocks, and an even count so that 4-bit
+        codes pack into whole bytes."""
+        return block_size * 2 * max(1, about // (2 * block_size))
 
     def _encode(self, values: torch.Tensor, block_size: int) -> bytes:
         scales, codes = [], []  # bytes per chunk; one join makes the payload, without a staging copy
-        step = self._chunk_values(block_size)
+        step = self._chunk_values(block_size, _CHUNK_VALUES)
         for start in range(0, values.numel(), step):
             x = values[start : start + step]
             count = len(x)
@@ -234,11 +246,11 @@ class BlockCodec(Codec):
         nibble reaches -8, one more than encode writes)."""
         return float(self._from_codes(torch.arange(2**self.bits, dtype=torch.uint8)).abs().max())
 
-    def _decode(self, payload: bytes | memoryview, numel: int, block_size: int) -> torch.Tensor:
+    def _decode(self, payload: bytes | memoryview, block_size: int, out: torch.Tensor) -> torch.Tensor:
+        numel = len(out)
         blocks = -(-numel // block_size)
         scales = _read(payload, torch.float32, count=blocks)
-        out = torch.empty(numel)
-        step = self._chunk_values(block_size)
+        step = self._chunk_values(block_size, _DECODE_CHUNK_VALUES)
         for start in range(0, numel, step):
             count = min(step, numel - start)
             chunk = out[start : start + count]

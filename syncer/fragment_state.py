@@ -126,9 +126,10 @@ class OpenRound:
         total = math.fsum(c.weight for c in self.contributions.values())
         if total == 0:  # every weight decayed to nothing
             return torch.zeros(self.numel)
+        delta = torch.empty(self.numel)  # every contribution is decoded into this one buffer
         for key in sorted(self.contributions):
             contribution = self.contributions[key]
-            delta = decode_payload(contribution.header, b"".join(contribution.chunks))
+            decode_payload(contribution.header, b"".join(contribution.chunks), out=delta)
             accumulator.add(delta, contribution.weight / total, float(torch.linalg.vector_norm(delta)))
         return accumulator.merged()
 

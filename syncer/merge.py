@@ -36,6 +36,7 @@ class RoundAccumulator:
             raise ValueError(f"unknown merge {method!r}; valid: {', '.join(METHODS)}")
         self.numel, self.method = numel, method
         self._sum: torch.Tensor | None = None  # rda: sum of w * unit vector; mean: sum of w * delta
+        self._unit: torch.Tensor | None = None  # rda: the contribution being added, divided by its norm
         self._weight = 0.0  # sum of w
         self._norm = 0.0  # rda: sum of w * |delta|
 
@@ -47,7 +48,9 @@ class RoundAccumulator:
             # A zero outer gradient has no direction: it adds only its (zero) norm, which
             # pulls the merged norm down, as a learner that made no progress should.
             if norm > 0:  # divided first: weight / norm overflows float32 for a tiny norm
-                self._sum.add_(torch.div(delta, norm), alpha=weight)
+                if self._unit is None:  # one buffer for the round, not a fresh tensor per contribution
+                    self._unit = torch.empty(self.numel)
+                self._sum.add_(torch.div(delta, norm, out=self._unit), alpha=weight)
             self._norm += weight * norm
         else:
             self._sum.add_(delta, alpha=weight)
