@@ -288,8 +288,12 @@ class BlockCodec(Codec):
     def _pack(self, chunk_codes: torch.Tensor) -> torch.Tensor:
         if self.bits == 8:
             return chunk_codes
-        pairs = F.pad(chunk_codes, (0, len(chunk_codes) % 2)).view(-1, 2)
-        return pairs[:, 0] | (pairs[:, 1] << 4)
+        if len(chunk_codes) % 2:
+            chunk_codes = F.pad(chunk_codes, (0, 1))
+        # Each pair of codes read as one little-endian 16-bit c0 | c1 << 8: shifted down by 4
+        # and or-ed in, c1 lands in the low byte's high nibble; the cast keeps that low byte.
+        pairs = chunk_codes.view(torch.int16)
+        return (pairs | (pairs >> 4)).to(torch.uint8)
 
 
 @dataclass(frozen=True)
