@@ -50,6 +50,10 @@ DEFAULT_BLOCK_SIZE = 128
 # Quantise this many values at a time, so that the fp32 temporaries stay in cache instead of
 # costing fresh (page-faulting) allocations the size of the whole tensor.
 _CHUNK_VALUES = 1 << 18
+# Decoding takes only a few operations per chunk, but under concurrent pulls each one waits to
+# take the GIL back from the receiving threads (they hold it a whole message at a time), so a
+# decode is cut into few, large chunks.
+_DECODE_CHUNK_VALUES = 1 << 22
 
 
 def _read(payload: bytes | memoryview, dtype: torch.dtype, offset: int = 0, count: int = -1) -> torch.Tensor:
@@ -88,8 +92,10 @@ class Codec(ABC):
             raise ValueError(f"{self.name} encodes 1-D float32 tensors, got {values.dtype} of shape {shape}")
         return self._encode(values.contiguous(), block_size)
 
-    def decode(self, payload: bytes | memoryview, numel: int, block_size: int) -> torch.Tensor:
-        """A new 1-D fp32 tensor of `numel` values."""
+    def decode(self, payload: bytes | memoryview, numel: int, block_size: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """A 1-D fp32 tensor of `numel` values: a new one, or `out` (contiguous, fp32, `numel`
+        values) overwritten, for a caller that decodes many payloads into one buffer."""
         expected = self.encoded_size(numel, block_size)
         size = memoryview(payload).nbytes
         if size != expected:
@@ -97,9 +103,14 @@ class Codec(ABC):
                 f"{self.name} payload of {size} bytes does not match numel={numel}, "
                 f"block_size={block_size}: expected {expected}"
             )
+        if out is None:  # only now: a header's numel alone must not allocate
+            out = torch.empty(numel)
+        elif out.dtype != torch.float32 or out.shape != (numel,) or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous float32 tensor of shape ({numel},), "
+                             f"got {out.dtype} of shape {tuple(out.shape)}")
         if numel == 0:  # nothing to read (and torch cannot view an empty byte buffer as another dtype)
-            return torch.empty(0)
-        return self._decode(payload, numel, block_size)
+            return out
+        return self._decode(payload, block_size, out)
 
     def norm_bound(self, payload: bytes | memoryview, numel: int, block_size: int) -> float:
         """An upper bound of the L2 norm of `decode(payload, ...)` of a payload of the right
@@ -125,7 +136,7 @@ class Codec(ABC):
     def _encode(self, values: torch.Tensor, block_size: int) -> bytes: ...
 
     @abstractmethod
-    def _decode(self, payload: bytes | memoryview, numel: int, block_size: int) -> torch.Tensor: ...
+    def _decode(self, payload: bytes | memoryview, block_size: int, out: torch.Tensor) -> torch.Tensor: ...
 
     @abstractmethod
     def _encoded_size(self, numel: int, block_size: int) -> int: ...
@@ -146,8 +157,8 @@ class FloatCodec(Codec):
         # numpy has no bfloat16: hand it the bits as int16.
         return encoded.view(torch.int16 if self.dtype == torch.bfloat16 else self.dtype).numpy().tobytes()
 
-    def _decode(self, payload: bytes | memoryview, numel: int, block_size: int) -> torch.Tensor:
-        return _read(payload, self.dtype).float()
+    def _decode(self, payload: bytes | memoryview, block_size: int, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(_read(payload, self.dtype))
 
     def _encoded_size(self, numel: int, block_size: int) -> int:
         return numel * self.dtype.itemsize
@@ -193,13 +204,14 @@ class BlockCodec(Codec):
     def _encoded_size(self, numel: int, block_size: int) -> int:
         return 4 * -(-numel // block_size) + self._code_bytes(numel)
 
-    def _chunk_values(self, block_size: int) -> int:
-        """Values per chunk: whole blocks, and an even count so that 4-bit codes pack into whole bytes."""
-        return block_size * 2 * max(1, _CHUNK_VALUES // (2 * block_size))
+    def _chunk_values(self, block_size: int, about: int) -> int:
+        """Values per chunk, about `about` of them: whole blocks, and an even count so that 4-bit
+        codes pack into whole bytes."""
+        return block_size * 2 * max(1, about // (2 * block_size))
 
     def _encode(self, values: torch.Tensor, block_size: int) -> bytes:
         scales, codes = [], []  # bytes per chunk; one join makes the payload, without a staging copy
-        step = self._chunk_values(block_size)
+        step = self._chunk_values(block_size, _CHUNK_VALUES)
         for start in range(0, values.numel(), step):
             x = values[start : start + step]
             count = len(x)
@@ -234,32 +246,54 @@ class BlockCodec(Codec):
         nibble reaches -8, one more than encode writes)."""
         return float(self._from_codes(torch.arange(2**self.bits, dtype=torch.uint8)).abs().max())
 
-    def _decode(self, payload: bytes | memoryview, numel: int, block_size: int) -> torch.Tensor:
+    def _decode(self, payload: bytes | memoryview, block_size: int, out: torch.Tensor) -> torch.Tensor:
+        numel = len(out)
         blocks = -(-numel // block_size)
         scales = _read(payload, torch.float32, count=blocks)
-        out = torch.empty(numel)
-        step = self._chunk_values(block_size)
+        step = self._chunk_values(block_size, _DECODE_CHUNK_VALUES)
         for start in range(0, numel, step):
             count = min(step, numel - start)
-            offset, size = 4 * blocks + self._code_bytes(start), self._code_bytes(count)
-            values = self._from_codes(self._unpack(_read(payload, torch.uint8, offset, size), count))
+            chunk = out[start : start + count]
+            self._unscaled(payload, 4 * blocks + self._code_bytes(start), chunk)
             scale = scales[start // block_size : start // block_size + -(-count // block_size)]
             whole = count // block_size * block_size  # whole blocks, then the partial one (if any)
-            dest = out[start : start + whole].view(-1, block_size)
-            torch.mul(values[:whole].view(-1, block_size), scale[: whole // block_size, None], out=dest)
-            torch.mul(values[whole:], scale[whole // block_size :], out=out[start + whole : start + count])
+            chunk[:whole].view(-1, block_size).mul_(scale[: whole // block_size, None])
+            chunk[whole:].mul_(scale[whole // block_size :])
         return out
+
+    def _unscaled(self, payload: bytes | memoryview, offset: int, out: torch.Tensor) -> torch.Tensor:
+        """Writes the values of the len(out) codes at byte `offset` of the payload, before
+        scaling, into `out`: one gather from the table of what each byte decodes to."""
+        table = self._byte_values
+        per_byte = 8 // self.bits
+        whole = len(out) // per_byte  # bytes all of whose codes are wanted
+        codes = torch.from_numpy(np.frombuffer(payload, np.uint8, whole, offset).astype(np.int32))
+        torch.index_select(table, 0, codes, out=out[: whole * per_byte].view(table.dtype))
+        if len(out) % per_byte:  # an odd count of 4-bit codes ends on a low nibble
+            last = int(np.frombuffer(payload, np.uint8, 1, offset + whole)[0])
+            out[-1] = table[last : last + 1].view(torch.float32)[0]
+        return out
+
+    @cached_property
+    def _byte_values(self) -> torch.Tensor:
+        """What each of the 256 byte values decodes to before scaling: its code (8-bit), or
+        its pair of codes, low nibble first (4-bit), held as integer bits so that a gather
+        copies a byte's values whole, as one element."""
+        codes = torch.arange(256, dtype=torch.uint8)
+        if self.bits == 8:
+            return self._from_codes(codes).view(torch.int32)
+        pairs = torch.stack((self._from_codes(codes & 0xF), self._from_codes(codes >> 4)), dim=1)
+        return pairs.contiguous().view(torch.int64).view(-1)
 
     def _pack(self, chunk_codes: torch.Tensor) -> torch.Tensor:
         if self.bits == 8:
             return chunk_codes
-        pairs = F.pad(chunk_codes, (0, len(chunk_codes) % 2)).view(-1, 2)
-        return pairs[:, 0] | (pairs[:, 1] << 4)
-
-    def _unpack(self, packed: torch.Tensor, count: int) -> torch.Tensor:
-        if self.bits == 8:
-            return packed
-        return torch.stack((packed & 0xF, packed >> 4), dim=1).view(-1)[:count]
+        if len(chunk_codes) % 2:
+            chunk_codes = F.pad(chunk_codes, (0, 1))
+        # Each pair of codes read as one little-endian 16-bit c0 | c1 << 8: shifted down by 4
+        # and or-ed in, c1 lands in the low byte's high nibble; the cast keeps that low byte.
+        pairs = chunk_codes.view(torch.int16)
+        return (pairs | (pairs >> 4)).to(torch.uint8)
 
 
 @dataclass(frozen=True)

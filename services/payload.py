@@ -148,9 +148,9 @@ def leading_bytes(chunks: tuple[bytes, ...], count: int) -> bytes:
     return b"".join(head)
 
 
-def decode_payload(header: pb.PayloadHeader, payload: bytes) -> torch.Tensor:
-    """The fp32 values of a payload that `header` describes."""
+def decode_payload(header: pb.PayloadHeader, payload: bytes, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 values of a payload that `header` describes (in `out` if given: Codec.decode)."""
     try:
-        return get_codec(header.codec).decode(payload, header.numel, header.block_size)
+        return get_codec(header.codec).decode(payload, header.numel, header.block_size, out)
     except ValueError as error:
         raise PayloadError(str(error)) from error

@@ -49,7 +49,7 @@ class Encoded:
     """An encoded tensor at a version: an update (history) or a snapshot of the value."""
     version: int
     header: pb.PayloadHeader
-    payload: bytes
+    payload: bytes | memoryview
 
 
 @dataclass(frozen=True)
@@ -134,9 +134,10 @@ class OpenRound:
         total = math.fsum(c.weight for c in self.contributions.values())
         if total == 0:  # every weight decayed to nothing
             return torch.zeros(self.numel)
+        delta = torch.empty(self.numel)  # every contribution is decoded into this one buffer
         for key in sorted(self.contributions):
             contribution = self.contributions[key]
-            delta = decode_payload(contribution.header, b"".join(contribution.chunks))
+            decode_payload(contribution.header, b"".join(contribution.chunks), out=delta)
             accumulator.add(delta, contribution.weight / total, float(torch.linalg.vector_norm(delta)))
         return accumulator.merged()
 
@@ -154,6 +155,7 @@ class FragmentState:
                                  sync.overlap_steps)
         self._feedback = ErrorFeedback(self.codec, fragment.numel, self.block_size)
         self.committed: FragmentSnapshot | None = None  # None until seeded
+        self._snapshot_item: tuple[torch.Tensor, Encoded] | None = None  # the last value pulled whole, as sent
         self.round = OpenRound(1, fragment.numel, syncer.merge)
         self.logged_bytes = 0  # payload bytes of the contributions logged since the last full write
         self.failure: str | None = None  # set while a close is part way (under the lock), and left set if it fails
@@ -377,9 +379,19 @@ class FragmentState:
         if base_version is not None and base_version >= committed.version - len(committed.history):
             updates = tuple(u for u in committed.history if u.version > base_version)
             return PullPlan(False, updates, committed.state_hash)
-        payload = FP32.encode(committed.value, self.block_size)
-        snapshot = Encoded(committed.version, describe(FP32, self.fragment.numel, payload, self.block_size), payload)
-        return PullPlan(True, (snapshot,), committed.state_hash)
+        return PullPlan(True, (self._snapshot(committed),), committed.state_hash)
+
+    def _snapshot(self, committed: FragmentSnapshot) -> Encoded:
+        """The committed value as an fp32 payload: a view of the tensor's own bytes (a committed
+        value is never modified, and fp32 is its layout), described once per value, as its
+        checksum reads every byte. Pulls racing on a new value may each describe it: harmless."""
+        cached = self._snapshot_item
+        if cached is not None and cached[0] is committed.value:
+            return cached[1]
+        payload = memoryview(committed.value.numpy()).cast("B")
+        item = Encoded(committed.version, describe(FP32, self.fragment.numel, payload, self.block_size), payload)
+        self._snapshot_item = (committed.value, item)
+        return item
 
 
 _KIND_NAMES = {pb.PUSH_KIND_SEED: "seed", pb.PUSH_KIND_RESTORE: "restore", pb.PUSH_KIND_OUTER_GRADIENT: "outer gradient"}

@@ -68,6 +68,9 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         self.guard = CallGuard(core.cfg, core.counters)
         self.settings = _cluster_settings(core.cfg)
         self._new_version = threading.Condition()
+        # Pulls wake as each fragment's round closes, not once the ticker has closed them all:
+        # learners then receive one fragment's update while the shard closes and commits the next.
+        core.round_listeners.append(lambda fragment_id, closed_round: self.versions_changed())
 
     def versions_changed(self) -> None:
         with self._new_version:
@@ -189,12 +192,12 @@ def _cluster_settings(cfg: Config) -> pb.ClusterSettings:
 
 
 class Ticker:
-    """A thread that closes the rounds due by time alone, writes the snapshots due, and gives
-    the memory of the last rounds back to the system once pushes have stopped for
-    IDLE_RELEASE_SECONDS (syncer/memory.py)."""
+    """A thread that closes the rounds due by time alone (the core tells its round listeners),
+    writes the snapshots due, and gives the memory of the last rounds back to the system once
+    pushes have stopped for IDLE_RELEASE_SECONDS (syncer/memory.py)."""
 
-    def __init__(self, core: ShardCore, on_new_version, interval: float = TICK_SECONDS):
-        self.core, self.on_new_version, self.interval = core, on_new_version, interval
+    def __init__(self, core: ShardCore, interval: float = TICK_SECONDS):
+        self.core, self.interval = core, interval
         self._released_after: float | None = None  # the last push before the last release
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"shard-{core.shard_index}-ticker", daemon=True)
@@ -203,8 +206,7 @@ class Ticker:
     def _run(self) -> None:
         while not self._stopping.wait(self.interval):
             try:
-                if self.core.tick():
-                    self.on_new_version()
+                self.core.tick()
             except Exception:  # a bug: a full disk is the core's to report (syncer/disk.py), once
                 log.exception("closing a round failed")
             last_push = self.core.last_push_at
@@ -261,5 +263,5 @@ def start_shard(cfg: Config, shard_index: int, listen: str = "127.0.0.1:0",
     except BaseException:
         store.close()
         raise
-    ticker = Ticker(core, servicer.versions_changed)
+    ticker = Ticker(core)
     return ShardHandle(core, server, store, ticker, port)

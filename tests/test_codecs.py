@@ -147,6 +147,20 @@ def test_fp4_flushes_only_below_half_the_smallest_level():
     assert torch.equal(round_trip("fp4_e3m0", values), expected)
 
 
+def test_int4_decodes_every_byte_as_two_nibbles_low_first():
+    """Each byte value, in every position, the last one of an odd count (a lone low nibble) too."""
+    nibbles = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1], dtype=torch.float32)
+    packed = torch.arange(256, dtype=torch.uint8)
+    expected = torch.stack((nibbles[(packed & 0xF).long()], nibbles[(packed >> 4).long()]), dim=1).view(-1)
+    scale = torch.tensor([0.5]).numpy().tobytes()
+    for numel in (512, 511):
+        for last in range(256):  # every byte value as the payload's last byte
+            codes = torch.cat((packed[:255], torch.tensor([last], dtype=torch.uint8)))
+            decoded = get_codec("int4").decode(scale + codes.numpy().tobytes(), numel, block_size=512)
+            want = torch.cat((expected[:510], expected[2 * last : 2 * last + 2]))[:numel] * 0.5
+            assert torch.equal(decoded, want)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     name=st.sampled_from(CODEC_NAMES),
@@ -167,6 +181,7 @@ def test_chunking_does_not_change_the_result(monkeypatch):
     whole = [codec.encode(values, block_size) for codec, block_size in cases]
     decoded = [codec.decode(payload, 1001, block_size) for (codec, block_size), payload in zip(cases, whole)]
     monkeypatch.setattr(codecs, "_CHUNK_VALUES", 10)  # many chunks of a few blocks each
+    monkeypatch.setattr(codecs, "_DECODE_CHUNK_VALUES", 10)
     for (codec, block_size), payload, expected in zip(cases, whole, decoded):
         assert codec.encode(values, block_size) == payload
         assert torch.equal(codec.decode(payload, 1001, block_size), expected)
@@ -233,6 +248,19 @@ def test_decode_reads_memoryview_and_returns_a_writable_copy():
     payload[:] = bytes(len(payload))
     decoded += 1  # decoded owns its memory: writable, and zeroing the buffer did not touch it
     assert torch.equal(decoded, torch.full((4,), 2.0))
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_decode_into_a_buffer_gives_the_same_values(name):
+    codec = get_codec(name)
+    values = torch.randn(1001, generator=torch.Generator().manual_seed(5))
+    payload = codec.encode(values, 7)
+    buffer = torch.full((1001,), math.nan)
+    assert codec.decode(payload, 1001, 7, out=buffer) is buffer
+    assert torch.equal(buffer, codec.decode(payload, 1001, 7))
+    for wrong in (torch.empty(1000), torch.empty(1001, dtype=torch.float64), torch.empty(2002)[::2]):
+        with pytest.raises(ValueError, match="out must be"):
+            codec.decode(payload, 1001, 7, out=wrong)
 
 
 @pytest.mark.parametrize("name", CODEC_NAMES)

@@ -345,6 +345,17 @@ def test_pull_sends_a_snapshot_when_the_history_no_longer_reaches_back():
         shard.core.pull(0, 4)
 
 
+def test_snapshot_pulls_of_a_version_serve_the_values_own_bytes_described_once():
+    shard = Shard(make_config(), joined=("a",))
+    first = shard.core.pull(0, None).items[0]
+    assert shard.core.pull(0, None).items[0] is first  # its checksum is not computed again
+    assert bytes(first.payload) == shard.value().numpy().tobytes()
+    shard.push("a", 0, delta(1, shard.numel()))
+    second = shard.core.pull(0, None).items[0]
+    assert second.version == 1 and bytes(second.payload) == shard.value().numpy().tobytes()
+    assert torch.equal(decode_payload(second.header, second.payload), shard.value())
+
+
 def test_kept_compute_counts_the_fragments_share_of_accepted_steps():
     shard = Shard(make_config(), joined=("a", "b"))
     model_numel = sum(math.prod(shape) for _, shape in MANIFEST)
