@@ -1,7 +1,7 @@
 """Runs every benchmark fresh on this machine and writes BENCHMARKS.md, bench/results.json and
 the plots under bench/plots/.
 
-    python bench/run_all.py                    # the full run: about 35 minutes on 2 cores
+    python bench/run_all.py                    # the full run: about 45 minutes on 2 cores
     python bench/run_all.py --quick            # tiny sizes, a few minutes: for development
     python bench/run_all.py --quick --sections transport --out /tmp/b   # a subset, elsewhere
     python bench/run_all.py --sections user_loop,hf --merge   # run these again, keep the rest
