@@ -113,25 +113,37 @@ class ShardStore:
             record = _frame([files.log_tag, _CONTRIBUTION, _ROUND.pack(contribution.round),
                              _LENGTH.pack(len(header)), header],
                             contribution.payload, contribution.header.payload.crc32)
-            files.log_end += self._written(_write_parts_at(files.log(), record, files.log_end))
+            written = self._written(_write_parts_at(files.log(), record, files.log_end))
+            files.log_end += written
+            files.appended += written
 
     def close_round(self, fragment_id: int, close: LoggedClose) -> None:
         body = json.dumps({"closed": close.closed.__dict__, "base_state_hash": close.base_state_hash}).encode()
         with self._files(fragment_id) as files:
             start = files.log_end
             try:
-                files.log_end += self._written(_write_parts_at(files.log(), _frame([files.log_tag, _CLOSE, body]),
-                                                               start))
+                written = self._written(_write_parts_at(files.log(), _frame([files.log_tag, _CLOSE, body]), start))
                 _sync_data(files.log())
             except OSError:  # the round stays open: its next record goes over this one
                 files.log_end = start
                 raise
+            files.log_end += written
+            files.appended += written
+            files.durable = files.appended
 
     def sync(self, fragment_id: int) -> None:
+        """A group commit: the M pushes of a round arrive together, and a push that waited for
+        another's fdatasync usually finds its own record covered by it."""
         with self._files(fragment_id) as files:
+            needed = files.appended
             fd = os.dup(files.log())  # its own descriptor: close() may run while this one syncs
         try:
-            _sync_data(fd)
+            with files.sync_lock:
+                if files.durable >= needed:  # another push's fdatasync, a round close or a snapshot covered it
+                    return
+                covers = files.appended  # every record written by now
+                _sync_data(fd)
+                files.durable = max(files.durable, covers)
         finally:
             os.close(fd)
 
@@ -150,6 +162,7 @@ class ShardStore:
                                             _frame(_snapshot_body(snapshot, digests, next_tag))))
             # Everything logged is in the snapshot now: the next log overwrites it, with its own tag.
             files.log_end, files.log_tag = 0, next_tag
+            files.durable = files.appended
             for version in sorted(files.committed_updates.keys() - digests.keys()):
                 (files.folder / f"update-{version}").unlink(missing_ok=True)
             files.committed_updates = digests
@@ -249,6 +262,10 @@ class _FragmentFiles:
         self.committed_updates: dict[int, str] = {}  # version: sha256, as the committed snapshot names them
         self.closed = False
         self.log_end = 0  # where the log's next record goes
+        # Bytes of records written since the process started, and how many of them are durable
+        # (an fdatasync, or a snapshot holding them, came after them).
+        self.appended = self.durable = 0
+        self.sync_lock = threading.Lock()  # one fdatasync of the log at a time
         self.log_tag = os.urandom(_TAG_BYTES)  # the log's; the committed snapshot names it
         self._log_fd: int | None = None
 
