@@ -47,13 +47,13 @@ from diloco.services.codecs import get_codec  # noqa: E402
 from diloco.services.config import load_config, parse_config  # noqa: E402
 from diloco.services.payload import describe, iter_chunks  # noqa: E402
 from diloco.syncer.core import ShardCore  # noqa: E402
+from diloco.syncer.fragment_state import SNAPSHOT_BYTES_PER_PARAM  # noqa: E402
 from diloco.services.wire import pb  # noqa: E402
 from diloco.syncer.service import IDLE_RELEASE_SECONDS  # noqa: E402
 
 PACKAGES = ("services", "learner", "syncer", "localcluster", "integrations", "planner")
 FRAGMENTS, PUSHERS = 4, 4
 FP32 = get_codec("fp32")
-SNAPSHOT_BYTES_PER_PARAM = 16
 
 
 def shard_code(commit: str | None, work: Path) -> Path:
