@@ -14,7 +14,8 @@ def state_hash(values: torch.Tensor) -> str:
     return hashlib.sha256(flat.numpy().data).hexdigest()  # the buffer itself: no copy of it
 
 
-def apply_update(value: torch.Tensor, update: torch.Tensor) -> None:
-    """The one way a decoded update is applied, on shards and learners alike, so
-    both hold the same bits after the same chain of updates."""
-    value.add_(update)
+def apply_update(value: torch.Tensor, update: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The one way a decoded update is applied, on shards and learners alike, so both hold
+    the same bits after the same chain of updates: in place, or into `out` (value unchanged,
+    one pass where a copy and an add would take two)."""
+    return value.add_(update) if out is None else torch.add(value, update, out=out)

@@ -164,8 +164,9 @@ class ShardCore:
         self.counters = counters or Counters()  # shared with the journal, which counts what it writes
         self.membership = Membership([l.id for l in cfg.learners], cfg.syncer.lease_seconds, self.counters)
         self._plan_lock = threading.Lock()
-        # One round close at a time: each already uses every core (torch's threads), and the
-        # temporaries of closes on several threads at once would add up.
+        # One round close's arithmetic at a time: each already uses every core (torch's
+        # threads), and the temporaries of closes on several threads at once would add up.
+        # Hashing the new value needs none, so the next close starts during it.
         self._closing = threading.Lock()
         self.manifest: Manifest | None = None
         self.plan: FragmentPlan | None = None
@@ -418,8 +419,7 @@ class ShardCore:
             self.journal.close_round(state.id, LoggedClose(closed, state.committed.state_hash))
         except Refusal:  # a disk that cannot take it (logged once): the round stays open, the next push or tick retries
             return False
-        with self._closing:
-            state.close(closed)
+        state.close(closed, arithmetic=self._closing)
         state.observe_close(round_, self.clock() - started)
         self.counters.add(f"rounds.{reason}")
         for listener in self.round_listeners:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import threading
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -280,11 +281,12 @@ class FragmentState:
         return ClosedRound(round_.number, reason, len(round_.contributors), unix_now, now - round_.first_at,
                            share=len(round_.contributors) / len(live_ids | round_.contributors))
 
-    def close(self, closed: ClosedRound) -> None:
+    def close(self, closed: ClosedRound, arithmetic: AbstractContextManager = nullcontext()) -> None:
         """Merges the open round as `closed` decided and installs the next version: outer
         step, encode the update with error feedback, apply exactly the decoded update. Call it
         only once the decision is durable: it advances momentum, residual and period sum in
-        place, so a failure part way leaves them undefined (`failure` says so).
+        place, so a failure part way leaves them undefined (`failure` says so). `arithmetic`
+        is held around the part that allocates fragment-sized temporaries.
 
         A round that holds only some of the live learners counts for their share: learners
         that are not in lockstep reach the shard at different times, so with a small quorum
@@ -303,21 +305,25 @@ class FragmentState:
         if closed.round != round_.number:
             raise ValueError(f"fragment {self.id}: a close of round {closed.round}, but round {round_.number} is open")
         self.failure = f"fragment {self.id}: applying round {round_.number} failed part way"
-        step = round_.merged().mul_(closed.share)
-        period_sum = committed.period_sum.add_(step)
-        period_share = committed.period_share + closed.share
-        if period_share >= 1.0 - 1e-9:
-            update = self.optimizer.end_period(committed.momentum, period_sum, step)
-            period_sum.zero_()
-            period_share = 0.0
-        else:
-            update = step.mul_(-self.optimizer.lr)
-        self._feedback.residual = committed.residual
-        payload, decoded = self._feedback.compress(update, in_place=True)
-        del update, step
-        value = committed.value.clone()  # pulls read the old one without a lock
-        apply_update(value, decoded)  # the same call learners use: same bits on both sides
-        del decoded
+        with arithmetic:  # the part with fragment-sized temporaries; the hash below needs none
+            step = round_.merged()
+            if closed.share != 1.0:  # times 1.0 changes no bit: a pass saved on every full round
+                step.mul_(closed.share)
+            period_sum = committed.period_sum.add_(step)
+            period_share = committed.period_share + closed.share
+            if period_share >= 1.0 - 1e-9:
+                update = self.optimizer.end_period(committed.momentum, period_sum, step)
+                period_sum.zero_()
+                period_share = 0.0
+            else:
+                update = step.mul_(-self.optimizer.lr)
+            self._feedback.residual = committed.residual
+            payload, decoded = self._feedback.compress(update, in_place=True)
+            del update, step
+            # Into a new tensor: pulls read the old one without a lock. The same call learners
+            # use: same bits on both sides.
+            value = apply_update(committed.value, decoded, out=torch.empty_like(committed.value))
+            del decoded
         version = committed.version + 1
         update_record = Encoded(version, describe(self.codec, self.fragment.numel, payload, self.block_size),
                                 payload)
