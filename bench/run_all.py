@@ -82,13 +82,13 @@ FULL = Profile("full", steps=400, learners=(4, 8), intervals=(25, 100), codecs=(
                llama_intervals=(25, 50),  # the bench's H and the demo's
                goodput_learners=4, goodput_seconds=120, down_shares=(0.05, 0.10, 0.25), restart_delay=12.0,
                overlap=("--steps", "80", "--repeats", "3", "--wan-mbps", "50", "5"),
-               transport=("--params", "16000000", "--rounds", "3", "--shards", "1", "2"), scale=(),
+               transport=("--params", "16000000", "--rounds", "3", "--shards", "1", "2", "--memory-state"), scale=(),
                recovery=("--sizes", "2x64", "4x256", "4x512", "--kills", "3"),
                user_loop=("--pairs", "3"), hf=("--steps", "300", "--repeats", "3"))
 QUICK = Profile("quick", steps=60, learners=(2,), intervals=(25,), codecs=("int4",), llama_intervals=(25,),
                 goodput_learners=2, goodput_seconds=20, down_shares=(0.25,), restart_delay=4.0,
                 overlap=("--steps", "30", "--repeats", "1", "--wan-mbps", "5"),
-                transport=("--params", "1000000", "--rounds", "1", "--shards", "1", "2"),
+                transport=("--params", "1000000", "--rounds", "1", "--shards", "1", "2", "--memory-state"),
                 scale=("--params", "4000000", "--compare-params", "0", "--rounds", "2"),
                 recovery=("--sizes", "2x64", "--kills", "1"),
                 user_loop=("--pairs", "1", "--sizes", "demo"), hf=("--steps", "60", "--repeats", "1"))

@@ -45,7 +45,7 @@ from diloco.localcluster.cluster import free_ports  # noqa: E402
 from diloco.services.client import ShardClient  # noqa: E402
 from diloco.services.codecs import get_codec  # noqa: E402
 from diloco.services.config import load_config, parse_config  # noqa: E402
-from diloco.services.payload import describe, iter_chunks  # noqa: E402
+from diloco.services.payload import describe, push_requests  # noqa: E402
 from diloco.syncer.core import ShardCore  # noqa: E402
 from diloco.syncer.fragment_state import SNAPSHOT_BYTES_PER_PARAM  # noqa: E402
 from diloco.services.wire import pb  # noqa: E402
@@ -182,11 +182,9 @@ def close_seconds_per_param(contributions: int, numel: int = 16_000_000) -> floa
 
 def push_stream(learner: str, values: torch.Tensor, codec, kind: int):
     payload = codec.encode(values, BLOCK)
-    yield pb.PushRequest(header=pb.PushHeader(learner_id=learner, incarnation=1, fragment_id=0, kind=kind,
-                                              c_steps=24, c_tokens=24 * 1024, step_seconds=1.0,
-                                              payload=describe(codec, values.numel(), payload, BLOCK)))
-    for chunk in iter_chunks(payload):
-        yield pb.PushRequest(chunk=chunk)
+    return push_requests(pb.PushHeader(learner_id=learner, incarnation=1, fragment_id=0, kind=kind,
+                                       c_steps=24, c_tokens=24 * 1024, step_seconds=1.0,
+                                       payload=describe(codec, values.numel(), payload, BLOCK)), payload)
 
 
 def disk_write_bytes_per_second(folder: Path, nbytes: int = 1 << 30) -> float:

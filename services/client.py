@@ -17,7 +17,7 @@ import torch
 
 from diloco.services.codecs import Codec, get_codec
 from diloco.services.config import RpcConfig
-from diloco.services.payload import Reassembler, decode_payload, describe, iter_chunks
+from diloco.services.payload import Reassembler, decode_payload, describe, push_requests
 from diloco.services.rpc import open_channel, stream_deadline
 from diloco.services.state import apply_update, state_hash
 from diloco.services.tls import Identity
@@ -168,11 +168,10 @@ class ShardClient:
             step_seconds=step_seconds, payload=describe(codec, numel, payload, block_size), state_hash=state_hash)
 
         def requests() -> Iterator[pb.PushRequest]:
-            yield pb.PushRequest(header=header)
-            for chunk in iter_chunks(payload):
-                if self.wan:
-                    self.wan.up.consume(len(chunk.data))
-                yield pb.PushRequest(chunk=chunk)
+            for request in push_requests(header, payload):
+                if self.wan and request.HasField("chunk"):
+                    self.wan.up.consume(len(request.chunk.data))
+                yield request
 
         started = time.perf_counter()
         reply = self.stub.PushFragment(requests(), timeout=stream_deadline(self.rpc, len(payload)))

@@ -63,6 +63,13 @@ def iter_chunks(payload: bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.C
         yield pb.Chunk(index=index, data=bytes(view[start : start + chunk_bytes]))
 
 
+def push_requests(header: pb.PushHeader, payload: bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.PushRequest]:
+    """A PushFragment stream: the header, then the payload's chunks."""
+    yield pb.PushRequest(header=header)
+    for chunk in iter_chunks(payload, chunk_bytes):
+        yield pb.PushRequest(chunk=chunk)
+
+
 class Reassembler:
     """Collects the chunks of one payload, in order, checking each against the header as it
     arrives. Chunks are kept as received and joined once, by finish()."""

@@ -153,10 +153,15 @@ def test_shards_export_outer_steps_contributions_rounds_and_kept_compute(cluster
         assert {s.labels["reason"] for s in families["diloco_syncer_rounds"].samples} >= {"all", "quorum_grace"}
         assert sample_value(families["diloco_syncer_live_learners"]) == len(cfg.learners)
         assert sample_value(families["diloco_syncer_kept_compute_seconds"]) > 0
-        steps = {s.labels["fragment"]: s.value for s in families["diloco_syncer_outer_steps"].samples}
-        versions = {s.labels["fragment"]: s.value for s in families["diloco_syncer_fragment_version"].samples}
+        # A fresh shard: every version is an outer step of this process. The run goes on, and a
+        # scrape may fall between a round's install and its count: scrape again (bounded).
+        for _ in range(20):
+            steps = {s.labels["fragment"]: s.value for s in families["diloco_syncer_outer_steps"].samples}
+            versions = {s.labels["fragment"]: s.value for s in families["diloco_syncer_fragment_version"].samples}
+            if steps == versions:
+                break
+            families = scrape(shard.metrics_port)
         assert steps.keys() == versions.keys() and sum(steps.values()) > 0
-        # A fresh shard: every version is an outer step of this process.
         assert steps == versions
         owned += steps
     assert sorted(owned, key=int) == [str(f) for f in range(cfg.sync.fragments)]

@@ -11,7 +11,7 @@ import torch
 from diloco.services.state import apply_update, state_hash
 from diloco.services.codecs import get_codec
 from diloco.services.config import ConfigError, parse_config
-from diloco.services.payload import decode_payload, describe, iter_chunks
+from diloco.services.payload import decode_payload, describe, push_requests
 from diloco.services.wire import pb
 from diloco.syncer.core import NullJournal, Restored, ShardCore
 from diloco.syncer.grace import GraceWindow
@@ -43,12 +43,6 @@ def make_config(**syncer):
         "sync": {"fragments": 2, "interval_steps": 4, "overlap_steps": 1, "codec": codec},
         "syncer": syncer,
     })
-
-
-def push_requests(header: pb.PushHeader, payload: bytes, chunk_bytes: int = 1 << 20):
-    yield pb.PushRequest(header=header)
-    for chunk in iter_chunks(payload, chunk_bytes):
-        yield pb.PushRequest(chunk=chunk)
 
 
 class Shard:

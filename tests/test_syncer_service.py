@@ -23,7 +23,7 @@ from diloco.services.client import ShardClient
 from diloco.services.codecs import get_codec
 from diloco.services.rpc import open_channel
 from diloco.services.config import RpcConfig, load_config, parse_config
-from diloco.services.payload import describe, iter_chunks
+from diloco.services.payload import describe, iter_chunks, push_requests
 from diloco.services.state import state_hash
 from diloco.services.tls import OPERATOR, certs_dir, issue_cluster_certs, learner_name, load_identity
 from diloco.services.wire import pb
@@ -614,9 +614,7 @@ def push_requests_for(cfg, learner, fid, values, *, kind=pb.PUSH_KIND_OUTER_GRAD
     payload = codec.encode(values, BLOCK)
     header = pb.PushHeader(learner_id=learner, incarnation=1, fragment_id=fid, kind=kind,
                            payload=describe(codec, values.numel(), payload, BLOCK), **claims)
-    yield pb.PushRequest(header=header)
-    for chunk in iter_chunks(payload):
-        yield pb.PushRequest(chunk=chunk)
+    return push_requests(header, payload)
 
 
 # ---- a full disk, a port in use, a state folder that cannot be written ---------------------
