@@ -396,7 +396,7 @@ def measure_shards(args: argparse.Namespace, num_shards: int, in_process: InProc
                 "state_dir": str(state_root or "a temporary folder"), "log_mbytes_per_second": disk / 1e6,
                 # every pushed byte crosses gRPC and is made durable: neither rate can be beaten
                 "push_bound_mbytes_per_second": min(payload_bytes / raw_s, disk) / 1e6,
-                "push_vs_bound": min(payload_bytes / raw_s, disk) * push_s / payload_bytes,
+                "push_vs_bound": payload_bytes / push_s / min(payload_bytes / raw_s, disk),
                 "push_seconds": push_s, "round_seconds": round_s,
                 "contributions_per_second": contributions / round_s,
                 "params_per_second": contributions * args.params / len(fragments) / round_s}
