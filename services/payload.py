@@ -17,10 +17,10 @@ matches. Every refusal is a PayloadError whose message names what is wrong.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterator
 
 import torch
+from isal.isal_zlib import crc32
 
 from diloco.services.codecs import Codec, get_codec
 from diloco.services.wire import pb
@@ -50,7 +50,7 @@ def describe(
         numel=numel,
         payload_bytes=len(payload),
         chunk_count=-(-len(payload) // chunk_bytes),
-        crc32=zlib.crc32(payload),
+        crc32=crc32(payload),
         block_size=block_size,
     )
 
@@ -120,7 +120,7 @@ class Reassembler:
             limit = header.payload_bytes
             raise PayloadError(f"chunk {index} brings the payload to {end} bytes, beyond payload_bytes={limit}")
         self._chunks.append(data)
-        self._crc32 = zlib.crc32(data, self._crc32)
+        self._crc32 = crc32(data, self._crc32)
         self._received_bytes = end
         self._next_index += 1
 

@@ -59,10 +59,10 @@ import os
 import pathlib
 import struct
 import threading
-import zlib
 from typing import Iterator
 
 import torch
+from isal.isal_zlib import crc32, crc32_combine
 
 from diloco.services.wire import pb
 from diloco.syncer.core import LoggedClose, LoggedContribution, Manifest, Restored
@@ -351,43 +351,10 @@ def _frame(parts: list, payload: tuple[bytes, ...] = (), payload_crc32: int = 0)
     for part in parts:
         view = memoryview(part).cast("B")
         length += view.nbytes
-        crc = zlib.crc32(view, crc)
+        crc = crc32(view, crc)
     payload_bytes = sum(len(chunk) for chunk in payload)
-    crc = _crc32_combine(crc, payload_crc32, payload_bytes)
+    crc = crc32_combine(crc, payload_crc32, payload_bytes)
     return [_FRAME.pack(length + payload_bytes, crc), *parts, *payload]
-
-
-_CRC32_POLY = 0xEDB88320  # zlib's, bit-reversed
-
-
-def _crc32_multiply(a: int, b: int) -> int:
-    """a * b modulo the CRC-32 polynomial (zlib's multmodp)."""
-    product, bit = 0, 1 << 31
-    while a:
-        if a & bit:
-            product ^= b
-            a ^= bit
-        bit >>= 1
-        b = (b >> 1) ^ _CRC32_POLY if b & 1 else b >> 1
-    return product
-
-
-_CRC32_X_2N = [1 << 30]  # x^(2^n) modulo the polynomial, n = 0..31
-for _ in range(31):
-    _CRC32_X_2N.append(_crc32_multiply(_CRC32_X_2N[-1], _CRC32_X_2N[-1]))
-
-
-def _crc32_combine(crc_a: int, crc_b: int, length_b: int) -> int:
-    """crc32(a + b) from crc32(a), crc32(b) and len(b), without reading either (zlib's
-    crc32_combine, which Python's zlib module does not expose): shift crc_a by len(b) zero
-    bytes as a multiplication by x^(8 len(b)) modulo the polynomial."""
-    shift, n, bits = 1 << 31, 3, length_b  # x^0; 8 len(b) = len(b) << 3
-    while bits:
-        if bits & 1:
-            shift = _crc32_multiply(_CRC32_X_2N[n & 31], shift)
-        bits >>= 1
-        n += 1
-    return _crc32_multiply(shift, crc_a) ^ crc_b
 
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16
@@ -452,7 +419,7 @@ def _intact_body(view: memoryview, offset: int) -> memoryview | None:
         return None
     length, crc = _FRAME.unpack_from(view, offset)
     body = view[offset + _FRAME.size:offset + _FRAME.size + length]
-    return body if len(body) == length and zlib.crc32(body) == crc else None
+    return body if len(body) == length and crc32(body) == crc else None
 
 
 def _read(path: pathlib.Path) -> bytearray:

@@ -113,7 +113,8 @@ def test_a_push_of_more_chunks_than_one_system_call_takes_is_logged_whole(tmp_pa
 def test_a_records_checksum_comes_from_the_payloads_verified_crc32_without_reading_it(head, payload):
     """The log's frame checksum covers the whole record; the payload's part of it is combined
     from the crc32 checked on receipt, and must equal zlib's over the bytes."""
-    assert store._crc32_combine(zlib.crc32(head), zlib.crc32(payload), len(payload)) == zlib.crc32(head + payload)
+    frame = store._frame([head], (payload,), zlib.crc32(payload))
+    assert frame[0] == store._FRAME.pack(len(head) + len(payload), zlib.crc32(head + payload))
 
 
 def test_records_of_a_round_already_merged_are_skipped(tmp_path):
