@@ -201,11 +201,11 @@ def transport(section: dict, out: pathlib.Path) -> list[str]:
              f"served >= {section['target_pull_vs_raw']} x raw, a round >= {section['target_round_vs_in_process']} x "
              f"in-process.", ""]
     inproc = section["in_process_params_per_second"]
-    memory = [section["memory_run"]] if section.get("memory_run") else []
+    rows = [(run, "disk") for run in runs] + ([(section["memory_run"], "/dev/shm")] if section.get("memory_run") else [])
     lines += table(["shards (state)", "push all at once MB/s (raw)", "vs raw", "disk MB/s", "vs min(raw, disk)",
                     "push one at a time MB/s (raw)", "vs raw", "pull as served MB/s (raw)", "vs raw",
                     "pull decoded vs raw", "round M params/s (in-process)", "vs in-process", "targets", "command"],
-                   [[f"{r['shards']} ({'/dev/shm' if r in memory else 'disk'})",
+                   [[f"{r['shards']} ({state})",
                      f"{r['push_mbytes_per_second']:.0f} ({r['raw_push_mbytes_per_second']:.0f})",
                      f"{r['push_vs_raw']:.2f}", f"{r['log_mbytes_per_second']:.0f}", f"{r['push_vs_bound']:.2f}",
                      f"{r['push_sequential_mbytes_per_second']:.0f} ({r['raw_push_sequential_mbytes_per_second']:.0f})",
@@ -213,7 +213,7 @@ def transport(section: dict, out: pathlib.Path) -> list[str]:
                      f"{r['pull_served_mbytes_per_second']:.0f} ({r['raw_pull_mbytes_per_second']:.0f})",
                      f"{r['pull_vs_raw']:.2f}", f"{r['pull_decoded_vs_raw']:.2f}",
                      f"{r['params_per_second'] / 1e6:.0f} ({inproc / 1e6:.0f})", f"{r['params_per_second'] / inproc:.2f}x",
-                     verdict(transport_targets_met(section, r)), code(section["command"])] for r in runs + memory])
+                     verdict(transport_targets_met(section, r)), code(section["command"])] for r, state in rows])
     lines += [f"The in-process arithmetic ran at {section['in_process_of_memory_bandwidth']:.2f} of what this machine's "
               f"memory bandwidth allows ({section['memory_bytes_per_second'] / 1e9:.1f} GB/s measured by a large torch "
               f"copy, {section['round_bytes_per_parameter']:.1f} bytes a round must touch per parameter): the int4 "

@@ -50,7 +50,16 @@ def test_committed_results_hold_every_section_with_dp_beside_diloco():
     for row in results["goodput"]["rows"]:
         assert is_number(row["diloco"]["goodput"]) and is_number(row["dp"]["goodput"])
     assert all(is_number(link["utilisation"]) for link in results["overlap"]["links"])
-    assert all(is_number(run["push_vs_raw"]) for run in results["transport"]["runs"])
+    transport = results["transport"]
+    for run in transport["runs"] + [transport["memory_run"]]:
+        assert is_number(run["push_vs_raw"]) and is_number(run["round_seconds"])
+        # the push path over the lower of raw gRPC's and the disk's rates, never the inverse
+        bound = min(run["raw_push_mbytes_per_second"], run["log_mbytes_per_second"])
+        assert run["push_bound_mbytes_per_second"] == pytest.approx(bound)
+        assert run["push_vs_bound"] == pytest.approx(run["push_mbytes_per_second"] / bound)
+    biggest = max(transport["scale"]["runs"], key=lambda run: run["params"])
+    assert biggest["params"] >= 500e6 and is_number(biggest["rss_bytes_per_param"])
+    assert [row["params"] for row in transport["scale"]["capacity"]] == [1e9, 12e9, 70e9]
     assert all(is_number(size["learner_back_to_training_seconds"]) for size in results["recovery"]["sizes"])
     sizes = results["user_loop"]["sizes"]
     assert max(size["model_parameters"] for size in sizes) >= 25e6  # issue 17: the demo model and one of >= 25M
