@@ -82,7 +82,8 @@ FULL = Profile("full", steps=400, learners=(4, 8), intervals=(25, 100), codecs=(
                llama_intervals=(25, 50),  # the bench's H and the demo's
                goodput_learners=4, goodput_seconds=120, down_shares=(0.05, 0.10, 0.25), restart_delay=12.0,
                overlap=("--steps", "80", "--repeats", "3", "--wan-mbps", "50", "5"),
-               transport=("--params", "16000000", "--rounds", "3", "--shards", "1", "2", "--memory-state"), scale=(),
+               # 8 iterations: at 16M a push phase takes a tenth of a second, and single ones vary by +-20 %
+               transport=("--params", "16000000", "--rounds", "8", "--shards", "1", "2", "--memory-state"), scale=(),
                recovery=("--sizes", "2x64", "4x256", "4x512", "--kills", "3"),
                user_loop=("--pairs", "3"), hf=("--steps", "300", "--repeats", "3"))
 QUICK = Profile("quick", steps=60, learners=(2,), intervals=(25,), codecs=("int4",), llama_intervals=(25,),
