@@ -106,7 +106,8 @@ class Reassembler:
         still checks the byte count and the checksum."""
         return self._next_index == self.header.chunk_count
 
-    def add(self, chunk: pb.Chunk) -> None:
+    def add(self, chunk: pb.Chunk) -> bytes:
+        """Checks the chunk against the header and keeps it; returns its data."""
         index, expected, header = chunk.index, self._next_index, self.header
         data = chunk.data  # protobuf copies a bytes field at each access: read it once
         if index >= header.chunk_count:
@@ -123,6 +124,7 @@ class Reassembler:
         self._crc32 = crc32(data, self._crc32)
         self._received_bytes = end
         self._next_index += 1
+        return data
 
     def finish(self) -> bytes:
         """The whole payload, once every chunk is in and the checksum matches."""

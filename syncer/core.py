@@ -56,18 +56,29 @@ class LoggedClose:
     base_state_hash: str  # of the value the round was applied to: a replay that reaches another diverged
 
 
+class Spool(Protocol):
+    """Where a push's payload is written while it streams in, before the push is judged, so
+    that the disk works while the network does. Its bytes count for nothing until append
+    names the spool; a push refused or cut off leaves them unused."""
+
+    def write(self, chunk: bytes) -> None: ...
+
+
 class Journal(Protocol):
     """Where the core makes its state durable: a write-ahead log per fragment of contributions
     and round closes, and from time to time the fragment's whole state, after which the log
     starts over. fix_manifest, close_round and commit return only once what they were given
-    survives a crash; append only writes the record, and sync makes every record appended
-    before it durable (so that the slow part runs outside the fragment's lock). If a call
-    raises, the core changes nothing; an OSError (a full or failing disk) refuses the request
-    that needed the write (syncer/disk.py)."""
+    survives a crash; append only writes the record (its payload may already be in the
+    spool it names), and sync makes every record appended before it durable (so that the
+    slow part runs outside the fragment's lock). If a call raises, the core changes nothing;
+    an OSError (a full or failing disk) refuses the request that needed the write
+    (syncer/disk.py)."""
 
     def fix_manifest(self, manifest: Manifest, plan_digest: str) -> None: ...
 
-    def append(self, fragment_id: int, contribution: LoggedContribution) -> None: ...
+    def spool(self, fragment_id: int, payload: pb.PayloadHeader) -> Spool: ...
+
+    def append(self, fragment_id: int, contribution: LoggedContribution, spool: Spool) -> None: ...
 
     def sync(self, fragment_id: int) -> None: ...
 
@@ -76,13 +87,23 @@ class Journal(Protocol):
     def commit(self, snapshot: FragmentSnapshot) -> None: ...
 
 
+class NullSpool:
+    """Writes nothing: the whole payload goes in the contribution's record, if anywhere."""
+
+    def write(self, chunk: bytes) -> None:
+        pass
+
+
 class NullJournal:
     """Keeps nothing: for tests and simulations that need no durability."""
 
     def fix_manifest(self, manifest: Manifest, plan_digest: str) -> None:
         pass
 
-    def append(self, fragment_id: int, contribution: LoggedContribution) -> None:
+    def spool(self, fragment_id: int, payload: pb.PayloadHeader) -> Spool:
+        return NullSpool()
+
+    def append(self, fragment_id: int, contribution: LoggedContribution, spool: Spool) -> None:
         pass
 
     def sync(self, fragment_id: int) -> None:
@@ -245,13 +266,17 @@ class ShardCore:
 
     def _push(self, header: pb.PushHeader, requests: Iterator[pb.PushRequest]) -> PushOutcome:
         state = self._check_header(header)
+        assembler = _reassembler(header.payload)
         if header.kind == pb.PUSH_KIND_OUTER_GRADIENT:
             with state.lock:
                 staleness = state.staleness(_key(header))
                 if staleness > self.cfg.syncer.max_staleness:
                     return self._refuse_stale(state, staleness)
+            spool = self.journal.spool(state.id, header.payload)
+        else:  # a seed or restore is written in full by the snapshot it makes
+            spool = NullSpool()
         started = self.clock()
-        chunks = _receive(header.payload, requests)
+        chunks = _receive(assembler, requests, spool)
         transfer_seconds = self.clock() - started
         if header.kind == pb.PUSH_KIND_SEED:
             values = decode_payload(header.payload, b"".join(chunks))
@@ -262,7 +287,7 @@ class ShardCore:
             _finite_norm(state, values)
             return self._restore(state, header, values)
         self._check_norm(state, header.payload, chunks)
-        return self._contribute(state, header, chunks, transfer_seconds)
+        return self._contribute(state, header, chunks, transfer_seconds, spool)
 
     def _check_header(self, header: pb.PushHeader) -> FragmentState:
         self.membership.authenticate(header.learner_id, header.incarnation, self.clock())
@@ -330,7 +355,7 @@ class ShardCore:
                           f"syncer.max_update_norm={limit:.4g}")
 
     def _contribute(self, state: FragmentState, header: pb.PushHeader, chunks: tuple[bytes, ...],
-                    transfer_seconds: float) -> PushOutcome:
+                    transfer_seconds: float, spool: Spool) -> PushOutcome:
         with state.lock:
             # The state may have moved on while the payload streamed in: judge again.
             self.membership.authenticate(header.learner_id, header.incarnation, self.clock())
@@ -339,7 +364,7 @@ class ShardCore:
             if staleness > self.cfg.syncer.max_staleness:
                 return self._refuse_stale(state, staleness)
             round_number, version = state.round.number, state.version
-            self.journal.append(state.id, LoggedContribution(round_number, header, chunks))
+            self.journal.append(state.id, LoggedContribution(round_number, header, chunks), spool)
             self._admit(state, header, chunks, staleness, transfer_seconds)
             result = "accepted" if staleness == 0 else "stale_merged"
             self.counters.add(f"contributions.{result}")
@@ -573,17 +598,22 @@ def _key(header: pb.PushHeader) -> ContributionKey:
     return ContributionKey(header.learner_id, header.incarnation, header.base_version)
 
 
-def _receive(header: pb.PayloadHeader, requests: Iterator[pb.PushRequest]) -> tuple[bytes, ...]:
-    """The payload carried by the chunks that follow the push header, verified, as its chunks."""
+def _reassembler(header: pb.PayloadHeader) -> Reassembler:
+    """Refuses a payload header that does not add up before anything is written for it."""
     try:
-        assembler = Reassembler(header)
+        return Reassembler(header)
     except PayloadError as error:
         raise Refusal("bad_payload_header", "INVALID_ARGUMENT", str(error)) from None
+
+
+def _receive(assembler: Reassembler, requests: Iterator[pb.PushRequest], spool: Spool) -> tuple[bytes, ...]:
+    """The payload carried by the chunks that follow the push header, verified, as its chunks,
+    each written to the spool as it arrives."""
     try:
         for request in requests:
             if request.WhichOneof("item") != "chunk":
                 raise Refusal("bad_stream", "INVALID_ARGUMENT", "a push has one PushHeader, then only chunks")
-            assembler.add(request.chunk)
+            spool.write(assembler.add(request.chunk))
         return assembler.finish_chunks()
     except ChecksumMismatch as error:
         raise Refusal("checksum", "DATA_LOSS", f"payload corrupted: {error}") from None

@@ -11,13 +11,16 @@ from __future__ import annotations
 import errno
 import logging
 import threading
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from diloco.syncer.refusal import Refusal
 
 if TYPE_CHECKING:  # the core imports this module
-    from diloco.syncer.core import Journal, LoggedClose, LoggedContribution, Manifest
+    from diloco.services.wire import pb
+    from diloco.syncer.core import Journal, LoggedClose, LoggedContribution, Manifest, Spool
     from diloco.syncer.fragment_state import FragmentSnapshot
+
+Result = TypeVar("Result")
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +33,15 @@ class DiskCondition:
         self._lock = threading.Lock()
         self._failing: OSError | None = None
 
-    def write(self, call: Callable[[], None]) -> None:
+    def write(self, call: Callable[[], Result]) -> Result:
         """Runs a journal write; an OSError becomes the Refusal of the request that needed it."""
         try:
-            call()
+            result = call()
         except OSError as error:
             raise self._failed(error) from None
         if self._failing is not None:  # read without the lock: the common case costs nothing
             self._recovered()
+        return result
 
     def _failed(self, error: OSError) -> Refusal:
         full = error.errno in _FULL
@@ -69,8 +73,11 @@ class DiskGuardedJournal:
     def fix_manifest(self, manifest: Manifest, plan_digest: str) -> None:
         self._disk.write(lambda: self._journal.fix_manifest(manifest, plan_digest))
 
-    def append(self, fragment_id: int, contribution: LoggedContribution) -> None:
-        self._disk.write(lambda: self._journal.append(fragment_id, contribution))
+    def spool(self, fragment_id: int, payload: pb.PayloadHeader) -> Spool:
+        return self._disk.write(lambda: self._journal.spool(fragment_id, payload))
+
+    def append(self, fragment_id: int, contribution: LoggedContribution, spool: Spool) -> None:
+        self._disk.write(lambda: self._journal.append(fragment_id, contribution, spool))
 
     def sync(self, fragment_id: int) -> None:
         self._disk.write(lambda: self._journal.sync(fragment_id))

@@ -9,9 +9,10 @@
                              from (written before the snapshot that lists it with its sha256,
                              removed once it leaves the history)
     fragment-<p>/round.log   the write-ahead log since the snapshot: every contribution admitted
-                             (the round number, push header, payload), synced before the push is
-                             acknowledged, and every round close (ClosedRound and the state hash
-                             it closed on), synced before the new version shows
+                             (the round number, push header, payload or where its payload is),
+                             synced before the push is acknowledged, and every round close
+                             (ClosedRound and the state hash it closed on), synced before the new
+                             version shows
 
 A write-ahead log, so that a round costs its contributions and a small record rather than the
 fragment's whole state (16 bytes per parameter): the core writes a snapshot only once the log
@@ -45,6 +46,17 @@ at the first frame that is not intact or not tagged. Then:
     and offset rather than drop them. (A machine that lost power before the log's fdatasync
     can leave this too, with nothing after the offset acknowledged; the message says so.)
 
+A push's payload is written while it streams in, so that the disk works during the transfer
+rather than after it: at the push's header the log gets a space record, a frame declaring that
+the payload's size in raw bytes follows it (a reader steps over them), and the chunks go into
+that space as they arrive, while a flusher thread runs the log's fdatasync back to back.
+Admission appends a small record naming the space, and the push is acknowledged once an
+fdatasync has covered both. On replay the payload's crc32 (verified on receipt, and in the
+record's header) is checked again; a mismatch stops the restart with StoreError naming the
+file. A space no record names (a push refused, cut off, or still streaming at a crash) holds
+nothing of the state. A snapshot starts the log over under the spaces of pushes still
+streaming: those pushes' records carry their payload in full instead.
+
 Every file is framed as  u64 length | u32 crc32 | body,  so a torn or corrupted file is
 detected, never loaded. A snapshot that fails its check stops the shard with StoreError rather
 than let it restart from an older state that learners have already moved past.
@@ -65,16 +77,20 @@ import torch
 from isal.isal_zlib import crc32, crc32_combine
 
 from diloco.services.wire import pb
-from diloco.syncer.core import LoggedClose, LoggedContribution, Manifest, Restored
+from diloco.syncer.core import LoggedClose, LoggedContribution, Manifest, Restored, Spool
 from diloco.syncer.counters import Counters
 from diloco.syncer.fragment_state import ClosedRound, ContributionKey, Encoded, FragmentSnapshot
 
 _FRAME = struct.Struct("<QI")  # body length, crc32 of body
 _LENGTH = struct.Struct("<I")  # of an embedded message
 _ROUND = struct.Struct("<Q")
+_OFFSET = struct.Struct("<Q")  # a space's size, or the offset of a space's record in the log
 _TAG_BYTES = 16  # the log's tag: random, so nothing else carries it by chance
-_CONTRIBUTION, _CLOSE = b"c", b"r"  # a log record's kind, right after the tag
-_SNAPSHOT_FORMAT = "diloco.syncer-snapshot/5"
+# A log record's kind, right after the tag: a contribution with its payload, one whose payload
+# is in a space, a space, a round close.
+_CONTRIBUTION, _SPOOLED, _SPACE, _CLOSE = b"c", b"p", b"s", b"r"
+_SNAPSHOT_FORMAT = "diloco.syncer-snapshot/6"
+_READABLE_FORMATS = ("diloco.syncer-snapshot/5", _SNAPSHOT_FORMAT)  # /5 logs have no spaces
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +105,9 @@ def shard_state_dir(state_dir: str | os.PathLike, shard_index: int) -> pathlib.P
 
 class ShardStore:
     """The Journal the service gives the core. The core calls it for one fragment at a time
-    (under that fragment's lock); a fragment's own lock here only keeps close() from pulling
-    a file out from under a call still running at shutdown."""
+    (under that fragment's lock), except for spools, which pushes write while they stream in:
+    a fragment's own lock here orders their writes with the log's records, and keeps close()
+    from pulling a file out from under a call still running at shutdown."""
 
     def __init__(self, directory: str | os.PathLike, counters: Counters | None = None):
         self.directory = pathlib.Path(directory)
@@ -98,6 +115,7 @@ class ShardStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._fragments: dict[int, _FragmentFiles] = {}
+        self._flusher = _Flusher()
 
     # ---- Journal ---------------------------------------------------------------------------
 
@@ -105,14 +123,26 @@ class ShardStore:
         text = json.dumps({"plan_digest": plan_digest, "tensors": [[n, list(s)] for n, s in manifest]})
         self._written(_write_atomically(self.directory / "manifest.json", [text.encode()]))
 
-    def append(self, fragment_id: int, contribution: LoggedContribution) -> None:
-        header = contribution.header.SerializeToString()
-        # Written part by part, without joining the parts into one copy, and without reading the
-        # payload for its checksum again: its crc32 was verified against the header on receipt.
+    def spool(self, fragment_id: int, payload: pb.PayloadHeader) -> "_LogSpace":
         with self._files(fragment_id) as files:
-            record = _frame([files.log_tag, _CONTRIBUTION, _ROUND.pack(contribution.round),
-                             _LENGTH.pack(len(header)), header],
-                            contribution.payload, contribution.header.payload.crc32)
+            start, tag = files.log_end, files.log_tag
+            written = _write_parts_at(files.log(), _frame([tag, _SPACE, _OFFSET.pack(payload.payload_bytes)]), start)
+            files.log_end = start + written + payload.payload_bytes
+            files.appended += written
+        self._written(written)
+        return _LogSpace(files, tag, start, start + written, payload.payload_bytes, self._flusher, self.counters)
+
+    def append(self, fragment_id: int, contribution: LoggedContribution, spool: Spool) -> None:
+        header = contribution.header.SerializeToString()
+        head = [_ROUND.pack(contribution.round), _LENGTH.pack(len(header)), header]
+        with self._files(fragment_id) as files:
+            if isinstance(spool, _LogSpace) and spool.holds_payload(files):
+                record = _frame([files.log_tag, _SPOOLED, *head, _OFFSET.pack(spool.offset)])
+            else:  # no space, or a snapshot started the log over while the payload streamed in
+                # Written part by part, without joining the parts into one copy, and without reading
+                # the payload for its checksum again: its crc32 was verified on receipt.
+                record = _frame([files.log_tag, _CONTRIBUTION, *head],
+                                contribution.payload, contribution.header.payload.crc32)
             written = self._written(_write_parts_at(files.log(), record, files.log_end))
             files.log_end += written
             files.appended += written
@@ -132,20 +162,7 @@ class ShardStore:
             files.durable = files.appended
 
     def sync(self, fragment_id: int) -> None:
-        """A group commit: the M pushes of a round arrive together, and a push that waited for
-        another's fdatasync usually finds its own record covered by it."""
-        with self._files(fragment_id) as files:
-            needed = files.appended
-            fd = os.dup(files.log())  # its own descriptor: close() may run while this one syncs
-        try:
-            with files.sync_lock:
-                if files.durable >= needed:  # another push's fdatasync, a round close or a snapshot covered it
-                    return
-                covers = files.appended  # every record written by now
-                _sync_data(fd)
-                files.durable = max(files.durable, covers)
-        finally:
-            os.close(fd)
+        self._fragment_files(fragment_id).sync()
 
     def commit(self, snapshot: FragmentSnapshot) -> None:
         with self._files(snapshot.fragment_id) as files:
@@ -168,6 +185,7 @@ class ShardStore:
             files.committed_updates = digests
 
     def close(self) -> None:
+        self._flusher.stop()
         with self._lock:
             fragments = list(self._fragments.values())
         for files in fragments:
@@ -180,14 +198,17 @@ class ShardStore:
 
     @contextlib.contextmanager
     def _files(self, fragment_id: int) -> Iterator["_FragmentFiles"]:
+        files = self._fragment_files(fragment_id)
+        with files.lock:
+            files.check_open()
+            yield files
+
+    def _fragment_files(self, fragment_id: int) -> "_FragmentFiles":
         with self._lock:
             files = self._fragments.get(fragment_id)
             if files is None:
                 files = self._fragments[fragment_id] = _FragmentFiles(self.directory, fragment_id)
-        with files.lock:
-            if files.closed:
-                raise StoreError(f"{self.directory}: the store is closed (the shard is stopping)")
-            yield files
+            return files
 
     # ---- restart ---------------------------------------------------------------------------
 
@@ -221,7 +242,7 @@ class ShardStore:
         (meta_length,) = _LENGTH.unpack_from(body)
         meta = json.loads(bytes(body[_LENGTH.size:_LENGTH.size + meta_length]))
         numel, offset = meta["numel"], _LENGTH.size + meta_length
-        if meta["format"] != _SNAPSHOT_FORMAT or meta["fragment_id"] != fragment_id or \
+        if meta["format"] not in _READABLE_FORMATS or meta["fragment_id"] != fragment_id or \
                 len(body) != offset + 4 * 4 * numel:
             raise StoreError(f"{path}: not a {_SNAPSHOT_FORMAT} of fragment {fragment_id}")
         value, momentum, residual, period_sum = (
@@ -245,11 +266,11 @@ class ShardStore:
 
     def _load_log(self, fragment_id: int, path: pathlib.Path) -> list[LoggedContribution | LoggedClose]:
         with self._files(fragment_id) as files:
-            bodies, end = _read_log(path, files.log_tag) if path.exists() else ([], 0)
+            entries, end = _read_log(path, files.log_tag) if path.exists() else ([], 0)
             # New records go right after the log's, over a record the crash tore (it was never
             # acknowledged) and over leftovers of logs before the snapshot.
             files.log_end = end
-        return [_log_entry(body) for body in bodies]
+        return entries
 
 
 class _FragmentFiles:
@@ -269,6 +290,28 @@ class _FragmentFiles:
         self.log_tag = os.urandom(_TAG_BYTES)  # the log's; the committed snapshot names it
         self._log_fd: int | None = None
 
+    def sync(self) -> None:
+        """Makes every byte written to the log by now durable. A group commit: the M pushes of
+        a round arrive together, and a push that waited for another's fdatasync (or the
+        flusher's) usually finds its own record covered by it."""
+        with self.lock:
+            self.check_open()
+            needed = self.appended
+            fd = os.dup(self.log())  # its own descriptor: close() may run while this one syncs
+        try:
+            with self.sync_lock:
+                if self.durable >= needed:  # another fdatasync, a round close or a snapshot covered it
+                    return
+                covers = self.appended  # every byte written by now
+                _sync_data(fd)
+                self.durable = max(self.durable, covers)
+        finally:
+            os.close(fd)
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise StoreError(f"{self.folder}: the store is closed (the shard is stopping)")
+
     def log(self) -> int:
         """The fd of round.log, opened on first use."""
         if self._log_fd is None:
@@ -282,7 +325,86 @@ class _FragmentFiles:
         self.closed = True
 
 
-def _log_entry(body: memoryview) -> LoggedContribution | LoggedClose:
+class _Flusher:
+    """Runs the logs' fdatasync back to back while pushes stream into their spaces, so that
+    the disk writes a push's bytes during its transfer: by the time it is admitted, its own
+    sync has little left to wait for. One thread per store, started by the first space
+    written and idle while nothing is written."""
+
+    def __init__(self):
+        self._wake = threading.Condition()
+        self._due: set[_FragmentFiles] = set()  # logs written since their last sync started
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def request(self, files: _FragmentFiles) -> None:
+        with self._wake:
+            if self._stopped:
+                return
+            self._due.add(files)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="log-flusher", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._due and not self._stopped:
+                    self._wake.wait()
+                if self._stopped:
+                    return
+                due, self._due = self._due, set()
+            for files in due:
+                try:
+                    files.sync()
+                except (OSError, StoreError):  # the push's own sync meets the error and refuses the push
+                    pass
+
+
+class _LogSpace:
+    """A push's space in the log (see the module docstring): its payload's bytes, written there
+    as they arrive."""
+
+    def __init__(self, files: _FragmentFiles, tag: bytes, offset: int, start: int, size: int,
+                 flusher: _Flusher, counters: Counters):
+        self.files, self.tag, self.flusher, self.counters = files, tag, flusher, counters
+        self.offset = offset  # of the space's record
+        self._next, self._end = start, start + size  # where the next chunk goes, where the space ends
+        self._void = False  # a write failed: the payload goes in its record instead
+
+    def write(self, chunk: bytes) -> None:
+        files = self.files
+        with files.lock:
+            if self._void or files.closed or files.log_tag != self.tag:
+                return
+            try:
+                written = _write_parts_at(files.log(), [chunk], self._next)
+            except OSError:  # the record written at admission will hold the payload, or refuse the push
+                self._void = True
+                return
+            self._next += written
+            files.appended += written
+        self.flusher.request(files)
+        self.counters.add("journal_bytes", written)
+
+    def holds_payload(self, files: _FragmentFiles) -> bool:
+        """Whether the space, still part of the log, holds the whole payload; called with
+        files.lock held."""
+        return files is self.files and not self._void and files.log_tag == self.tag and self._next == self._end
+
+
+def _log_entry(path: pathlib.Path, offset: int, body: memoryview,
+               spaces: dict[int, memoryview]) -> LoggedContribution | LoggedClose:
+    """The record at `offset` as the core takes it; `spaces` are the log's spaces before it."""
     kind, at = bytes(body[_TAG_BYTES:_TAG_BYTES + 1]), _TAG_BYTES + 1
     if kind == _CLOSE:
         record = json.loads(bytes(body[at:]))
@@ -291,7 +413,16 @@ def _log_entry(body: memoryview) -> LoggedContribution | LoggedClose:
     (length,) = _LENGTH.unpack_from(body, at + _ROUND.size)
     start = at + _ROUND.size + _LENGTH.size
     header = pb.PushHeader.FromString(bytes(body[start:start + length]))
-    return LoggedContribution(round_number, header, (bytes(body[start + length:]),))
+    if kind == _CONTRIBUTION:
+        return LoggedContribution(round_number, header, (bytes(body[start + length:]),))
+    (space_offset,) = _OFFSET.unpack_from(body, start + length)
+    payload = spaces.get(space_offset)
+    if payload is None or len(payload) != header.payload.payload_bytes or crc32(payload) != header.payload.crc32:
+        raise StoreError(
+            f"{path}: the contribution record at offset {offset} names its payload in the space at offset "
+            f"{space_offset}, which is {'not in the log' if payload is None else 'damaged'}: the contribution "
+            f"was acknowledged, so the shard will not drop it. Restore the shard's state folder from a copy")
+    return LoggedContribution(round_number, header, (bytes(payload),))
 
 
 def _load_history(folder: pathlib.Path, digests: dict[int, str]) -> tuple[Encoded, ...]:
@@ -385,15 +516,23 @@ def _read_frames(path: pathlib.Path) -> tuple[list[memoryview], int]:
     return bodies, offset
 
 
-def _read_log(path: pathlib.Path, tag: bytes) -> tuple[list[memoryview], int]:
-    """The bodies of the log's records (the run of intact frames carrying its tag from the
-    start of the file) and where they end; StoreError if an intact record of the log follows
-    the end of that run (see the module docstring)."""
+def _read_log(path: pathlib.Path, tag: bytes) -> tuple[list[LoggedContribution | LoggedClose], int]:
+    """The log's records (the run of intact frames carrying its tag from the start of the
+    file, stepping over spaces) and where they end; StoreError if an intact record of the log
+    follows the end of that run (see the module docstring)."""
     data = _read(path)
-    view, bodies, offset = memoryview(data), [], 0
+    view, entries, spaces, offset = memoryview(data), [], {}, 0
     while (body := _intact_body(view, offset)) is not None and body[:_TAG_BYTES] == tag:
-        bodies.append(body)
-        offset += _FRAME.size + len(body)
+        end = offset + _FRAME.size + len(body)
+        if bytes(body[_TAG_BYTES:_TAG_BYTES + 1]) == _SPACE:
+            (size,) = _OFFSET.unpack_from(body, _TAG_BYTES + 1)
+            if end + size > len(data):  # a push streaming in at the crash: the log ends with it
+                break
+            spaces[offset] = view[end:end + size]
+            end += size
+        else:
+            entries.append(_log_entry(path, offset, body, spaces))
+        offset = end
     # A record torn at `offset` may hold the tag right after its frame header: look past that.
     found = data.find(tag, offset + _FRAME.size + 1)
     while found != -1:
@@ -406,7 +545,7 @@ def _read_log(path: pathlib.Path, tag: bytes) -> tuple[list[memoryview], int]:
                 f"after a torn record was acknowledged then), truncate the file to {offset} bytes to "
                 f"drop them; otherwise restore the shard's state folder from a copy")
         found = data.find(tag, found + 1)
-    return bodies, offset
+    return entries, offset
 
 
 def _has_a_record(path: pathlib.Path) -> bool:

@@ -62,8 +62,12 @@ class Shard:
     def numel(self, fid=0):
         return self.core.fragments[fid].fragment.numel
 
-    def push(self, learner, fid, values, *, base=0, c_steps=10, c_tokens=1000, step_seconds=0.5,
-             kind=pb.PUSH_KIND_OUTER_GRADIENT, incarnation=1, chunk_bytes=1 << 20):
+    def push(self, learner, fid, values, **push):
+        return self.core.push(self.requests(learner, fid, values, **push))
+
+    def requests(self, learner, fid, values, *, base=0, c_steps=10, c_tokens=1000, step_seconds=0.5,
+                 kind=pb.PUSH_KIND_OUTER_GRADIENT, incarnation=1, chunk_bytes=1 << 20):
+        """The PushFragment stream a learner sends."""
         codec = get_codec("fp32" if kind == pb.PUSH_KIND_SEED else self.cfg.sync.codec)
         block = self.cfg.sync.codec_block_size
         payload = codec.encode(values, block)
@@ -71,7 +75,7 @@ class Shard:
                                base_version=base, c_steps=c_steps, c_tokens=c_tokens,
                                step_seconds=step_seconds,
                                payload=describe(codec, values.numel(), payload, block, chunk_bytes))
-        return self.core.push(push_requests(header, payload, chunk_bytes))
+        return push_requests(header, payload, chunk_bytes)
 
     def value(self, fid=0):
         return self.core.fragments[fid].committed.value
@@ -431,7 +435,7 @@ class KeepingJournal(NullJournal):
     def fix_manifest(self, manifest, plan_digest):
         self.manifest, self.plan_digest = manifest, plan_digest
 
-    def append(self, fragment_id, contribution):
+    def append(self, fragment_id, contribution, spool):
         self.log.setdefault(fragment_id, []).append(contribution)
 
     def close_round(self, fragment_id, close):
@@ -684,9 +688,9 @@ class FillingJournal(KeepingJournal):
         if self.full and call in self.failing:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    def append(self, fragment_id, contribution):
+    def append(self, fragment_id, contribution, spool):
         self._write("append")
-        super().append(fragment_id, contribution)
+        super().append(fragment_id, contribution, spool)
 
     def sync(self, fragment_id):
         self._write("sync")

@@ -2,6 +2,8 @@
 and torn or damaged files are detected instead of loaded. (The kill -9 of a real shard
 process is in test_syncer_service.py.)"""
 import errno
+import threading
+import time
 import zlib
 
 import pytest
@@ -10,6 +12,7 @@ from hypothesis import given, strategies as st
 
 from diloco.services.state import apply_update, state_hash
 from diloco.services.payload import decode_payload
+from diloco.services.wire import pb
 
 from diloco.syncer.core import ShardCore
 from diloco.syncer.refusal import Refusal
@@ -95,18 +98,104 @@ def test_a_torn_log_record_is_dropped_and_the_log_stays_appendable(tmp_path):
     assert restarted(shard, tmp_path).status().fragments[0].pending_contributions == 2
 
 
-def test_a_push_of_more_chunks_than_one_system_call_takes_is_logged_whole(tmp_path, monkeypatch):
-    """The log writes a record's chunks without joining them, in as many pwritev calls as
-    the kernel's iovec limit needs (1024 on Linux; 7 here, so a push of a few hundred chunks
-    takes many calls); the restored round holds the same bytes."""
+def test_a_push_that_streams_in_across_a_snapshot_is_logged_whole_with_its_payload(tmp_path, monkeypatch):
+    """c's push streams into a space of the log; meanwhile the round closes on a and b, and
+    the snapshot starts the log over under that space. c's record then carries its payload,
+    written without joining its chunks, in as many pwritev calls as the kernel's iovec limit
+    needs (1024 on Linux; 7 here, so a push of a few hundred chunks takes many calls); the
+    restored round holds the same bytes."""
     monkeypatch.setattr(store, "_IOV_MAX", 7)
-    cfg = make_config(quorum=3)
-    shard = Shard(cfg, journal=ShardStore(tmp_path))
-    values = delta(1, shard.numel())
-    shard.push("a", 0, values, chunk_bytes=3)  # fp32 values cut across chunk boundaries
+    shard = Shard(make_config(quorum=2, snapshot_log_ratio=0), journal=ShardStore(tmp_path))
+    n = shard.numel()
+    shard.push("a", 0, delta(1, n))
+    shard.push("b", 0, delta(2, n))
+    values = delta(3, n)
+
+    def with_a_snapshot_midway(requests):
+        for index, request in enumerate(requests):
+            if index == 10:
+                shard.clock.advance(2.0)  # past the grace window
+                assert shard.core.tick() == [0] and shard.core.counters.snapshot()["snapshots"] == 1
+            yield request
+
+    reply = shard.core.push(with_a_snapshot_midway(shard.requests("c", 0, values, chunk_bytes=3)))
+    assert (reply.result, reply.round) == (pb.PUSH_RESULT_STALE_MERGED, 2)
+    assert [kind for _, _, kind in log_frames(tmp_path / "fragment-0")] == [store._CONTRIBUTION]
     core = restarted(shard, tmp_path, rejoin=LEARNERS)
     (pending,) = core.fragments[0].round.contributions.values()
     assert b"".join(pending.chunks) == values.numpy().tobytes()
+
+
+@pytest.mark.parametrize("how", ["cut off", "refused"])
+def test_a_space_no_record_names_is_stepped_over_by_the_restart(tmp_path, how):
+    """b's push streamed into a space of the log, then was cut off (or refused once all of it
+    was in): the space stays, between records of acknowledged pushes, and holds nothing of
+    the state."""
+    shard = Shard(make_config(quorum=3, max_update_norm=1.0), journal=ShardStore(tmp_path))
+    n = shard.numel()
+    shard.push("a", 0, delta(1, n))
+    if how == "cut off":
+        requests = shard.requests("b", 0, delta(2, n), chunk_bytes=64)
+        with pytest.raises(ConnectionResetError):
+            shard.core.push(request if index < 3 else _reset() for index, request in enumerate(requests))
+    else:
+        with pytest.raises(Refusal, match="norm"):
+            shard.push("b", 0, delta(2, n, scale=10.0))
+    shard.push("c", 0, delta(3, n))
+    assert [kind for _, _, kind in log_frames(tmp_path / "fragment-0")] == \
+        [store._SPACE, store._SPOOLED, store._SPACE, store._SPACE, store._SPOOLED]
+    expected = {key: b"".join(c.chunks) for key, c in shard.core.fragments[0].round.contributions.items()}
+    core = restarted(shard, tmp_path, rejoin=LEARNERS)
+    assert {key: b"".join(c.chunks) for key, c in core.fragments[0].round.contributions.items()} == expected
+    assert [key.learner_id for key in expected] == ["a", "c"]
+
+
+def test_a_crash_while_a_push_streams_in_ends_the_log_at_its_space(tmp_path):
+    """The space runs past the end of the file: the log ends where it starts, and the next
+    record is written there."""
+    shard = Shard(make_config(quorum=3), journal=ShardStore(tmp_path))
+    n = shard.numel()
+    shard.push("a", 0, delta(1, n))
+    requests = shard.requests("b", 0, delta(2, n), chunk_bytes=64)
+    with pytest.raises(ConnectionResetError):
+        shard.core.push(request if index < 3 else _reset() for index, request in enumerate(requests))
+    log = tmp_path / "fragment-0" / "round.log"
+    space, _, _ = log_frames(log.parent)[2]
+    assert space < log.stat().st_size < space + 4 * n  # the process died here
+
+    core = restarted(shard, tmp_path, rejoin=LEARNERS)
+    assert [key.learner_id for key in core.fragments[0].round.contributions] == ["a"]
+    shard.push("c", 0, delta(3, n))
+    assert log_frames(log.parent)[2][0] == space
+    assert [key.learner_id for key in restarted(shard, tmp_path).fragments[0].round.contributions] == ["a", "c"]
+
+
+def test_a_streaming_pushs_bytes_are_synced_while_it_streams_and_close_stops_the_flusher(tmp_path):
+    """Nothing calls sync while the chunks arrive: the flusher's fdatasync makes them durable,
+    so the push's own sync at admission has little left to do."""
+    threads_before = set(threading.enumerate())
+    journal = ShardStore(tmp_path)
+    shard = Shard(make_config(quorum=3), journal=journal)
+    synced_while_streaming = []
+
+    def wait_for_the_flusher(requests):
+        for index, request in enumerate(requests):
+            if index == 3:
+                files = journal._fragments[0]
+                deadline = time.monotonic() + 10
+                while files.durable < files.appended and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                synced_while_streaming.append(files.durable == files.appended)
+            yield request
+
+    shard.core.push(wait_for_the_flusher(shard.requests("a", 0, delta(1, shard.numel()), chunk_bytes=16)))
+    assert synced_while_streaming == [True]
+    journal.close()
+    assert not [thread for thread in set(threading.enumerate()) - threads_before if thread.name == "log-flusher"]
+
+
+def _reset():
+    raise ConnectionResetError("the learner's stream broke")
 
 
 @given(st.binary(max_size=300), st.binary(max_size=3000))
@@ -179,38 +268,53 @@ def test_an_update_file_no_snapshot_names_is_never_reused(tmp_path):
     assert torch.equal(value, shard.value()) and state_hash(value) == plan.state_hash
 
 
-def log_records(shard: Shard, folder) -> list[tuple[int, int]]:
-    """(offset, length) of each record of the open round in the fragment's log, as written."""
-    records, offset = [], 0
+def log_frames(folder) -> list[tuple[int, int, bytes]]:
+    """(offset, length, kind) of each frame of the fragment's log as written, up to the first
+    of an earlier log; a space's length counts the payload bytes after its frame."""
     data = (folder / "round.log").read_bytes()
-    for _ in range(shard.core.fragments[0].round.count):
+    tag = data[store._FRAME.size:store._FRAME.size + store._TAG_BYTES]
+    frames, offset = [], 0
+    while offset + store._FRAME.size + store._TAG_BYTES <= len(data):
         length, _ = store._FRAME.unpack_from(data, offset)
-        records.append((offset, store._FRAME.size + length))
-        offset += store._FRAME.size + length
-    return records
+        body = data[offset + store._FRAME.size:offset + store._FRAME.size + length]
+        if body[:store._TAG_BYTES] != tag:
+            break
+        kind = body[store._TAG_BYTES:store._TAG_BYTES + 1]
+        space = store._OFFSET.unpack_from(body, store._TAG_BYTES + 1)[0] if kind == store._SPACE else 0
+        frames.append((offset, store._FRAME.size + length + space, kind))
+        offset += store._FRAME.size + length + space
+    return frames
 
 
-@pytest.mark.parametrize("where", ["length", "body"])
+@pytest.mark.parametrize("where", ["space's length", "contribution record", "payload"])
 def test_a_damaged_record_in_the_middle_of_the_round_stops_the_restart_naming_the_file_and_offset(tmp_path, where):
-    """Both records were acknowledged: dropping the intact second one with the damaged first
-    would lose it silently."""
+    """Both contributions were acknowledged: dropping the intact second one with the damaged
+    first would lose it silently. Each push left a space holding its payload and a record
+    naming the space."""
     shard = Shard(make_config(quorum=3), journal=ShardStore(tmp_path))
     n = shard.numel()
     shard.push("a", 0, delta(1, n))
     shard.push("b", 0, delta(2, n))
     log = tmp_path / "fragment-0" / "round.log"
-    (first, length), _ = log_records(shard, log.parent)
+    (space, space_length, _), (record, record_length, _), (next_space, _, _), _ = log_frames(log.parent)
     data = bytearray(log.read_bytes())
-    data[first + (2 if where == "length" else length // 2)] ^= 0x10
+    data[{"space's length": space + 2, "contribution record": record + record_length // 2,
+          "payload": space + space_length // 2}[where]] ^= 0x10
     log.write_bytes(bytes(data))
-    with pytest.raises(StoreError, match=rf"{log}: the record at offset {first} is damaged.*follows at offset {length}"):
+    expected = {
+        "space's length": rf"the record at offset {space} is damaged.*follows at offset {record}",
+        "contribution record": rf"the record at offset {record} is damaged.*follows at offset {next_space}",
+        "payload": rf"the contribution record at offset {record} names its payload in the space at offset "
+                   rf"{space}, which is damaged"}[where]
+    with pytest.raises(StoreError, match=rf"{log}: {expected}"):
         ShardStore(tmp_path).load()
 
 
 @pytest.mark.parametrize("how", ["torn", "damaged"])
 def test_the_rounds_last_record_torn_or_damaged_is_dropped_with_the_leftovers_after_it(tmp_path, how):
-    """Round 2's records overwrite round 1's; the crash tore b's (or it was damaged: the two
-    look alike at the end of the round). a's record stays, b's and round 1's leftovers go."""
+    """Round 2's records overwrite round 1's; the crash tore b's last record, the one naming
+    its payload's space (or it was damaged: the two look alike at the end of the round). a's
+    record stays, b's and round 1's leftovers go."""
     shard = Shard(make_config(quorum=3, snapshot_log_ratio=0), journal=ShardStore(tmp_path))
     n = shard.numel()
     for i, learner in enumerate(LEARNERS):  # round 1 closes with three records and its close in the log
@@ -221,7 +325,8 @@ def test_the_rounds_last_record_torn_or_damaged_is_dropped_with_the_leftovers_af
     shard.push("a", 0, delta(10, n), base=1)
     shard.push("b", 0, delta(11, n), base=1)
     data = bytearray(log.read_bytes())
-    _, (second, length) = log_records(shard, log.parent)
+    *_, (second, length, kind) = log_frames(log.parent)
+    assert kind == store._SPOOLED
     middle = second + length // 2
     if how == "torn":  # the write stopped half way: the rest is still round 1's record
         data[middle:second + length] = round_1[middle:second + length]

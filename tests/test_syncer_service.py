@@ -623,7 +623,7 @@ def test_a_full_disk_refuses_pushes_with_resource_exhausted_naming_the_state_fol
     _, cfg = write_config(tmp_path, lease_seconds=3600.0, grace={"mode": "fixed", "seconds": 600.0})
     handle = start_shard(cfg, 0)
     store, full = handle.store, threading.Event()
-    for name in ("append", "close_round", "commit"):  # the disk fills up under the running shard
+    for name in ("spool", "append", "close_round", "commit"):  # the disk fills up under the running shard
         def failing(*args, write=getattr(store, name)):
             if full.is_set():
                 raise OSError(28, "No space left on device")
