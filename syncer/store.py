@@ -244,7 +244,7 @@ class ShardStore:
         numel, offset = meta["numel"], _LENGTH.size + meta_length
         if meta["format"] not in _READABLE_FORMATS or meta["fragment_id"] != fragment_id or \
                 len(body) != offset + 4 * 4 * numel:
-            raise StoreError(f"{path}: not a {_SNAPSHOT_FORMAT} of fragment {fragment_id}")
+            raise StoreError(f"{path}: not a {' or '.join(_READABLE_FORMATS)} snapshot of fragment {fragment_id}")
         value, momentum, residual, period_sum = (
             torch.frombuffer(body, dtype=torch.float32, offset=offset + i * 4 * numel, count=numel)
             for i in range(4))

@@ -14,7 +14,7 @@ from diloco.services.state import apply_update, state_hash
 from diloco.services.payload import decode_payload
 from diloco.services.wire import pb
 
-from diloco.syncer.core import ShardCore
+from diloco.syncer.core import NullSpool, ShardCore
 from diloco.syncer.refusal import Refusal
 from diloco.syncer import store
 from diloco.syncer.store import ShardStore, StoreError
@@ -236,6 +236,28 @@ def test_a_damaged_snapshot_never_loads_and_an_unfinished_one_is_ignored(tmp_pat
     (folder / "snapshot").write_bytes(bytes(data))
     with pytest.raises(StoreError, match="corrupted"):
         ShardStore(tmp_path).load()
+
+
+def test_a_state_written_in_format_5_restores_and_a_format_this_version_does_not_read_is_refused(
+        tmp_path, monkeypatch):
+    """Format 5 logs carry every payload in its record (no spaces): an upgraded shard replays
+    them and appends its own records after them."""
+    with monkeypatch.context() as older:
+        older.setattr(store, "_SNAPSHOT_FORMAT", "diloco.syncer-snapshot/5")
+        older.setattr(ShardStore, "spool", lambda self, fragment_id, payload: NullSpool())
+        shard = Shard(make_config(quorum=3), journal=ShardStore(tmp_path))
+        shard.push("a", 0, delta(1, shard.numel()))
+        original = views(shard.core)
+    assert [kind for _, _, kind in log_frames(tmp_path / "fragment-0")] == [store._CONTRIBUTION]
+    assert views(restarted(shard, tmp_path, rejoin=LEARNERS)) == original
+    shard.push("b", 0, delta(2, shard.numel()))
+    assert restarted(shard, tmp_path).status().fragments[0].pending_contributions == 2
+
+    with monkeypatch.context() as newer:
+        newer.setattr(store, "_SNAPSHOT_FORMAT", "diloco.syncer-snapshot/7")
+        Shard(make_config(), journal=ShardStore(tmp_path / "newer"), joined=("a",))
+    with pytest.raises(StoreError, match=r"snapshot: not a diloco.syncer-snapshot/5 or diloco.syncer-snapshot/6 "):
+        ShardStore(tmp_path / "newer").load()
 
 
 def test_a_lost_update_file_shortens_the_history_to_a_snapshot(tmp_path):
