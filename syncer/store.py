@@ -126,39 +126,33 @@ class ShardStore:
     def spool(self, fragment_id: int, payload: pb.PayloadHeader) -> "_LogSpace":
         with self._files(fragment_id) as files:
             start, tag = files.log_end, files.log_tag
-            written = _write_parts_at(files.log(), _frame([tag, _SPACE, _OFFSET.pack(payload.payload_bytes)]), start)
-            files.log_end = start + written + payload.payload_bytes
-            files.appended += written
-        self._written(written)
+            written = self._written(files.write_record(_frame([tag, _SPACE, _OFFSET.pack(payload.payload_bytes)]),
+                                                       then_leave=payload.payload_bytes))
         return _LogSpace(files, tag, start, start + written, payload.payload_bytes, self._flusher, self.counters)
 
     def append(self, fragment_id: int, contribution: LoggedContribution, spool: Spool) -> None:
         header = contribution.header.SerializeToString()
         head = [_ROUND.pack(contribution.round), _LENGTH.pack(len(header)), header]
         with self._files(fragment_id) as files:
-            if isinstance(spool, _LogSpace) and spool.holds_payload(files):
+            if isinstance(spool, _LogSpace) and spool.holds_payload():
                 record = _frame([files.log_tag, _SPOOLED, *head, _OFFSET.pack(spool.offset)])
             else:  # no space, or a snapshot started the log over while the payload streamed in
                 # Written part by part, without joining the parts into one copy, and without reading
                 # the payload for its checksum again: its crc32 was verified on receipt.
                 record = _frame([files.log_tag, _CONTRIBUTION, *head],
                                 contribution.payload, contribution.header.payload.crc32)
-            written = self._written(_write_parts_at(files.log(), record, files.log_end))
-            files.log_end += written
-            files.appended += written
+            self._written(files.write_record(record))
 
     def close_round(self, fragment_id: int, close: LoggedClose) -> None:
         body = json.dumps({"closed": close.closed.__dict__, "base_state_hash": close.base_state_hash}).encode()
         with self._files(fragment_id) as files:
             start = files.log_end
+            self._written(files.write_record(_frame([files.log_tag, _CLOSE, body])))
             try:
-                written = self._written(_write_parts_at(files.log(), _frame([files.log_tag, _CLOSE, body]), start))
                 _sync_data(files.log())
             except OSError:  # the round stays open: its next record goes over this one
                 files.log_end = start
                 raise
-            files.log_end += written
-            files.appended += written
             files.durable = files.appended
 
     def sync(self, fragment_id: int) -> None:
@@ -290,6 +284,15 @@ class _FragmentFiles:
         self.log_tag = os.urandom(_TAG_BYTES)  # the log's; the committed snapshot names it
         self._log_fd: int | None = None
 
+    def write_record(self, record: list, then_leave: int = 0) -> int:
+        """Writes the framed record at the log's end, and leaves `then_leave` bytes after it
+        for what goes there later (a space's payload); returns the record's size. Called with
+        self.lock held."""
+        written = _write_parts_at(self.log(), record, self.log_end)
+        self.log_end += written + then_leave
+        self.appended += written
+        return written
+
     def sync(self) -> None:
         """Makes every byte written to the log by now durable. A group commit: the M pushes of
         a round arrive together, and a push that waited for another's fdatasync (or the
@@ -396,10 +399,10 @@ class _LogSpace:
         self.flusher.request(files)
         self.counters.add("journal_bytes", written)
 
-    def holds_payload(self, files: _FragmentFiles) -> bool:
+    def holds_payload(self) -> bool:
         """Whether the space, still part of the log, holds the whole payload; called with
-        files.lock held."""
-        return files is self.files and not self._void and files.log_tag == self.tag and self._next == self._end
+        self.files.lock held."""
+        return not self._void and self.files.log_tag == self.tag and self._next == self._end
 
 
 def _log_entry(path: pathlib.Path, offset: int, body: memoryview,

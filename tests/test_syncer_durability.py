@@ -150,6 +150,23 @@ def test_a_space_no_record_names_is_stepped_over_by_the_restart(tmp_path, how):
     assert [key.learner_id for key in expected] == ["a", "c"]
 
 
+def test_a_push_whose_payload_header_does_not_add_up_writes_nothing_to_the_log(tmp_path):
+    """Refused before its space is made: a payload_bytes that its numel does not take would
+    otherwise reserve that much log."""
+    shard = Shard(make_config(quorum=3), journal=ShardStore(tmp_path))
+    shard.push("a", 0, delta(1, shard.numel()))
+    log = tmp_path / "fragment-0" / "round.log"
+    before = log.read_bytes()
+    header, *chunks = shard.requests("b", 0, delta(2, shard.numel()))
+    header.header.payload.payload_bytes = 1 << 40
+    with pytest.raises(Refusal, match="payload_bytes=1099511627776") as refused:
+        shard.core.push([header, *chunks])
+    assert (refused.value.status, refused.value.reason) == ("INVALID_ARGUMENT", "bad_payload_header")
+    assert log.read_bytes() == before
+    shard.push("b", 0, delta(2, shard.numel()))
+    assert [key.learner_id for key in restarted(shard, tmp_path).fragments[0].round.contributions] == ["a", "b"]
+
+
 def test_a_crash_while_a_push_streams_in_ends_the_log_at_its_space(tmp_path):
     """The space runs past the end of the file: the log ends where it starts, and the next
     record is written there."""
