@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DILOCO := $(VENV)/bin/diloco
 
-.PHONY: demo test bench benchmarks install clean
+.PHONY: demo test bench benchmarks gpu-check install clean
 
 install: $(VENV)/.installed
 
@@ -41,6 +41,13 @@ bench: install
 # writes bench/results.json and bench/plots/. `$(PY) bench/run_all.py --quick` takes minutes.
 benchmarks: install
 	$(PY) bench/run_all.py
+
+# The GPU paths on this machine's GPUs, in minutes (docs/gpus.md): CUDA tests, device memory of a
+# sync, a checkpoint, an export and a restore, two bf16 learners, a NCCL island, the user loop.
+# Says so in one line where there is no GPU. `make gpu-check PY=python3` uses a Python that
+# already has CUDA torch and this package installed instead of .venv; ARGS="--json F" keeps the figures.
+gpu-check: $(if $(filter $(VENV)/bin/python,$(PY)),install)
+	$(PY) scripts/gpu_check.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .diloco .pytest_cache

@@ -2,7 +2,7 @@
 AdamW, batches of random bytes) with `DecoupledDiLoCo` syncing, against the same loop with
 `DecoupledDiLoCo(enabled=False)`, both in this process, against a real shard process on loopback.
 
-    python bench/user_loop.py [--pairs 3] [--sizes demo 25M] [--json PATH]
+    python bench/user_loop.py [--pairs 3] [--sizes demo 25M] [--device cuda] [--json PATH]
 
 Two sizes: the demo's model and sync settings (examples/local-4-regions.yaml: 446k parameters,
 H=50, P=4, tau=3, int4), and a GPT of 25M parameters (8 layers, width 512) with H=16, so that
@@ -16,7 +16,8 @@ Also times every `sync.step()` of the syncing runs: on a step where nothing was 
 started and no result applied), p50 and p90 in microseconds and p50 as a share of the sync-off
 step; and all calls together per step (what the API itself takes on the training thread, where
 the rest of the ratio is the sync's work elsewhere competing for the cores). Exits 1 when a size
-misses the target.
+misses the target. `--device cuda` trains the model on the GPU (make gpu-check); the sync's
+state stays in host memory as always.
 """
 from __future__ import annotations
 
@@ -58,13 +59,17 @@ SIZES = {size.name: size for size in (
     Size("demo", steps=100, config={}),
     Size("25M", steps=24, config={"model": {"n_layer": 8, "n_head": 8, "n_embd": 512, "seq_len": 64},
                                   "trainer": {"batch_size": 4}, "sync": {"interval_steps": 16}}),
+    # A GPU's size (make gpu-check): too slow for the default CPU run.
+    Size("85M", steps=64, config={"model": {"n_layer": 12, "n_head": 12, "n_embd": 768, "seq_len": 256},
+                                  "trainer": {"batch_size": 8}, "sync": {"interval_steps": 16}}),
 )}
+DEFAULT_SIZES = ("demo", "25M")
 
 
-def random_batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def random_batches(cfg: Config, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     windows = torch.randint(256, (DISTINCT_BATCHES, cfg.trainer.batch_size, cfg.model.seq_len + 1), generator=generator)
-    return [(w[:, :-1], w[:, 1:]) for w in windows]
+    return [(w[:, :-1].to(device), w[:, 1:].to(device)) for w in windows]
 
 
 def user_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -74,15 +79,15 @@ def user_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch
     optimizer.zero_grad()
 
 
-def fresh_model(cfg: Config) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = build_model(cfg.model, seed=cfg.run.seed)
+def fresh_model(cfg: Config, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = build_model(cfg.model, seed=cfg.run.seed).to(device)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def warm_up(cfg: Config, batches: list) -> None:
+def warm_up(cfg: Config, batches: list, device: torch.device) -> None:
     """A few steps outside any measured run: torch.optim's first step imports torch._dynamo
     (about a second), which would otherwise land in whichever run comes first."""
-    model, optimizer = fresh_model(cfg)
+    model, optimizer = fresh_model(cfg, device)
     for x, y in batches[:3]:
         user_step(model, optimizer, x, y)
 
@@ -94,12 +99,13 @@ class Run:
     step_calls: list[float]  # seconds of every `sync.step()` call
     idle_calls: list[float]  # of those on a step where nothing was due
     syncs: int  # started
+    blocked_seconds: float  # waiting in sync.step() for results past tau
 
 
-def timed_run(cfg: Config, batches: list, enabled: bool) -> Run:
+def timed_run(cfg: Config, batches: list, enabled: bool, device: torch.device) -> Run:
     """The user's loop to the end of the config's step budget."""
-    model, optimizer = fresh_model(cfg)
-    run = Run(0.0, [], [], 0)
+    model, optimizer = fresh_model(cfg, device)
+    run = Run(0.0, [], [], 0, 0.0)
     with DecoupledDiLoCo(model, cfg, cfg.learners[0].id, enabled=enabled, catch_up_seconds=0) as sync:
         started = time.perf_counter()
         while not sync.should_stop:
@@ -109,26 +115,31 @@ def timed_run(cfg: Config, batches: list, enabled: bool) -> Run:
             called = time.perf_counter()
             applied = sync.step(tokens=x.numel())
             run.step_calls.append(time.perf_counter() - called)
+            if device.type == "cuda" and len(run.step_calls) % 10 == 0:
+                torch.cuda.synchronize(device)  # a loop that reads its loss now and then: the GPU never runs far ahead
             if sync.sync and not applied and sync.sync.stats.syncs_started == syncs_before:
                 run.idle_calls.append(run.step_calls[-1])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         run.seconds_per_step = (time.perf_counter() - started) / len(run.step_calls)
         run.syncs = sync.sync.stats.syncs_started if sync.sync else 0
+        run.blocked_seconds = sync.sync.stats.blocked_seconds if sync.sync else 0.0
     return run
 
 
-def measure(size: Size, pairs: int) -> dict:
+def measure(size: Size, pairs: int, device: torch.device) -> dict:
     runs: dict[bool, list[Run]] = {False: [], True: []}  # by sync enabled
     for pair in range(pairs):
         with tempfile.TemporaryDirectory() as tmp:
             cfg = one_learner_config(DEMO_CONFIG, pathlib.Path(tmp) / "state", size.steps, **size.config)
-            batches = random_batches(cfg)
+            batches = random_batches(cfg, device)
             if pair == 0:
-                warm_up(cfg, batches)
+                warm_up(cfg, batches, device)
             cluster = LocalCluster(cfg, pathlib.Path(tmp) / "run")
             try:
                 cluster.start_shards()
                 for enabled in ((False, True) if pair % 2 == 0 else (True, False)):
-                    runs[enabled].append(timed_run(cfg, batches, enabled))
+                    runs[enabled].append(timed_run(cfg, batches, enabled, device))
             finally:
                 cluster.stop()
     off, on = [run.seconds_per_step for run in runs[False]], [run.seconds_per_step for run in runs[True]]
@@ -139,13 +150,14 @@ def measure(size: Size, pairs: int) -> dict:
     # shard, which competes with the loop for the machine's cores.
     step_calls = statistics.median(sum(run.step_calls) / len(run.step_calls) for run in runs[True])
     model = build_model(cfg.model, seed=0)
-    return {"size": size.name, "model_parameters": sum(p.numel() for p in model.parameters()),
+    return {"size": size.name, "device": str(device), "model_parameters": sum(p.numel() for p in model.parameters()),
             "layers": cfg.model.n_layer, "width": cfg.model.n_embd, "seq_len": cfg.model.seq_len,
             "batch_size": cfg.trainer.batch_size, "steps": size.steps, "H": cfg.sync.interval_steps,
             "P": cfg.sync.fragments, "tau": cfg.sync.overlap_steps, "codec": cfg.sync.codec,
             "sync_off_step_seconds": off_median, "sync_on_step_seconds": on_median, "ratio": on_median / off_median,
             "pair_ratios": [b / a for a, b in zip(off, on)], "runs_off": off, "runs_on": on,
             "syncs_per_run": statistics.median(run.syncs for run in runs[True]),
+            "blocked_seconds_per_step": statistics.median(run.blocked_seconds / len(run.step_calls) for run in runs[True]),
             "step_calls_seconds_per_step": step_calls, "step_calls_share": step_calls / off_median,
             "idle_step_call_seconds": {"p50": statistics.median(idle_calls),
                                        "p90": statistics.quantiles(idle_calls, n=10)[8], "calls": len(idle_calls)},
@@ -155,14 +167,16 @@ def measure(size: Size, pairs: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
+    parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(DEFAULT_SIZES))
+    parser.add_argument("--device", default="cpu", help="where the model trains: cpu (default) or cuda")
     parser.add_argument("--json", help="also write the figures here (bench/run_all.py reads them)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    device = torch.device(args.device)
     load_before = os.getloadavg()[0]
-    rows = [measure(SIZES[name], args.pairs) for name in args.sizes]
+    rows = [measure(SIZES[name], args.pairs, device) for name in args.sizes]
     load_after = os.getloadavg()[0]
-    print(f"user loop: sync on vs enabled=False, median of {args.pairs} alternating pairs, 1 torch thread; "
+    print(f"user loop on {device}: sync on vs enabled=False, median of {args.pairs} alternating pairs, 1 torch thread; "
           f"load average {load_before:.2f} at the start, {load_after:.2f} at the end")
     for r in rows:
         verdict = "met" if r["ratio"] <= TARGET_RATIO else "MISSED"
@@ -174,7 +188,8 @@ def main() -> int:
               f"{min(r['pair_ratios']):.3f} to {max(r['pair_ratios']):.3f}), target <= {TARGET_RATIO} {verdict}; "
               f"sync.step() with nothing due {idle['p50'] * 1e6:.0f} us p50, {idle['p90'] * 1e6:.0f} us p90 "
               f"({r['idle_step_call_share']:.3%} of the step); every sync.step() call "
-              f"{r['step_calls_seconds_per_step'] * 1e3:.2f} ms per step ({r['step_calls_share']:.2%} of the step)")
+              f"{r['step_calls_seconds_per_step'] * 1e3:.2f} ms per step ({r['step_calls_share']:.2%} of the step), "
+              f"of which blocked waiting for results {r['blocked_seconds_per_step'] * 1e3:.2f} ms")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({
             "target_ratio": TARGET_RATIO, "pairs": args.pairs, "torch_threads": 1,

@@ -1,6 +1,7 @@
-"""The learner's checkpoint: model, inner optimizer, counters, data position, the CPU random
-state (dropout), and whatever the sync client keeps in `extra` (anchors, versions,
-error-feedback residuals).
+"""The learner's checkpoint: model, inner optimizer, counters, data position, the random state
+of the CPU and of the model's GPUs (dropout), and whatever the sync client keeps in `extra`
+(anchors, versions, error-feedback residuals). Every tensor is copied to host memory as it is
+taken (learner/host_copy.py): taking a checkpoint needs no room on the model's device.
 
 The file is exactly what torch.save writes, so a user opens it with
 `torch.load(path, weights_only=True)`. torch.load happily loads a file whose middle was
@@ -12,7 +13,6 @@ previous checkpoint or the new one, never half of one.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import pathlib
@@ -24,24 +24,44 @@ import torch
 from torch import nn
 
 from diloco.learner.adamw import AdamW
+from diloco.learner.host_copy import to_host
 
 log = logging.getLogger(__name__)
 
 def checkpoint_state(*, model: nn.Module, optimizer: AdamW, step: int, tokens: int,
                      data_state: dict, extra: dict) -> dict:
-    """A copy of the state as it is now, so training may go on while it is serialised and
-    written (a memory copy: a few milliseconds, where serialising takes several times as long).
-    `data_state` and `extra` may hold tensors and plain Python containers, numbers and strings
-    (what torch.load(weights_only=True) reads)."""
-    return copy.deepcopy({
+    """A copy of the state as it is now, in host memory, so training may go on while it is
+    serialised and written (a memory copy: a few milliseconds, where serialising takes several
+    times as long). `data_state` and `extra` may hold tensors and plain Python containers,
+    numbers and strings (what torch.load(weights_only=True) reads)."""
+    return to_host({
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "step": step,
         "tokens": tokens,
         "data": data_state,
         "rng": torch.get_rng_state(),
+        "cuda_rng": [torch.cuda.get_rng_state(device) for device in cuda_devices(model)],
         "extra": extra,
     })
+
+
+def cuda_devices(model: nn.Module) -> list[torch.device]:
+    """The GPUs the model's parameters are on, in index order (none on the CPU)."""
+    return sorted({p.device for p in model.parameters() if p.is_cuda}, key=lambda device: device.index)
+
+
+def restore_rng(checkpoint: dict, model: nn.Module) -> None:
+    """The checkpoint's random state, on the CPU and on the model's GPUs (the GPUs' states in
+    index order, as taken). A checkpoint of another number of GPUs restores the CPU's alone."""
+    torch.set_rng_state(checkpoint["rng"])
+    saved, devices = checkpoint.get("cuda_rng", []), cuda_devices(model)
+    if len(saved) != len(devices):
+        log.warning("checkpoint holds the random state of %d GPU(s), the model is on %d: the GPUs' random "
+                    "streams (dropout) start afresh", len(saved), len(devices))
+        return
+    for state, device in zip(saved, devices):
+        torch.cuda.set_rng_state(state, device)
 
 
 def write_checkpoint(path: str | os.PathLike, state: dict) -> None:
@@ -103,7 +123,7 @@ class CheckpointWriter:
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict | None:
-    """The checkpoint at `path` (keys model, optimizer, step, tokens, data, rng, extra), or None
+    """The checkpoint at `path` (keys model, optimizer, step, tokens, data, rng, cuda_rng, extra), or None
     when there is none or it is damaged; a damaged one is logged as a warning and left in place."""
     path = pathlib.Path(path)
     if not path.exists():

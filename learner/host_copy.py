@@ -1,7 +1,9 @@
-"""A fragment's parameters copied to host memory, as flat fp32, for a sync to encode.
+"""Copies off the model's device: a fragment for a sync to encode, and a whole state for a
+checkpoint, each straight into host memory (never a second copy on the device).
 
     copy = copy_to_host(fragment, params)   # training thread: returns once the copy is queued
     values = copy.wait()                    # sync thread: blocks until the values are on the host
+    state = to_host({"model": model.state_dict(), ...})   # every tensor copied to the host
 
 On the CPU this is a plain copy (gather). On a GPU the fragment is gathered into one flat fp32
 buffer on the device, on the training stream (ordered before the optimizer's next in-place
@@ -15,8 +17,9 @@ and the codecs and the wire work on host tensors.
 """
 from __future__ import annotations
 
+import copy
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -56,3 +59,39 @@ def copy_to_host(fragment: Fragment, params: Mapping[str, torch.Tensor]) -> Host
         copied.record(stream)
     flat.record_stream(stream)  # the allocator must not hand flat's memory out before the copy ran
     return HostCopy(host, copied)
+
+
+def to_host(state):
+    """A deep copy of `state` (dicts, lists and tuples of tensors and plain values) whose tensors
+    are all in host memory. Each tensor is copied to the host on its own, so a model that fills its
+    GPU needs no room there for a copy of itself; CUDA tensors go into pinned memory with copies
+    queued on the current stream one after another, and one wait per device ends them all."""
+    tensors = list(_tensors(state))
+    copies: dict[tuple | int, torch.Tensor] = {}  # a value held twice (tied weights) is copied once
+    for t in tensors:
+        if _value_of(t) not in copies:
+            copies[_value_of(t)] = t.detach().to("cpu", non_blocking=t.is_cuda, copy=True)
+    for device in {t.device for t in tensors if t.is_cuda}:
+        torch.cuda.current_stream(device).synchronize()
+    # The containers as they were, each tensor replaced by its host copy.
+    return copy.deepcopy(state, memo={id(t): copies[_value_of(t)] for t in tensors})
+
+
+def _value_of(t: torch.Tensor) -> tuple | int:
+    """The same key for tensors that view the same values (state_dict() gives tied weights as
+    two tensors over one storage); a tensor without storage (meta) is its own."""
+    address = t.untyped_storage().data_ptr()
+    if not address:
+        return id(t)
+    return t.device, address, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
+
+
+def _tensors(value) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)

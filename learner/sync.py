@@ -31,6 +31,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Callable, Mapping
 
 import grpc
@@ -41,7 +42,7 @@ from diloco.learner.schedule import LearnerSchedule, merged_fragment
 from diloco.services.client import PullResult, ShardClient, StateHashMismatch, TransferObserver, WanLink
 from diloco.services.codecs import ErrorFeedback, get_codec
 from diloco.services.config import Config
-from diloco.services.fragments import Fragment, FragmentPlan, assemble, device_of, gather, scatter
+from diloco.services.fragments import Fragment, FragmentPlan, assemble, pieces, scatter, to_device
 from diloco.services.state import state_hash
 from diloco.services.tls import Identity
 from diloco.services.wire import pb
@@ -99,9 +100,9 @@ class FragmentSync:
     feedback: ErrorFeedback
     in_flight: Future | None = None
     pushed: threading.Event = field(default_factory=threading.Event)  # the in-flight push was answered
-    # The fragment after the apply step of a result that was not in by then (fp32, on the
-    # model's device): the steps trained since are kept on top of the result (merged_fragment).
-    local_at_apply: torch.Tensor | None = None
+    # The fragment after the apply step of a result that was not in by then (fp32, copied to the
+    # host): the steps trained since are kept on top of the result (merged_fragment).
+    local_at_apply: HostCopy | None = None
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ class SyncOutcome:
     bytes_down: int = 0
     seconds: float = 0.0
     reanchored: bool = False  # the anchor is the shard's value after it lost the one we held
+    staged: torch.Tensor | None = None  # the anchor in pinned memory (a model on a GPU): copied there without a wait
 
 
 @dataclass
@@ -172,6 +174,7 @@ class StreamingSync:
         self.incarnation = incarnation if incarnation is not None else time.time_ns()
         self.manifest = [(name, tuple(p.shape)) for name, p in params.items()]
         self.plan = plan
+        self._on_gpu = any(p.is_cuda for p in params.values())
         self.codec = get_codec(cfg.sync.codec)
         wan = WanLink(cfg.rpc.wan_mbps) if cfg.rpc.wan_mbps else None
         self.links = [ShardLink(i, ShardClient(s.address, cfg.rpc, learner_id, self.incarnation, wan, observer,
@@ -508,6 +511,8 @@ class StreamingSync:
             if result is None:
                 return outcome
             result, outcome.anchor = self._apply_checked(link, result, anchor)
+            if outcome.anchor is not None and self._on_gpu:
+                outcome.staged = outcome.anchor.pin_memory()  # here, not on the training thread
         except StateHashMismatch as mismatch:  # a snapshot too: nothing to trust from this shard now
             log.error("%s; skipping this sync", mismatch)
             return outcome
@@ -604,7 +609,7 @@ class StreamingSync:
             if fragment_schedule.missed():
                 log.debug("fragment %d: result still out after %.2fs; training on", state.fragment.id,
                           fragment_schedule.blocked_seconds)
-                state.local_at_apply = gather(state.fragment, self.params)
+                state.local_at_apply = copy_to_host(state.fragment, self.params)
             return False
         outcome: SyncOutcome = future.result()
         state.in_flight = None
@@ -627,20 +632,29 @@ class StreamingSync:
         if outcome.reanchored:
             self._count_reanchor(state.fragment.id, state.version, outcome.version)
             state.feedback.residual.zero_()  # what it held was built on a value the run lost
-        self._adopt(state, outcome.anchor, outcome.version, local_at_apply)
+        self._adopt(state, outcome.anchor, outcome.version, local_at_apply, outcome.staged)
         self.stats.syncs_applied += 1
         return True
 
     def _adopt(self, state: FragmentSync, global_value: torch.Tensor, version: int,
-               local_at_apply: torch.Tensor | None = None) -> None:
+               local_at_apply: HostCopy | None = None, staged: torch.Tensor | None = None) -> None:
         """The one way a new global value is taken: it becomes the anchor, and the model's
-        fragment is merged with it (merged_fragment; `local_at_apply` for a late result)."""
+        fragment is merged with it (merged_fragment; `local_at_apply` for a late result) one
+        tensor at a time, in fp32 on the model's device: no fragment-sized buffer there. From
+        pinned memory (`staged`, the same values) the copies to the GPU queue without waiting."""
         with self._lock:  # read as a pair by a rejoin's _held
             state.anchor, state.version = global_value, version
-        local = gather(state.fragment, self.params)  # fp32, on the model's device, as local_at_apply
-        on_device = global_value.to(device_of(state.fragment, self.params))
-        scatter(state.fragment, merged_fragment(self.cfg.sync.mix_alpha, on_device, local, local_at_apply),
-                self.params)
+        source = global_value if staged is None else staged
+        if self.cfg.sync.mix_alpha == 0 and local_at_apply is None:  # overwritten: straight from the host
+            scatter(state.fragment, source, self.params)
+            return
+        at_apply = repeat(None) if local_at_apply is None else \
+            (piece for _, piece in pieces(state.fragment, local_at_apply.wait(), self.params))
+        with torch.no_grad():
+            for (param, global_piece), at_apply_piece in zip(pieces(state.fragment, source, self.params), at_apply):
+                param.copy_(merged_fragment(self.cfg.sync.mix_alpha, to_device(global_piece, param.device),
+                                            param.float(), None if at_apply_piece is None
+                                            else to_device(at_apply_piece, param.device)))
 
     # ---- heartbeats, leave, final state ---------------------------------------------
 

@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from diloco.learner.adamw import AdamW
-from diloco.learner.checkpoint import checkpoint_state
+from diloco.learner.checkpoint import checkpoint_state, restore_rng
 from diloco.learner.data import DataSource, build_data
 from diloco.learner.model import build_model
 from diloco.services.config import Config, InnerOptimizerConfig, TrainerConfig
@@ -167,6 +167,6 @@ class Trainer:
         self.model.load_state_dict(checkpoint["model"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         self.data.load_state_dict(checkpoint["data"])
-        torch.set_rng_state(checkpoint["rng"])
+        restore_rng(checkpoint, self.model)
         self.step = checkpoint["step"]
         self.tokens = checkpoint["tokens"]

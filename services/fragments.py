@@ -24,7 +24,7 @@ import heapq
 import json
 import math
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -163,15 +163,28 @@ def gather(fragment: Fragment, params: Mapping[str, torch.Tensor]) -> torch.Tens
 def scatter(fragment: Fragment, flat: torch.Tensor, params: Mapping[str, torch.Tensor]) -> None:
     """Copy the slices of `flat` back into the fragment's parameters, in place (each keeps its
     device and dtype)."""
+    with torch.no_grad():
+        for param, piece in pieces(fragment, flat, params):
+            param.copy_(piece, non_blocking=piece.is_pinned())
+
+
+def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`values` on `device`: from pinned host memory without waiting (torch keeps that memory
+    until the copy has run), from other memory as a plain copy."""
+    return values.to(device, non_blocking=values.is_pinned())
+
+
+def pieces(fragment: Fragment, flat: torch.Tensor,
+           params: Mapping[str, torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each of the fragment's parameters with its slice of `flat` (a fragment's flat vector),
+    shaped like it; where `flat` lives and its dtype stay as they are."""
     if flat.dim() != 1 or flat.numel() != fragment.numel:
         raise ValueError(
             f"fragment {fragment.id} expects a 1-D vector of {fragment.numel} elements, "
             f"got shape {tuple(flat.shape)}"
         )
-    with torch.no_grad():
-        for slot in fragment.tensors:
-            param = _checked_param(slot, params)
-            param.copy_(flat[slot.offset : slot.offset + slot.numel].reshape(slot.shape))
+    for slot in fragment.tensors:
+        yield _checked_param(slot, params), flat[slot.offset : slot.offset + slot.numel].reshape(slot.shape)
 
 
 def assemble(manifest: Sequence[tuple[str, Sequence[int]]],

@@ -1,29 +1,36 @@
 """Devices, precision and batch: a fragment goes to host memory and comes back exactly, a sync
 leaves every parameter on its device in its dtype (bf16 included) with fp32 anchors on the
-host, the built-in learner trains under bf16 autocast and with gradient accumulation and ends
-holding the shards' bits, and a device or precision the config or the machine cannot give is
-refused naming the key. CUDA cases run where torch sees a GPU and are skipped elsewhere."""
+host, a checkpoint takes no room on the model's device and carries its random state, the
+built-in learner trains under bf16 autocast and with gradient accumulation and ends holding the
+shards' bits, and a device or precision the config or the machine cannot give is refused naming
+the key. CUDA cases (marked `cuda`: `make gpu-check` runs them) run where torch sees a GPU and
+are skipped elsewhere."""
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from diloco import ConfigError, DecoupledDiLoCo
+from diloco.learner.adamw import AdamW
+from diloco.learner.checkpoint import checkpoint_state, restore_rng
 from diloco.learner.device import DeviceUnavailable, resolve_device
 from diloco.learner.host_copy import copy_to_host
-from diloco.learner.train import manifest, named_parameters
-from diloco.services.config import dump_config
+from diloco.learner.model import build_model
+from diloco.learner.train import Trainer, make_optimizer, manifest, named_parameters
+from diloco.services.config import GPTConfig, InnerOptimizerConfig, dump_config
 from diloco.services.fragments import plan_fragments, scatter
 from tests.cluster_config import running_shards, tiny_cluster
 from tests.test_learner_cluster import (cluster_factory, held_fragments, shard_fragments,  # noqa: F401 (fixture)
                                         wait_for_learners_to_finish)
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="no CUDA device"))]
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 DTYPES = [torch.float32, torch.bfloat16]
 TOKENS_PER_STEP = 16
 
@@ -150,3 +157,92 @@ def test_a_learner_asked_for_cuda_without_cuda_exits_1_naming_the_key(tmp_path):
     assert result.returncode == 1, result.stderr
     assert "trainer.device: 'cuda' asks for a GPU, but this machine has no CUDA device" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+class MetaAsAccelerator(TorchDispatchMode):
+    """Code given a model on the meta device runs as if meta were an accelerator with no memory
+    to spare: a copy from it to the host gives a host tensor of the right shape and dtype, and
+    every other operation that makes a new meta tensor counts its bytes as allocated there."""
+
+    def __init__(self):
+        super().__init__()
+        self.device_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if func is torch.ops.aten._to_copy.default and source is not None and source.is_meta \
+                and kwargs.get("device") == torch.device("cpu"):
+            return torch.zeros(source.shape, dtype=kwargs.get("dtype") or source.dtype)
+        out = func(*args, **kwargs)
+        if all(r.alias_info is None for r in func._schema.returns):  # a new tensor, not a view or in place
+            for tensor in out if isinstance(out, (list, tuple)) else [out]:
+                if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                    self.device_bytes += tensor.numel() * tensor.element_size()
+        return out
+
+
+def test_a_checkpoint_copies_the_model_and_optimizer_to_the_host_without_a_copy_on_their_device():
+    with torch.device("meta"):
+        model = build_model(GPTConfig(n_layer=2, n_head=2, n_embd=64, seq_len=32), seed=0)
+    optimizer = make_optimizer(model, InnerOptimizerConfig())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # its moments exist, on the meta device like the model
+    with MetaAsAccelerator() as device:
+        state = checkpoint_state(model=model, optimizer=optimizer, step=1, tokens=0, data_state={},
+                                 extra={"anchor": torch.zeros(3)})
+    assert device.device_bytes == 0
+    held = [state["model"][name] for name in model.state_dict()] + \
+        [moment for entry in state["optimizer"]["state"].values() for moment in (entry["exp_avg"], entry["exp_avg_sq"])]
+    assert len(held) == len(model.state_dict()) + 2 * len(list(model.parameters()))
+    assert all(tensor.device.type == "cpu" for tensor in held)
+
+
+def test_meta_as_an_accelerator_counts_a_copy_made_on_the_device():
+    """The check above can fail: a deep copy of the state, made where the state lives, is counted."""
+    model = nn.Linear(64, 64, device="meta")
+    with MetaAsAccelerator() as device:
+        [p.clone() for p in model.parameters()]
+    assert device.device_bytes == (64 * 64 + 64) * 4
+
+
+def test_a_checkpoint_keeps_a_tied_tensor_once_and_leaves_the_model_untouched():
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16, bias=False))
+    model[1].weight = model[0].weight  # tied, as GPT's embedding and head
+    optimizer = AdamW([{"params": model.parameters()}], lr=1e-3)
+    state = checkpoint_state(model=model, optimizer=optimizer, step=0, tokens=0, data_state={}, extra={})
+    assert state["model"]["0.weight"] is state["model"]["1.weight"]
+    state["model"]["0.weight"].zero_()
+    assert model[0].weight.abs().sum() > 0  # a copy, not the model's tensor
+    assert state["cuda_rng"] == []  # the model is on no GPU
+
+
+def test_a_checkpoint_of_other_gpus_restores_the_cpus_random_state_and_says_so(caplog):
+    model = nn.Linear(2, 2)
+    torch.manual_seed(3)
+    state = checkpoint_state(model=model, optimizer=AdamW([{"params": model.parameters()}], lr=1e-3), step=0,
+                             tokens=0, data_state={}, extra={})
+    expected = torch.rand(4)
+    state["cuda_rng"] = [torch.zeros(16, dtype=torch.uint8)]  # taken on a machine with one GPU
+    with caplog.at_level(logging.WARNING):
+        restore_rng(state, model)
+    assert torch.equal(torch.rand(4), expected)
+    assert "random state of 1 GPU(s), the model is on 0" in caplog.text
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_restored_checkpoint_continues_the_random_stream_of_the_models_device(tmp_path, device):
+    cfg = tiny_cluster(tmp_path / "state", shards=1, learners=1, model={"n_layer": 1, "n_head": 2, "n_embd": 32,
+                                                                         "seq_len": 32, "dropout": 0.5})
+    trainer = Trainer.from_config(cfg, cfg.learners[0].id, device=torch.device(device))
+    trainer.train_step()
+    checkpoint = trainer.checkpoint()
+    expected = trainer.train_step().loss  # its dropout masks come from the random state checkpointed
+    torch.manual_seed(99)
+    if device == "cuda":
+        torch.cuda.manual_seed(99)
+    resumed = Trainer.from_config(cfg, cfg.learners[0].id, device=torch.device(device))
+    resumed.restore(checkpoint)
+    assert [t.device.type for t in checkpoint["cuda_rng"]] == (["cpu"] if device == "cuda" else [])
+    assert resumed.train_step().loss == expected

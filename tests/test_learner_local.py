@@ -385,9 +385,10 @@ def test_learner_command_refuses_an_unknown_id_or_a_wrong_region():
 
 # --- sync: applying a round's result ------------------------------------------------------
 
-def _sync_with_a_held_result(tmp_path, monkeypatch):
-    """A StreamingSync of one fragment (H 4, tau 1, never blocking) whose push + pull is
-    replaced by one that returns the global value 100 once `release` is set."""
+def _sync_with_a_held_result(tmp_path, monkeypatch, mix_alpha=0.0, shapes=None):
+    """A StreamingSync of one fragment (H 4, tau 1, never blocking) of the tensors `shapes`
+    (default one of 8 values) whose push + pull is replaced by one that returns the global
+    value 100 once `release` is set."""
     import threading
     from diloco.learner.sync import FragmentSync, StreamingSync, SyncOutcome
     from diloco.services.codecs import ErrorFeedback, get_codec
@@ -397,23 +398,26 @@ def _sync_with_a_held_result(tmp_path, monkeypatch):
 
     cfg = tiny_cluster(tmp_path, shards=1, learners=1, tls={"mode": "plaintext"},
                        sync={"fragments": 1, "interval_steps": 4, "overlap_steps": 1, "codec": "fp32",
-                             "max_block_seconds": 0.0})
-    params = {"w": torch.zeros(8)}
-    plan = plan_for_config(cfg, [("w", (8,))])
+                             "max_block_seconds": 0.0, "mix_alpha": mix_alpha})
+    shapes = shapes or {"w": (8,)}
+    params = {name: torch.zeros(shape) for name, shape in shapes.items()}
+    plan = plan_for_config(cfg, list(shapes.items()))
+    numel = plan.fragments[0].numel
     sync = StreamingSync(cfg, cfg.learners[0].id, cfg.learners[0].region, params, plan, identity=None)
     fragment = plan.fragments[0]
-    sync.fragments[0] = FragmentSync(fragment, torch.zeros(8), 0,
-                                     ErrorFeedback(get_codec("fp32"), 8, cfg.sync.codec_block_size))
+    sync.fragments[0] = FragmentSync(fragment, torch.zeros(numel), 0,
+                                     ErrorFeedback(get_codec("fp32"), numel, cfg.sync.codec_block_size))
     release = threading.Event()
     monkeypatch.setattr(sync, "_push_and_pull", lambda *_: (release.wait(10),
-                        SyncOutcome(torch.full((8,), 100.0), 1, pb.PUSH_RESULT_ACCEPTED))[1])
+                        SyncOutcome(torch.full((numel,), 100.0), 1, pb.PUSH_RESULT_ACCEPTED))[1])
     return sync, params, release
 
 
 def _train_until_applied(sync, params, release, release_after_step: int) -> int:
     """Inner steps that each add 1 to every weight; returns the step that applied the result."""
     for step in range(20):
-        params["w"] += 1
+        for param in params.values():
+            param += 1
         if sync.after_step(step, tokens=10, step_seconds=0.01):
             return step
         if step == release_after_step:
@@ -449,4 +453,16 @@ def test_a_late_result_keeps_the_steps_trained_past_its_apply_step(tmp_path, mon
         step += 1
         sync.after_step(step, tokens=10, step_seconds=0.01)
     assert step == started + sync.cfg.sync.interval_steps + 2 and sync.stats.held_steps == 2
+    sync.close(leave=False)
+
+
+def test_a_late_result_is_averaged_into_every_tensor_of_the_fragment_as_at_its_apply_step(tmp_path, monkeypatch):
+    sync, params, release = _sync_with_a_held_result(tmp_path, monkeypatch, mix_alpha=0.5,
+                                                     shapes={"w": (8,), "v": (2, 3)})
+    started = sync.plan.fragments[0].offset_step
+    _train_until_applied(sync, params, release, release_after_step=started + 2)
+    at_apply = started + 2  # every weight after step started + 1, the apply step (tau 1)
+    expected = 0.5 * at_apply + 0.5 * 100.0 + 2  # averaged as then, the two steps since added back
+    for name, param in params.items():
+        assert torch.equal(param, torch.full(param.shape, expected)), name
     sync.close(leave=False)
