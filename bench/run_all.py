@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from bench.report import render  # noqa: E402
 from diloco.services.config import load_config  # noqa: E402
-from diloco.localcluster.sim import Chaos  # noqa: E402
+from diloco.localcluster.chaos import Chaos  # noqa: E402
 
 SECTIONS = ("quality", "bandwidth", "goodput", "overlap", "transport", "recovery", "user_loop", "hf")
 QUALITY_TARGET = 0.02  # diloco's final loss within 2 % of dp's (issue #8)

@@ -168,7 +168,7 @@ class DecoupledDiLoCo:
                 raise OSError(error.errno, f"learner {self.learner.id}: cannot write its state folder "
                               f"{self.state_dir}: {error.strerror}") from None
             self.report = Report(self.state_dir / "report.json", self.learner.id, self.learner.region,
-                                 self._restored.get("report"))
+                                 self._restored.get("report"), self.plan.total_numel)
             try:
                 self._start_leader()
             except BaseException:

@@ -29,21 +29,28 @@ from diloco.learner.host_copy import to_host
 log = logging.getLogger(__name__)
 
 def checkpoint_state(*, model: nn.Module, optimizer: AdamW, step: int, tokens: int,
-                     data_state: dict, extra: dict) -> dict:
+                     data_state: dict, extra: dict, ranks: list[dict] | None = None) -> dict:
     """A copy of the state as it is now, in host memory, so training may go on while it is
     serialised and written (a memory copy: a few milliseconds, where serialising takes several
     times as long). `data_state` and `extra` may hold tensors and plain Python containers,
-    numbers and strings (what torch.load(weights_only=True) reads)."""
+    numbers and strings (what torch.load(weights_only=True) reads). `ranks`: every rank's
+    rank_state of an island, in rank order (the model and optimizer are the same on all)."""
     return to_host({
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "step": step,
         "tokens": tokens,
-        "data": data_state,
-        "rng": torch.get_rng_state(),
-        "cuda_rng": [torch.cuda.get_rng_state(device) for device in cuda_devices(model)],
+        **rank_state(model, data_state),
+        "ranks": ranks or [],
         "extra": extra,
     })
+
+
+def rank_state(model: nn.Module, data_state: dict) -> dict:
+    """What one process holds of its own: its data position and the random state of its CPU
+    and of the model's GPUs."""
+    return {"data": data_state, "rng": torch.get_rng_state(),
+            "cuda_rng": [torch.cuda.get_rng_state(device) for device in cuda_devices(model)]}
 
 
 def cuda_devices(model: nn.Module) -> list[torch.device]:
@@ -123,7 +130,7 @@ class CheckpointWriter:
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict | None:
-    """The checkpoint at `path` (keys model, optimizer, step, tokens, data, rng, cuda_rng, extra), or None
+    """The checkpoint at `path` (keys model, optimizer, step, tokens, data, rng, cuda_rng, ranks, extra), or None
     when there is none or it is damaged; a damaged one is logged as a warning and left in place."""
     path = pathlib.Path(path)
     if not path.exists():

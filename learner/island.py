@@ -61,6 +61,14 @@ class Island:
                 scatter(fragment, flat, params)
         return applied, bool(flags[-1])
 
+    def gather(self, value) -> list:
+        """Every rank's `value` (anything picklable), in rank order, on every rank."""
+        if self.world_size == 1:
+            return [value]
+        values = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
+
     def verify_identical(self, params: dict[str, torch.Tensor]) -> None:
         """Checks that every rank holds the same bits (diloco learner --verify-island)."""
         if self.world_size == 1:

@@ -8,6 +8,10 @@ to the syncer and broadcasts every applied fragment to the other ranks. Each pro
 trainer.device (learner/device.py: under torchrun, GPU LOCAL_RANK), and the island's process
 group is NCCL on GPUs, gloo on the CPU.
 
+`--data-parallel` under torchrun with one process per learner of the config is the data-parallel
+baseline (`diloco sim --mode dp`): rank r trains on learner r's data exactly as that learner
+would, DDP averages the gradients of every step, one optimizer trajectory, no syncer.
+
     loop:  trainer.train_step -> sync.step (start due syncs, apply results)
            (+ evaluation and checkpoint, timed as badput)
 """
@@ -54,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "catch-up: the shards' final values) to DIR, as `diloco export` does")
     parser.add_argument("--no-sync", action="store_true",
                         help="train alone, never talking to the syncer (a baseline for benchmarks)")
+    parser.add_argument("--data-parallel", action="store_true",
+                        help="under torchrun with one process per learner of the config: data parallel "
+                             "training, rank r on learner r's data, gradients averaged every step, no syncer")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,19 +80,26 @@ def run(args: argparse.Namespace) -> int:
         return FAILED
     state_dir = pathlib.Path(args.state_dir or pathlib.Path(cfg.run.state_dir) / f"learner-{learner.id}")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.data_parallel and world_size != len(cfg.learners):
+        print(f"invalid: --data-parallel runs one process per learner of {args.config} ({len(cfg.learners)}), "
+              f"this job has {world_size} (torchrun --nproc-per-node)", file=sys.stderr)
+        return 2
     if world_size > 1:
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL's collectives run on the current GPU
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if world_size > 1 else 0
-    trainer = Trainer.from_config(cfg, learner.id, rank=rank, cache_dir=pathlib.Path(cfg.run.state_dir) / "cache",
-                                  device=device)
+    cache_dir = pathlib.Path(cfg.run.state_dir) / "cache"
+    if args.data_parallel:  # learner r's data and sampling stream
+        trainer = Trainer.from_config(cfg, cfg.learners[rank].id, cache_dir=cache_dir, device=device)
+    else:
+        trainer = Trainer.from_config(cfg, learner.id, rank=rank, cache_dir=cache_dir, device=device)
     checkpoints = CheckpointWriter(state_dir / "checkpoint.pt")
-    checkpoint = load_checkpoint(checkpoints.path) if rank == 0 else None
+    checkpoint = load_checkpoint(checkpoints.path)  # every rank: the model, the optimizer and its own data
     if checkpoint:
-        trainer.restore(checkpoint)
+        trainer.restore(checkpoint, rank)
     sync = DecoupledDiLoCo(trainer.model, cfg, learner.id, state_dir=state_dir, tls_dir=args.tls_dir,
-                           catch_up_seconds=args.catch_up_seconds, enabled=not args.no_sync,
+                           catch_up_seconds=args.catch_up_seconds, enabled=not (args.no_sync or args.data_parallel),
                            stop_signals=(signal.SIGTERM, signal.SIGINT))
     if checkpoint and "diloco" in checkpoint["extra"]:
         sync.load_state_dict(checkpoint["extra"]["diloco"])
@@ -120,12 +134,15 @@ def train(args: argparse.Namespace, trainer: Trainer, sync: DecoupledDiLoCo, che
     def evaluate() -> None:
         report.evaluation(trainer.step, sync.tokens, trainer.evaluate())
 
-    def save() -> None:
-        checkpoints.write(trainer.checkpoint({"diloco": sync.state_dict()}))
+    def save(ranks: list[dict] | None = None) -> None:
+        """Every rank calls it at the same step: rank 0 writes what each rank alone holds."""
+        ranks = ranks or sync.island.gather(trainer.rank_state())
+        if sync.island.leader:
+            checkpoints.write(trainer.checkpoint({"diloco": sync.state_dict()}, ranks))
 
+    with sync.timed("checkpoint"):  # so this incarnation's record survives a kill
+        save()
     if sync.island.leader:
-        with sync.timed("checkpoint"):  # so this incarnation's record survives a kill
-            save()
         if not report.evaluations:
             with sync.timed("evaluation"):  # the starting point of the loss curve
                 evaluate()
@@ -139,10 +156,11 @@ def train(args: argparse.Namespace, trainer: Trainer, sync: DecoupledDiLoCo, che
         if sync.island.leader and trainer.step % budget.eval_every == 0:
             with sync.timed("evaluation"):
                 evaluate()
-        if sync.island.leader and trainer.step % budget.checkpoint_every == 0:
+        if trainer.step % budget.checkpoint_every == 0:
             with sync.timed("checkpoint"):
                 save()
             sync.write_report()  # what it keeps, should it die before the end
+    ranks = sync.island.gather(trainer.rank_state())  # before rank 0 catches up: the others stop here
     if not sync.island.leader:
         return 0
     sync.finish()
@@ -150,7 +168,7 @@ def train(args: argparse.Namespace, trainer: Trainer, sync: DecoupledDiLoCo, che
         sync.export(args.export)
         log.info("wrote the global model as this learner holds it to %s", args.export)
     evaluate()
-    save()
+    save(ranks)
     checkpoints.wait()  # "done" means on disk
     stats = sync.sync.stats if sync.sync else None
     if stats and stats.syncs_refused and not stats.syncs_applied:

@@ -17,10 +17,11 @@ log = logging.getLogger(__name__)
 
 
 class Report:
-    def __init__(self, path: pathlib.Path, learner_id: str, region: str, restored: dict | None):
+    def __init__(self, path: pathlib.Path, learner_id: str, region: str, restored: dict | None, parameters: int):
         self.path = path
         self.learner_id = learner_id
         self.region = region
+        self.parameters = parameters  # of the model, each synced (tied) tensor once
         saved = restored or {}
         self.evaluations: list[list[float]] = saved.get("evaluations", [])  # [unix time, step, tokens, loss]
         self.incarnations: list[dict] = saved.get("incarnations", [])
@@ -73,7 +74,8 @@ class Report:
         island's."""
         self.update(sync)
         body = {"learner_id": self.learner_id, "region": self.region, "phase": phase,
-                "steps": steps, "tokens": tokens, "world_size": world_size, "island_checks": self.island_checks,
+                "steps": steps, "tokens": tokens, "world_size": world_size, "parameters": self.parameters,
+                "island_checks": self.island_checks,
                 "evaluations": self.evaluations, "incarnations": self.incarnations}
         if sync:
             body["fragments"] = {str(fid): {"version": v, "state_hash": h}

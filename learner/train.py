@@ -21,6 +21,7 @@ parallel training (`trainer.forward_module = DistributedDataParallel(trainer.mod
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import time
@@ -31,10 +32,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from diloco.learner.adamw import AdamW
-from diloco.learner.checkpoint import checkpoint_state, restore_rng
+from diloco.learner.checkpoint import checkpoint_state, rank_state, restore_rng
 from diloco.learner.data import DataSource, build_data
 from diloco.learner.model import build_model
 from diloco.services.config import Config, InnerOptimizerConfig, TrainerConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -157,16 +160,28 @@ class Trainer:
             self.model.train()
         return sum(losses) / len(losses)
 
-    def checkpoint(self, extra: dict | None = None) -> dict:
-        """A copy of the local state for CheckpointWriter; `extra` carries the sync client's state."""
+    def checkpoint(self, extra: dict | None = None, ranks: list[dict] | None = None) -> dict:
+        """A copy of the local state for CheckpointWriter; `extra` carries the sync client's
+        state, `ranks` every rank's rank_state() of an island."""
         return checkpoint_state(model=self.model, optimizer=self.optimizer, step=self.step,
-                                tokens=self.tokens, data_state=self.data.state_dict(), extra=extra or {})
+                                tokens=self.tokens, data_state=self.data.state_dict(), extra=extra or {},
+                                ranks=ranks)
 
-    def restore(self, checkpoint: dict) -> None:
-        """Continue from a checkpoint (as load_checkpoint returns it) exactly where it was taken."""
+    def rank_state(self) -> dict:
+        """What this process alone holds (its data position, its random state)."""
+        return rank_state(self.model, self.data.state_dict())
+
+    def restore(self, checkpoint: dict, rank: int = 0) -> None:
+        """Continue from a checkpoint (as load_checkpoint returns it) exactly where it was taken:
+        rank `rank` of an island takes its own data position and random state."""
         self.model.load_state_dict(checkpoint["model"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
-        self.data.load_state_dict(checkpoint["data"])
-        restore_rng(checkpoint, self.model)
+        ranks = checkpoint.get("ranks") or [checkpoint]
+        if rank < len(ranks):
+            self.data.load_state_dict(ranks[rank]["data"])
+            restore_rng(ranks[rank], self.model)
+        else:
+            log.warning("the checkpoint holds the data position and random state of %d rank(s): rank %d "
+                        "starts its own afresh", len(ranks), rank)
         self.step = checkpoint["step"]
         self.tokens = checkpoint["tokens"]

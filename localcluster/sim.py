@@ -5,10 +5,12 @@ its own process started exactly as a user would start it. The run ends when
 every learner has spent its budget (`--steps`) or after `--duration`; then every
 process is stopped and a JSON report, a summary table and a plot are written.
 
-`--mode dp` runs the data-parallel baseline in the same harness: the same
-learners, model and data, but every step is synced (H=1, one fragment, fp32)
-and waits for every learner (K=M): each learner's steps are then averaged,
-so when one learner is down the others wait for it.
+`--mode dp` runs the data-parallel baseline: the M learners as one torch.distributed job,
+gradients averaged every step, one optimizer trajectory, the same model, data, batch and inner
+optimizer (localcluster/data_parallel.py). `--mode param-avg` is not data parallel: every learner
+syncs its whole model after each of its own optimizer steps (H=1, one fragment, fp32, K=M, outer
+SGD with lr 1), so the shards average the learners' parameters while each learner keeps its own
+optimizer state.
 
 Chaos (`--chaos-mtbf`, `--chaos-shards`) SIGKILLs processes at exponentially
 distributed intervals and restarts each after `--restart-delay`. WAN emulation
@@ -32,12 +34,13 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
 
 import grpc
 import yaml
 
 from diloco.services.client import ShardClient
+from diloco.localcluster import data_parallel
+from diloco.localcluster.chaos import Chaos
 from diloco.localcluster.cluster import ExitedBeforeServing, LocalCluster, Proc, free_ports
 from diloco.services.config import Config, ConfigError, ConfigLoader, check_factories, load_config, parse_config
 from diloco.services.export import MODEL_FILE, ExportError, fetch_global_model, write_export
@@ -58,7 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--regions", default=None,
                         help=f"comma-separated region names the learners are spread over "
                              f"(default: the config's, else {DEFAULT_REGIONS})")
-    parser.add_argument("--mode", choices=["diloco", "dp"], default="diloco")
+    parser.add_argument("--mode", choices=["diloco", "dp", "param-avg"], default="diloco",
+                        help="dp: data parallel, one torch.distributed job; param-avg: the learners' "
+                             "parameters averaged after every step (not data parallel)")
     parser.add_argument("--steps", type=int, help="inner steps per learner (default: trainer.max_steps)")
     parser.add_argument("--duration", type=float, help="stop after this many seconds even if not done")
     parser.add_argument("--chaos-mtbf", type=float, help="mean seconds between SIGKILLs of each learner")
@@ -102,7 +107,7 @@ def build_config(base: Config, args: argparse.Namespace, run_dir: pathlib.Path) 
         data["trainer"]["max_steps"] = args.steps
     if args.wan_mbps:
         data["rpc"]["wan_mbps"] = args.wan_mbps
-    if args.mode == "dp":
+    if args.mode == "param-avg":
         # Every step synced by every learner, uncompressed, the global model the
         # plain mean of the learners' models (outer SGD with lr 1, no momentum).
         data["sync"].update(fragments=1, interval_steps=1, overlap_steps=0, mix_alpha=0.0, codec="fp32")
@@ -112,7 +117,11 @@ def build_config(base: Config, args: argparse.Namespace, run_dir: pathlib.Path) 
         data["shards"] = data["shards"][:1]
     else:
         data["syncer"]["quorum"] = min(data["syncer"]["quorum"], num_learners)
-    return parse_config(data, source="sim config")
+    cfg = parse_config(data, source="sim config")
+    if args.mode == "dp":  # one job claims every rank's tokens of a step
+        data["syncer"]["max_tokens_per_step"] = num_learners * cfg.tokens_per_step()
+        cfg = parse_config(data, source="sim config")
+    return cfg
 
 
 def apply_override(data: dict, override: str) -> None:
@@ -126,14 +135,6 @@ def apply_override(data: dict, override: str) -> None:
         if not isinstance(data, dict):
             raise ConfigError(f"--set {override!r}: {section} is not a section")
     data[name] = yaml.load(value, Loader=ConfigLoader)
-
-
-@dataclass
-class Downtime:
-    """A process killed by chaos and when it comes back."""
-    proc_index: int
-    killed_at: float
-    restart_at: float
 
 
 class Observer:
@@ -173,50 +174,6 @@ class Observer:
             client.close()
 
 
-class Chaos:
-    """Kills processes at exponentially distributed intervals (mean `mtbf` per process)
-    and restarts each `restart_delay` seconds later. Every event is logged."""
-
-    def __init__(self, kind: str, count: int, mtbf: float | None, restart_delay: float,
-                 rng: random.Random, now: float):
-        self.kind, self.mtbf, self.restart_delay, self.rng = kind, mtbf, restart_delay, rng
-        self.next_kill = [self._draw(now) for _ in range(count)]
-        self.down: dict[int, Downtime] = {}
-        self.events: list[dict] = []
-        self.down_seconds = [0.0] * count
-
-    def _draw(self, now: float) -> float:
-        return now + self.rng.expovariate(1.0 / self.mtbf) if self.mtbf else float("inf")
-
-    def due_kills(self, now: float) -> list[int]:
-        return [i for i, at in enumerate(self.next_kill) if at <= now and i not in self.down]
-
-    def killed(self, index: int, now: float, last_step: int = 0) -> None:
-        self.down[index] = Downtime(index, now, now + self.restart_delay)
-        self.events.append({"event": "kill", "kind": self.kind, "index": index, "time": now,
-                            "step": last_step})
-
-    def due_restarts(self, now: float) -> list[Downtime]:
-        return [d for d in self.down.values() if d.restart_at <= now]
-
-    def restarted(self, downtime: Downtime, now: float) -> None:
-        del self.down[downtime.proc_index]
-        self.down_seconds[downtime.proc_index] += now - downtime.killed_at
-        self.next_kill[downtime.proc_index] = self._draw(now)
-        self.events.append({"event": "restart", "kind": self.kind, "index": downtime.proc_index,
-                            "time": now})
-
-    def end(self, now: float) -> None:
-        """The run is over: a process still down was down until now."""
-        for downtime in self.down.values():
-            self.down_seconds[downtime.proc_index] += now - downtime.killed_at
-        self.down.clear()
-
-    def retire(self, index: int) -> None:
-        """A finished process is not killed any more."""
-        self.next_kill[index] = float("inf")
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         base = load_config(args.config)
@@ -227,17 +184,23 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"invalid: {error}", file=sys.stderr)
         return 2
-    cluster = LocalCluster(cfg, run_dir)
-    stop_signals = StopSignals(cluster)
-    write_file_sd(cfg, args.prometheus_targets or run_dir / "prometheus-targets.json")
+    if args.mode == "dp":
+        processes = data_parallel.DataParallelJob(cfg, run_dir)
+        progress = None if args.quiet else _progress_bar(cfg.trainer.max_steps * len(cfg.learners))
+        run_processes = lambda: data_parallel.simulate(processes, args, progress)  # noqa: E731
+    else:
+        processes = LocalCluster(cfg, run_dir)
+        write_file_sd(cfg, args.prometheus_targets or run_dir / "prometheus-targets.json")
+        run_processes = lambda: simulate(cfg, processes, args)  # noqa: E731
+    stop_signals = StopSignals(processes)
     try:
-        report = simulate(cfg, cluster, args)
-    except (StartupFailure, ExitedBeforeServing) as failure:
+        report = run_processes()
+    except (StartupFailure, ExitedBeforeServing, data_parallel.JobFailed) as failure:
         print(f"error: {failure}", file=sys.stderr)
         return 1
     finally:
         stop_signals.cleaning_up = True
-        cluster.stop()
+        processes.stop()
     report_path = pathlib.Path(args.report or run_dir / "report.json")
     report_path.write_text(json.dumps(report, indent=2))
     print_summary(report, report_path)
@@ -286,8 +249,8 @@ class StopSignals:
     stops every process it started. A second signal, or one during the cleanup, must not cut
     that short: it SIGKILLs the processes instead, and the cleanup goes on to reap them."""
 
-    def __init__(self, cluster: LocalCluster):
-        self.cluster = cluster
+    def __init__(self, processes: LocalCluster | data_parallel.DataParallelJob):
+        self.processes = processes
         self.cleaning_up = False
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self.handle)
@@ -297,7 +260,7 @@ class StopSignals:
             self.cleaning_up = True
             raise SystemExit(128 + signum)
         log.warning("%s during the cleanup: killing every process of the run", signal.Signals(signum).name)
-        self.cluster.kill_now()
+        self.processes.kill_now()
 
 
 def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> dict:
@@ -508,9 +471,10 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         "final_eval_loss_learners": sum(last_losses) / len(last_losses) if last_losses else None,
         "bytes_up": totals["bytes_up"],
         "bytes_down": totals["bytes_down"],
-        # Data parallel moves one fp32 gradient up and one fp32 model (or gradient) down per
-        # learner per inner step (what this harness's --mode dp sends).
-        "dp_equivalent_bytes": totals["inner_steps"] * 2 * 4 * model_numel,
+        # What --mode dp moves for the same steps: a ring all-reduce of the fp32 gradients,
+        # sent and received by every learner at every step.
+        "dp_equivalent_bytes": totals["inner_steps"] * 2 * data_parallel.allreduce_bytes(len(cfg.learners),
+                                                                                          model_numel),
         "model_parameters": model_numel,
         "restarts": {"learners": sum(1 for e in learner_chaos.events if e["event"] == "restart"),
                      "shards": sum(1 for e in shard_chaos.events if e["event"] == "restart")},

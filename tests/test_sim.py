@@ -87,15 +87,29 @@ def test_the_llama_family_trains_in_the_cluster_and_ends_with_the_shards_bits(tm
     assert_the_final_loss_is_the_exported_global_models(tmp_path, report)
 
 
-def test_sim_dp_mode_syncs_every_step_uncompressed(tmp_path):
-    report = run_sim(tmp_path, "--mode", "dp", "--learners", "2", "--steps", "40")
-    assert report["mode"] == "dp"
+def test_sim_param_avg_mode_syncs_every_step_uncompressed(tmp_path):
+    report = run_sim(tmp_path, "--mode", "param-avg", "--learners", "2", "--steps", "40")
+    assert report["mode"] == "param-avg"
     # One fragment, one outer step per inner step (every learner in every round).
     assert report["outer_steps"] == 40
     assert report["contributions"]["accepted"] == 2 * 40
     assert report["state_hashes_agree"] is True
-    # fp32 up and down for every step: what the dp-equivalent figure assumes.
-    assert report["bytes_up"] + report["bytes_down"] >= 0.9 * report["dp_equivalent_bytes"]
+    # Every learner sends its fp32 model and takes the mean back at every step.
+    assert report["bytes_up"] + report["bytes_down"] >= 0.9 * 2 * 2 * 40 * 4 * report["model_parameters"]
+
+
+def test_sim_dp_mode_is_one_job_that_moves_an_allreduce_of_the_gradients_every_step(tmp_path):
+    result = subprocess.run(sim_command(tmp_path, "--mode", "dp", "--learners", "2", "--steps", "40"),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert REPORT_KEYS <= report.keys()
+    assert (report["mode"], report["learners"], report["shards"], report["outer_steps"]) == ("dp", 2, 0, 0)
+    assert report["inner_steps"] == 2 * 40 and report["tokens"] == 2 * 40 * 8 * 32
+    # A ring all-reduce of 2 ranks: each sends and receives its fp32 gradients once per step.
+    assert report["bytes_up"] == report["bytes_down"] == 2 * 40 * 4 * report["model_parameters"]
+    assert report["final_eval_loss"] < report["initial_eval_loss"]
+    assert 0 < report["goodput"] < 1
 
 
 def test_sim_run_token_budget_ends_a_slow_and_a_fast_learner_together(tmp_path):
@@ -278,7 +292,7 @@ def test_sim_overrides_config_keys_and_slows_the_first_learner(tmp_path):
 
 
 def test_chaos_counts_a_process_still_down_at_the_end_as_down_until_then():
-    from diloco.localcluster.sim import Chaos
+    from diloco.localcluster.chaos import Chaos
 
     chaos = Chaos("learner", 2, mtbf=10.0, restart_delay=5.0, rng=random.Random(0), now=0.0)
     chaos.killed(0, now=1.0)
