@@ -190,6 +190,7 @@ def summarise(cfg: Config, args: argparse.Namespace, report: dict, chaos: Chaos,
     leader = cfg.learners[0]
     return {
         "mode": "dp",
+        "seed": args.seed,
         "learners": ranks,
         "shards": 0,
         "regions": sorted({l.region for l in cfg.learners}),

@@ -452,6 +452,7 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
     last_losses = [r["evaluations"][-1][3] for r in reports.values() if r.get("evaluations")]
     return {
         "mode": args.mode,
+        "seed": args.seed,
         "learners": len(cfg.learners),
         "shards": len(cfg.shards),
         "regions": sorted({l.region for l in cfg.learners}),

@@ -86,8 +86,19 @@ class GraceConfig(_Section):
 
 class OuterOptimizerConfig(_Section):
     lr: PositiveFloat = 0.7
-    momentum: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.9
+    # auto: from the syncs each fragment gets in the run (Config.outer_momentum).
+    momentum: Annotated[float, Field(ge=0.0, lt=1.0)] | Literal["auto"] = "auto"
     nesterov: bool = True
+
+
+# Outer momentum remembers about 1 / (1 - momentum) sync periods. DiLoCo's 0.9 (ten periods)
+# was tuned with H in the hundreds and runs of many syncs; with fewer syncs per fragment in a
+# run, a memory that long carries outer gradients of a much earlier stage of training into
+# later ones, and the global model overshoots. "auto" keeps the memory within a tenth of the
+# run's syncs, between 0.5 and 0.9 (docs/protocol.md: the measurements that chose it).
+MAX_AUTO_MOMENTUM = 0.9
+MIN_AUTO_MOMENTUM = 0.5
+MOMENTUM_MEMORY_SHARE = 0.1
 
 
 class SyncerConfig(_Section):
@@ -240,6 +251,24 @@ class Config(_Section):
         if self.syncer.max_tokens_per_step is not None:
             return self.syncer.max_tokens_per_step
         return self.tokens_per_step()
+
+    def syncs_per_fragment(self) -> float:
+        """How often each fragment is synced in the run: a learner's inner steps, over H. The
+        steps are trainer.max_steps, or fewer where trainer.max_run_tokens shared by the
+        learners ends the run first."""
+        steps = self.trainer.max_steps
+        if self.trainer.max_run_tokens is not None and self.tokens_per_step():
+            steps = min(steps, self.trainer.max_run_tokens / (len(self.learners) * self.tokens_per_step()))
+        return steps / self.sync.interval_steps
+
+    def outer_momentum(self) -> float:
+        """syncer.outer_optimizer.momentum; "auto": 1 - 1 / (a tenth of syncs_per_fragment()),
+        within [0.5, 0.9]."""
+        momentum = self.syncer.outer_optimizer.momentum
+        if momentum != "auto":
+            return momentum
+        memory = MOMENTUM_MEMORY_SHARE * self.syncs_per_fragment()  # in sync periods
+        return min(MAX_AUTO_MOMENTUM, max(MIN_AUTO_MOMENTUM, 1.0 - 1.0 / memory))
 
     def shard(self, index: int) -> ShardConfig:
         if not 0 <= index < len(self.shards):

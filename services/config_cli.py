@@ -33,7 +33,9 @@ def run(args: argparse.Namespace) -> int:
           f"alpha={sync.mix_alpha} codec={sync.codec} ({sync.fragmentation})")
     print(f"  syncer     K={syncer.quorum} grace={syncer.grace.mode}<= {syncer.grace.seconds}s "
           f"merge={syncer.merge} max_staleness={syncer.max_staleness} "
-          f"outer lr={syncer.outer_optimizer.lr} momentum={syncer.outer_optimizer.momentum}")
+          f"outer lr={syncer.outer_optimizer.lr} momentum={cfg.outer_momentum():.3g}"
+          + (f" (auto: {cfg.syncs_per_fragment():.0f} syncs per fragment)"
+             if syncer.outer_optimizer.momentum == "auto" else ""))
     model = cfg.model if isinstance(cfg.model, str) else (
         f"{cfg.model.family} {cfg.model.n_layer} layers x {cfg.model.n_embd}, context {cfg.model.seq_len}")
     print(f"  model      {model}")

@@ -33,6 +33,7 @@ from diloco.syncer.disk import DiskGuardedJournal
 from diloco.syncer.fragment_state import ClosedRound, ContributionKey, FragmentSnapshot, FragmentState, PullPlan
 from diloco.syncer.membership import HeartbeatReport, Membership
 from diloco.syncer.merge import contribution_weight
+from diloco.syncer.outer import OuterOptimizer
 from diloco.syncer.refusal import Refusal
 
 log = logging.getLogger(__name__)
@@ -558,7 +559,8 @@ class ShardCore:
             if not durable:
                 self.journal.fix_manifest(manifest, plan.digest)
             # Readers take no lock: they must never see the plan without its fragments.
-            self.fragments = {f.id: FragmentState(f, self.cfg.sync, self.cfg.syncer)
+            optimizer = OuterOptimizer.of_run(self.cfg)
+            self.fragments = {f.id: FragmentState(f, self.cfg.sync, self.cfg.syncer, optimizer)
                               for f in plan.for_shard(self.shard_index)}
             self.plan, self.manifest = plan, manifest
 

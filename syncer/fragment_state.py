@@ -144,14 +144,13 @@ class OpenRound:
 
 
 class FragmentState:
-    def __init__(self, fragment: Fragment, sync: SyncConfig, syncer: SyncerConfig):
+    def __init__(self, fragment: Fragment, sync: SyncConfig, syncer: SyncerConfig, optimizer: OuterOptimizer):
         self.fragment = fragment
         self.lock = threading.Lock()  # held by the core around every change
         self.codec = get_codec(sync.codec)
         self.block_size = sync.codec_block_size
         self.rules = syncer
-        self.optimizer = OuterOptimizer(syncer.outer_optimizer.lr, syncer.outer_optimizer.momentum,
-                                        syncer.outer_optimizer.nesterov)
+        self.optimizer = optimizer
         self.grace = GraceWindow(syncer.grace.mode, syncer.grace.seconds, syncer.grace.gamma,
                                  sync.overlap_steps)
         self._feedback = ErrorFeedback(self.codec, fragment.numel, self.block_size)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from diloco.services.config import Config
+
 
 @dataclass(frozen=True)
 class OuterOptimizer:
@@ -35,3 +37,9 @@ class OuterOptimizer:
         if self.nesterov:  # rest = -lr * (delta + momentum * buf - (delta - last))
             return last.add_(buffer, alpha=self.momentum).mul_(-self.lr)
         return last.sub_(delta).add_(buffer).mul_(-self.lr)
+
+    @classmethod
+    def of_run(cls, cfg: Config) -> OuterOptimizer:
+        """syncer.outer_optimizer of `cfg`, its momentum resolved (Config.outer_momentum)."""
+        settings = cfg.syncer.outer_optimizer
+        return cls(settings.lr, cfg.outer_momentum(), settings.nesterov)

@@ -75,6 +75,8 @@ def mutate(path: str, value):
     ("model", "not a factory", "model: String should match pattern"),
     ("trainer.batch_size", 2.5, "trainer.batch_size: Input should be a valid integer"),
     ("learners", [], "learners: List should have at least 1 item"),
+    ("syncer.outer_optimizer.momentum", "fast", "syncer.outer_optimizer.momentum"),
+    ("syncer.outer_optimizer.momentum", 1.0, "syncer.outer_optimizer.momentum"),
 ])
 def test_bad_values_are_refused_naming_the_key(path, value, expected):
     with pytest.raises(ConfigError) as info:
@@ -157,3 +159,32 @@ def test_config_check_accepts_factories_that_resolve_without_calling_them(tmp_pa
     assert main(["config", "check", str(path)]) == 0
     assert f"{path}: valid" in capsys.readouterr().out
     assert len(user_plugins.calls) == calls
+
+
+@pytest.mark.parametrize("steps, interval, expected", [
+    (400, 10, 0.75),    # 40 syncs per fragment: a memory of 4 periods
+    (1500, 25, 1 - 1 / 6),
+    (1500, 50, 1 - 1 / 3),  # 30 syncs: 3 periods
+    (1500, 10, 0.9),    # 150 syncs: capped at DiLoCo's 0.9
+    (600, 50, 0.5),     # 12 syncs: at least 0.5
+])
+def test_auto_outer_momentum_remembers_a_tenth_of_the_runs_syncs_within_half_and_nine_tenths(
+        steps, interval, expected):
+    data = mutate("syncer.outer_optimizer.momentum", "auto")
+    data["trainer"]["max_steps"], data["sync"]["interval_steps"] = steps, interval
+    cfg = parse_config(data)
+    assert cfg.syncs_per_fragment() == steps / interval
+    assert cfg.outer_momentum() == pytest.approx(expected)
+
+
+def test_a_run_token_budget_that_ends_the_run_first_shortens_the_run_auto_momentum_sees():
+    data = mutate("sync.interval_steps", 10)
+    cfg = parse_config(data)
+    tokens_per_step = cfg.tokens_per_step()
+    data["trainer"].update(max_steps=10_000, max_run_tokens=len(cfg.learners) * 400 * tokens_per_step)
+    assert parse_config(data).syncs_per_fragment() == 40 and parse_config(data).outer_momentum() == 0.75
+
+
+def test_an_outer_momentum_given_is_the_one_used():
+    cfg = parse_config(mutate("syncer.outer_optimizer.momentum", 0.8))
+    assert cfg.outer_momentum() == 0.8
