@@ -4,7 +4,10 @@ shards' exact bits, also one SIGKILLed and restarted from its own checkpoint."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import shutil
+import subprocess
 import sys
 import time
 
@@ -13,7 +16,7 @@ import torch
 
 from diloco.services.client import ShardClient
 from diloco.localcluster.cluster import LocalCluster, Proc, free_ports
-from diloco.services.config import load_config, parse_config
+from diloco.services.config import dump_config, load_config, parse_config
 from tests.test_learner_cluster import held_fragments, read_report, shard_fragments, wait_until
 
 pytestmark = pytest.mark.slow
@@ -150,3 +153,24 @@ def test_a_user_script_killed_and_restarted_from_its_own_checkpoint_rejoins(own_
     losses = json.loads(run.losses_path(victim.name).read_text())
     assert [step for step, _ in losses["train"]] == list(range(1, 201))
     assert_every_script_holds_the_shards_bits(run, reports)
+
+
+def test_the_same_script_under_torchrun_is_the_data_parallel_baseline(tmp_path):
+    """No shard runs: one process per learner, gradients averaged by DDP, one model."""
+    cfg = own_loop_config(tmp_path / "state", steps=60)
+    data = cfg.model_dump(mode="json")
+    data["syncer"]["max_tokens_per_step"] *= len(cfg.learners)  # one step of the job: every rank's tokens
+    cfg = parse_config(data, source="own_loop data-parallel config")
+    config = tmp_path / "cluster.yaml"
+    config.write_text(dump_config(cfg))
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
+    result = subprocess.run([torchrun, "--standalone", "--nproc-per-node", str(len(cfg.learners)),
+                             str(EXAMPLE / "train.py"), "--config", str(config), "--learner-id", cfg.learners[0].id,
+                             "--data-parallel", "--losses", str(tmp_path / "losses.json")],
+                            capture_output=True, text=True, timeout=TIMEOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for learner in cfg.learners:  # each rank read its learner's text
+        assert f"{learner.id}: validation loss" in result.stdout
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    assert len(losses["train"]) == 60
+    assert losses["validation"]["end"] < losses["validation"]["start"]

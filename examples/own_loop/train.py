@@ -5,6 +5,15 @@ transformer, the user's own SGD, text read from Python's standard library source
         --checkpoint /tmp/us-east-0.pt --losses /tmp/us-east-0-losses.json
 
 The DiLoCo lines are marked `# DiLoCo`; everything else is what the script would be without it.
+
+The data-parallel baseline is the same script under torchrun, one process per learner of the
+config: rank r trains on learner r's text with the same batch and optimizer, DDP averages the
+gradients of every step, and nothing is synced (the lines marked `# Baseline`). The job counts
+every rank's tokens in a step, so its config's syncer.max_tokens_per_step is the ranks times the
+learners' (here 3 x 8 x 64, with --set in `diloco sim` or in a copy of the file):
+
+    torchrun --nproc-per-node 3 examples/own_loop/train.py --config cluster-dp.yaml \
+        --learner-id us-east-0 --data-parallel
 """
 import argparse
 import json
@@ -14,7 +23,9 @@ import sysconfig
 import zlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from diloco import DecoupledDiLoCo
 
@@ -84,15 +95,24 @@ def main():
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--catch-up-seconds", type=float, default=3.0,
                         help="after training, follow the global model until it is quiet this long (or SIGTERM)")
+    parser.add_argument("--data-parallel", action="store_true",
+                        help="the baseline, under torchrun with one process per learner: gradients averaged every step")
     args = parser.parse_args()
+    if args.data_parallel and args.checkpoint:
+        parser.error("--data-parallel keeps no checkpoint here: leave out --checkpoint")
     torch.set_num_threads(1)
     torch.manual_seed(0)  # the first learner seeds the run's global model with this init
 
-    train_data, validation_data = read_text(args.learner_id)
     model = CharTransformer()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True)
+    if args.data_parallel:  # Baseline
+        dist.init_process_group("gloo")
     sync = DecoupledDiLoCo(model, config=args.config, learner_id=args.learner_id,  # DiLoCo
-                           catch_up_seconds=args.catch_up_seconds)
+                           catch_up_seconds=args.catch_up_seconds, enabled=not args.data_parallel)
+    forward, text_of = model, args.learner_id
+    if args.data_parallel:  # Baseline: rank r reads learner r's text; DDP averages the gradients
+        forward, text_of = DistributedDataParallel(model), sync.cfg.learners[dist.get_rank()].id
+    train_data, validation_data = read_text(text_of)
     if args.checkpoint and os.path.exists(args.checkpoint):
         checkpoint = torch.load(args.checkpoint, weights_only=True)
         model.load_state_dict(checkpoint["model"])
@@ -106,7 +126,7 @@ def main():
     with sync:  # DiLoCo: joins the run, seeds or pulls the global model into `model`
         while not sync.should_stop:  # DiLoCo: trainer.max_steps of the config, or SIGTERM
             x, y = batch_at(train_data, position)
-            loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss = nn.functional.cross_entropy(forward(x).flatten(0, 1), y.flatten())
             optimizer.zero_grad()
             loss.backward()
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -125,9 +145,11 @@ def main():
                     os.replace(args.checkpoint + ".tmp", args.checkpoint)  # never a half-written checkpoint
 
     validation["end"] = validation_loss(model, validation_data)
-    print(f"{args.learner_id}: validation loss {validation['start']:.3f} -> {validation['end']:.3f}", flush=True)
-    if args.losses:
+    print(f"{text_of}: validation loss {validation['start']:.3f} -> {validation['end']:.3f}", flush=True)
+    if args.losses and sync.island.leader:  # Baseline: one model, written by rank 0
         pathlib.Path(args.losses).write_text(json.dumps({"train": losses, "validation": validation}))
+    if args.data_parallel:  # Baseline
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
