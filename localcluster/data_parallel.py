@@ -80,12 +80,20 @@ class DataParallelJob:
     def fail(self, rank: int) -> None:
         """SIGKILL to one rank, as a machine failure, and waits while torchrun stops the others
         and exits. A job whose ranks have not started yet is killed whole."""
-        pid = self.rank_pids().get(rank)
-        try:
-            os.kill(pid, signal.SIGKILL) if pid is not None else self.kill_now()
-        except ProcessLookupError:
+        if not self._kill(self.rank_pids().get(rank)):  # not started yet, or it ended meanwhile
             self.kill_now()
         self.proc.wait_or_kill(timeout=60)
+
+    @staticmethod
+    def _kill(pid: int | None) -> bool:
+        """SIGKILL to `pid`; whether there was such a process."""
+        try:
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                return True
+        except ProcessLookupError:
+            pass
+        return False
 
     def report(self) -> dict:
         try:
@@ -96,10 +104,7 @@ class DataParallelJob:
     def kill_now(self) -> None:
         """SIGKILL to every rank and to torchrun, without waiting."""
         for pid in self.rank_pids().values():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            self._kill(pid)
         self.proc.send(signal.SIGKILL)
 
     def stop(self, timeout: float = 60) -> None:
