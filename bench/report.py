@@ -42,6 +42,8 @@ def table(header: list[str], rows: list[list]) -> list[str]:
 
 def config_name(row: dict) -> str:
     name = f"{row.get('model', 'gpt')} M={row['learners']} H={row['H']} {row['codec']}"
+    if row.get("learner_script"):
+        name += f", user loop ({row['learner_script']})"
     if row.get("slow_learner", 1.0) != 1.0:
         name += f", one learner {row['slow_learner']:g}x slower (measured {row['slow_learner_step_ratio']:.2f}x)"
     return name
@@ -95,8 +97,16 @@ def quality(section: dict, out: pathlib.Path) -> list[str]:
               + "; ".join(f"{m['model']} M={m['learners']} {m['codec']} H={m['H'][0]} vs {m['H'][1]}: "
                           f"{m['smaller_minus_larger']:+.4f} " + verdict(m["within_spread"])
                           for m in section["monotone"]), ""]
+    if section.get("user_loop"):
+        lines += ["The user-loop path (`DecoupledDiLoCo` around a plain loop with torch.optim.AdamW, `diloco sim "
+                  "--learner-script`) against the built-in learner at the same settings and seeds (agree: the "
+                  "medians differ by at most the seed spread): "
+                  + "; ".join(f"{u['model']} M={u['learners']} H={u['H']} {u['codec']} ({u['script']}): "
+                              f"{u['user_minus_built_in']:+.4f} " + verdict(u["within_spread"])
+                              for u in section["user_loop"]), ""]
     fig, ax = plt.subplots(figsize=(10, 4))
-    names = [config_name(r).split(",")[0] + (" slow" if r["slow_learner"] != 1.0 else "") for r in rows]
+    names = [config_name(r).split(",")[0] + (" slow" if r["slow_learner"] != 1.0 else "")
+             + (" own loop" if r.get("learner_script") else "") for r in rows]
     x = range(len(rows))
     ax.bar([i - 0.2 for i in x], [statistics.median(r["diloco_losses"]) for r in rows], 0.4, label="diloco")
     ax.bar([i + 0.2 for i in x], [statistics.median(r["dp_losses"]) for r in rows], 0.4, label="data parallel")
@@ -105,7 +115,7 @@ def quality(section: dict, out: pathlib.Path) -> list[str]:
     bars = save(fig, ax, out, "quality", ylabel="final validation loss", ylim=(low * 0.9, None),
                 title="quality at equal tokens")
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    shown = [r for r in rows if r["slow_learner"] == 1.0 and r["model"] == rows[0]["model"]
+    shown = [r for r in rows if r["slow_learner"] == 1.0 and not r.get("learner_script") and r["model"] == rows[0]["model"]
              and r["learners"] == rows[0]["learners"] and r["codec"] == rows[0]["codec"]]
     tokens, losses = zip(*shown[0]["curves"]["dp"])
     ax.plot(tokens, losses, color="black", label="data parallel")
@@ -381,7 +391,9 @@ def summary(results: dict) -> list[str]:
         monotone = sum(m["within_spread"] for m in section["monotone"])
         rows.append(["1. quality", f"global model vs data parallel {pct(min(r['loss_vs_dp'] for r in section['rows']), True)} "
                      f"to {pct(worst['loss_vs_dp'], True)} (worst: {config_name(worst)}); better than one learner alone "
-                     f"in {alone} of {len(section['rows'])}; monotone in H in {monotone} of {len(section['monotone'])}",
+                     f"in {alone} of {len(section['rows'])}; monotone in H in {monotone} of {len(section['monotone'])}"
+                     + "".join(f"; user loop vs built-in {u['user_minus_built_in']:+.4f} ({verdict(u['within_spread'])})"
+                               for u in section.get("user_loop", [])),
                      "within " + ", ".join(f"{pct(t)} (M={m})" for m, t in section["targets"].items())
                      + f" of dp for H <= {section['target_max_H']}",
                      f"{met} of {len(q)} met" if met < len(q) else "met"])

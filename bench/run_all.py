@@ -69,6 +69,7 @@ class QualityRun:
     H: int
     codec: str
     seeds: tuple[int, ...] = (1,)
+    learner_script: str | None = None  # a user's own loop around DecoupledDiLoCo instead of `diloco learner`
 
 
 @dataclass(frozen=True)
@@ -90,9 +91,11 @@ class Profile:
 
 
 SEEDS = (1, 2, 3)  # of the headline rows
+PLAIN_LOOP = "bench/plain_loop.py"  # the user-loop path: torch.optim.AdamW in a plain loop
 FULL = Profile("full", steps=3000, quality=(
     QualityRun("gpt", 4, 10, "int4"), QualityRun("gpt", 4, 25, "int4", SEEDS), QualityRun("gpt", 4, 50, "int4"),
     QualityRun("gpt", 4, 100, "int4", SEEDS), QualityRun("gpt", 4, 25, "bf16"),
+    QualityRun("gpt", 4, 25, "int4", SEEDS, learner_script=PLAIN_LOOP),
     QualityRun("gpt", 8, 25, "int4"), QualityRun("gpt", 8, 100, "int4"),
     QualityRun("llama", 4, 10, "int4"), QualityRun("llama", 4, 25, "int4"), QualityRun("llama", 4, 50, "int4", SEEDS)),
                goodput_learners=4, goodput_seconds=120, down_shares=(0.05, 0.10, 0.25), restart_delay=12.0,
@@ -101,7 +104,8 @@ FULL = Profile("full", steps=3000, quality=(
                transport=("--params", "16000000", "--rounds", "8", "--shards", "1", "2", "--memory-state"), scale=(),
                recovery=("--sizes", "2x64", "4x256", "4x512", "--kills", "3"),
                user_loop=("--pairs", "3"), hf=("--steps", "300", "--repeats", "3"))
-QUICK = Profile("quick", steps=60, quality=(QualityRun("gpt", 2, 10, "int4"), QualityRun("gpt", 2, 25, "int4", (1, 2))),
+QUICK = Profile("quick", steps=60, quality=(QualityRun("gpt", 2, 10, "int4"), QualityRun("gpt", 2, 25, "int4", (1, 2)),
+                                             QualityRun("gpt", 2, 25, "int4", (1, 2), learner_script=PLAIN_LOOP)),
                 goodput_learners=2, goodput_seconds=20, down_shares=(0.25,), restart_delay=4.0,
                 overlap=("--steps", "30", "--repeats", "1", "--wan-mbps", "5"),
                 transport=("--params", "1000000", "--rounds", "1", "--shards", "1", "2", "--memory-state"),
@@ -167,8 +171,9 @@ def quality_runs(runner: Runner, profile: Profile) -> dict:
 
     rows = []
     for run in profile.quality:
-        diloco = [runner.sim(f"quality-{run.family}-m{run.learners}-h{run.H}-{run.codec}-s{seed}",
-                             [*common(run.family, run.learners, seed, profile.steps),
+        loop = ["--learner-script", run.learner_script] if run.learner_script else []
+        diloco = [runner.sim(f"quality-{run.family}-m{run.learners}-h{run.H}-{run.codec}{'-own' if loop else ''}-s{seed}",
+                             [*common(run.family, run.learners, seed, profile.steps), *loop,
                               "--set", f"syncer.quorum={run.learners}",  # K = M, as the demo
                               "--set", f"sync.interval_steps={run.H}", "--set", f"sync.codec={run.codec}"])
                   for seed in run.seeds]
@@ -231,6 +236,7 @@ def quality_section(runs: dict) -> dict:
         step_seconds = [l["step_seconds"] for l in first["per_learner"].values()]
         rows.append({"model": first["config"]["model"], "learners": learners, "H": interval, "P": first["config"]["P"],
                      "codec": first["config"]["codec"], "slow_learner": first["config"]["slow_learner"],
+                     "learner_script": first["config"].get("learner_script"),
                      # Measured: the first learner's mean step time over the others' median.
                      "slow_learner_step_ratio": step_seconds[0] / statistics.median(step_seconds[1:]),
                      "seeds": [r["seed"] for r in diloco],
@@ -247,7 +253,7 @@ def quality_section(runs: dict) -> dict:
     monotone = []
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        if row["slow_learner"] == 1.0:
+        if row["slow_learner"] == 1.0 and not row["learner_script"]:
             groups.setdefault((row["model"], row["learners"], row["codec"]), []).append(row)
     for (model, learners, codec), group in groups.items():
         group.sort(key=lambda r: r["H"])
@@ -255,9 +261,19 @@ def quality_section(runs: dict) -> dict:
             worse = statistics.median(smaller["diloco_losses"]) - statistics.median(larger["diloco_losses"])
             monotone.append({"model": model, "learners": learners, "codec": codec, "H": [smaller["H"], larger["H"]],
                              "smaller_minus_larger": worse, "within_spread": worse <= seed_spread})
+    # The user-loop path beside the built-in learner at the same settings and seeds.
+    user_loop = []
+    for row in rows:
+        if row["learner_script"]:
+            built_in = next(r for r in rows if not r["learner_script"] and r["slow_learner"] == 1.0 and all(
+                r[k] == row[k] for k in ("model", "learners", "H", "codec", "seeds")))
+            difference = statistics.median(row["diloco_losses"]) - statistics.median(built_in["diloco_losses"])
+            user_loop.append({"script": row["learner_script"], "model": row["model"], "learners": row["learners"],
+                              "H": row["H"], "codec": row["codec"], "user_minus_built_in": difference,
+                              "within_spread": abs(difference) <= seed_spread})
     return {"targets": QUALITY_TARGETS, "target_max_H": QUALITY_TARGET_MAX_H, "alone_margin": ALONE_MARGIN,
             "steps": runs["steps"], "alone": run_figures(runs["alone"]), "seed_spread": seed_spread,
-            "monotone": monotone, "rows": rows}
+            "monotone": monotone, "user_loop": user_loop, "rows": rows}
 
 
 def link_needs(report: dict) -> dict:

@@ -143,7 +143,8 @@ class Proc:
 class LocalCluster:
     """Shards and learners of one config as local processes."""
 
-    def __init__(self, cfg: Config, run_dir: pathlib.Path, learner_env: dict[str, str] | None = None):
+    def __init__(self, cfg: Config, run_dir: pathlib.Path, learner_env: dict[str, str] | None = None,
+                 learner_script: pathlib.Path | None = None):
         self.cfg = cfg
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -160,10 +161,12 @@ class LocalCluster:
                  run_dir / "logs" / f"shard-{i}.log")
             for i in range(len(cfg.shards))]
         # The harness ends the run (stop_learners) once every learner has spent its budget;
-        # until then a finished learner keeps following the global values.
+        # until then a finished learner keeps following the global values. A learner script
+        # (the user's own loop) is given the config and its id, and must stop on SIGTERM.
+        learner = ([sys.executable, str(learner_script)] if learner_script else cli + ["learner"])
         self.learners = [
-            Proc(l.id, cli + ["learner", "--config", str(self.config_path), "--learner-id", l.id,
-                              "--region", l.region, "--catch-up-seconds", "86400"],
+            Proc(l.id, learner + ["--config", str(self.config_path), "--learner-id", l.id]
+                 + ([] if learner_script else ["--region", l.region, "--catch-up-seconds", "86400"]),
                  run_dir / "logs" / f"{l.id}.log", env=dict(learner_env or {}))
             for l in cfg.learners]
 

@@ -64,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=["diloco", "dp", "param-avg"], default="diloco",
                         help="dp: data parallel, one torch.distributed job; param-avg: the learners' "
                              "parameters averaged after every step (not data parallel)")
+    parser.add_argument("--learner-script", type=pathlib.Path, metavar="SCRIPT",
+                        help="run each learner as `python SCRIPT --config <run config> --learner-id <id>` "
+                             "(your own loop around DecoupledDiLoCo; SIGTERM must end it) instead of "
+                             "`diloco learner`; not with --mode dp")
     parser.add_argument("--steps", type=int, help="inner steps per learner (default: trainer.max_steps)")
     parser.add_argument("--duration", type=float, help="stop after this many seconds even if not done")
     parser.add_argument("--chaos-mtbf", type=float, help="mean seconds between SIGKILLs of each learner")
@@ -124,6 +128,16 @@ def build_config(base: Config, args: argparse.Namespace, run_dir: pathlib.Path) 
     return cfg
 
 
+def check_learner_script(args: argparse.Namespace) -> None:
+    if args.learner_script is None:
+        return
+    if args.mode == "dp":
+        raise ConfigError("--learner-script: --mode dp runs the built-in learner under torchrun; run your "
+                          "script under torchrun yourself for its data-parallel baseline")
+    if not args.learner_script.is_file():
+        raise ConfigError(f"--learner-script: no file {args.learner_script}")
+
+
 def apply_override(data: dict, override: str) -> None:
     """Sets one `dotted.key=value` in the config's dict; parse_config judges the result."""
     key, sep, value = override.partition("=")
@@ -181,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)  # a run starts from nothing
         cfg = build_config(base, args, run_dir)
         check_factories(cfg)
+        check_learner_script(args)
     except ConfigError as error:
         print(f"invalid: {error}", file=sys.stderr)
         return 2
@@ -189,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
         progress = None if args.quiet else _progress_bar(cfg.trainer.max_steps * len(cfg.learners))
         run_processes = lambda: data_parallel.simulate(processes, args, progress)  # noqa: E731
     else:
-        processes = LocalCluster(cfg, run_dir)
+        processes = LocalCluster(cfg, run_dir, learner_script=args.learner_script)
         write_file_sd(cfg, args.prometheus_targets or run_dir / "prometheus-targets.json")
         run_processes = lambda: simulate(cfg, processes, args)  # noqa: E731
     stop_signals = StopSignals(processes)
@@ -487,7 +502,8 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         "config": {"model": cfg.model if isinstance(cfg.model, str) else cfg.model.family, "H": cfg.sync.interval_steps, "P": cfg.sync.fragments, "tau": cfg.sync.overlap_steps,
                    "codec": cfg.sync.codec, "K": cfg.syncer.quorum, "wan_mbps": cfg.rpc.wan_mbps,
                    "chaos_mtbf": args.chaos_mtbf, "restart_delay": args.restart_delay,
-                   "slow_learner": args.slow_learner},
+                   "slow_learner": args.slow_learner, "max_block_seconds": cfg.sync.max_block_seconds,
+                   "learner_script": str(args.learner_script) if args.learner_script else None},
     }
 
 

@@ -62,7 +62,7 @@ def test_sim_with_learner_and_shard_chaos_keeps_training_and_agrees(tmp_path):
     assert (tmp_path / "run.png").stat().st_size > 10_000
 
 
-def assert_the_final_loss_is_the_exported_global_models(tmp_path, report: dict) -> None:
+def assert_the_final_loss_is_the_exported_global_models(tmp_path, report: dict, learners_evaluate: bool = True) -> None:
     """The sim exported the global model to <run>/export: it holds the bits every learner ends
     with, and evaluated on its own it has the loss the report gives."""
     export = tmp_path / "run" / "export"
@@ -76,7 +76,7 @@ def assert_the_final_loss_is_the_exported_global_models(tmp_path, report: dict) 
                                 str(tmp_path / "run" / "cluster.yaml"), "--weights", str(export / "model.safetensors"),
                                 "--json"], capture_output=True, text=True, timeout=120, check=True)
     assert json.loads(evaluated.stdout)["eval_loss"] == report["final_eval_loss"]
-    assert report["final_eval_loss_learners"] is not None
+    assert (report["final_eval_loss_learners"] is not None) == learners_evaluate
 
 
 def test_the_llama_family_trains_in_the_cluster_and_ends_with_the_shards_bits(tmp_path):
@@ -85,6 +85,27 @@ def test_the_llama_family_trains_in_the_cluster_and_ends_with_the_shards_bits(tm
     assert report["state_hashes_agree"] is True
     assert report["final_eval_loss"] < 0.85 * report["initial_eval_loss"]
     assert_the_final_loss_is_the_exported_global_models(tmp_path, report)
+
+
+def test_sim_runs_a_users_own_loop_as_each_learner_and_evaluates_its_global_model(tmp_path):
+    script = pathlib.Path(__file__).resolve().parent.parent / "bench" / "plain_loop.py"
+    report = run_sim(tmp_path, "--learner-script", str(script), "--learners", "2", "--shards", "2", "--steps", "80")
+    assert report["config"]["learner_script"] == str(script)
+    for learner_id in report["per_learner"]:
+        assert "plain_loop.py --config" in (tmp_path / "run" / "logs" / f"{learner_id}.log").read_text()
+    assert report["inner_steps"] == 2 * 80 and report["state_hashes_agree"] is True
+    assert report["contributions"]["accepted"] + report["contributions"]["stale_merged"] > 0
+    assert_the_final_loss_is_the_exported_global_models(tmp_path, report, learners_evaluate=False)
+    assert report["final_eval_loss"] < 0.85 * 5.5  # from ln(256) = 5.5 at the start
+
+
+def test_sim_refuses_a_learner_script_with_dp_or_that_does_not_exist_before_it_starts_anything(tmp_path):
+    script = pathlib.Path(__file__).resolve().parent.parent / "bench" / "plain_loop.py"
+    for flags, message in ((["--learner-script", str(script), "--mode", "dp"], "--learner-script: --mode dp runs"),
+                           (["--learner-script", str(tmp_path / "mine.py")], f"--learner-script: no file {tmp_path}")):
+        result = subprocess.run(sim_command(tmp_path, *flags), capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert not (tmp_path / "run" / "logs" / "shard-0.log").exists()
 
 
 def test_sim_param_avg_mode_syncs_every_step_uncompressed(tmp_path):

@@ -1,0 +1,55 @@
+"""The user-loop path of BENCHMARKS.md section 1: `DecoupledDiLoCo` around a plain loop as a
+user writes one (torch.optim.AdamW, a LambdaLR schedule, the loop top to bottom), on the
+config's model and data as `diloco learner` builds them, so that its global model can be set
+beside the built-in learner's at the same settings:
+
+    diloco sim --config bench/cluster.yaml --learner-script bench/plain_loop.py --learners 4 ...
+
+`diloco sim` starts it as `python bench/plain_loop.py --config <run config> --learner-id <id>`
+and ends its catch-up with SIGTERM. No checkpoint: a restarted learner starts afresh.
+"""
+import argparse
+
+import torch
+from torch import nn
+
+from diloco import DecoupledDiLoCo
+from diloco.learner.data import build_data
+from diloco.learner.model import build_model
+from diloco.learner.train import lr_at
+from diloco.services.config import load_config
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--learner-id", required=True)
+    args = parser.parse_args()
+    cfg = load_config(args.config)
+    learner_index = [learner.id for learner in cfg.learners].index(args.learner_id)
+    torch.set_num_threads(cfg.trainer.threads)
+
+    model = build_model(cfg.model, seed=cfg.run.seed)
+    data = build_data(cfg, learner_index, model.seq_len)
+    opt = cfg.trainer.inner_optimizer
+    optimizer = torch.optim.AdamW(  # weight decay on matrices and embeddings only, as the built-in learner
+        [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": opt.weight_decay},
+         {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}],
+        lr=opt.lr, betas=(opt.beta1, opt.beta2))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, opt, cfg.trainer.max_steps) / opt.lr)
+
+    with DecoupledDiLoCo(model, cfg, args.learner_id, catch_up_seconds=86400) as sync:
+        while not sync.should_stop:
+            x, y = data.next_batch()
+            _, loss = model(x, y)
+            optimizer.zero_grad()
+            loss.backward()
+            if opt.grad_clip:
+                nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
+            optimizer.step()
+            schedule.step()
+            sync.step(tokens=x.numel())
+
+
+if __name__ == "__main__":
+    main()
