@@ -92,11 +92,11 @@ class OuterOptimizerConfig(_Section):
 
 
 # Outer momentum remembers about 1 / (1 - momentum) sync periods. DiLoCo's 0.9 (ten periods)
-# was tuned with H in the hundreds and runs of many syncs; with fewer syncs per fragment in a
-# run, a memory that long carries outer gradients of a much earlier stage of training into
-# later ones, and the global model overshoots. "auto" keeps the memory within a tenth of the
-# run's syncs, between 0.5 and 0.9 (docs/protocol.md: the measurements that chose it).
-MAX_AUTO_MOMENTUM = 0.9
+# was tuned with H in the hundreds; at H of 10 to 50 it overshoots (the Llama-style model most),
+# and with few syncs per fragment in a run a long memory carries outer gradients of an earlier
+# stage of training into later ones. "auto" keeps the memory within a tenth of the run's syncs,
+# between 0.5 and 0.7 (docs/protocol.md: the measurements that chose it).
+MAX_AUTO_MOMENTUM = 0.7
 MIN_AUTO_MOMENTUM = 0.5
 MOMENTUM_MEMORY_SHARE = 0.1
 
@@ -263,7 +263,7 @@ class Config(_Section):
 
     def outer_momentum(self) -> float:
         """syncer.outer_optimizer.momentum; "auto": 1 - 1 / (a tenth of syncs_per_fragment()),
-        within [0.5, 0.9]."""
+        within [0.5, 0.7]."""
         momentum = self.syncer.outer_optimizer.momentum
         if momentum != "auto":
             return momentum

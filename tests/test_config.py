@@ -162,13 +162,13 @@ def test_config_check_accepts_factories_that_resolve_without_calling_them(tmp_pa
 
 
 @pytest.mark.parametrize("steps, interval, expected", [
-    (400, 10, 0.75),    # 40 syncs per fragment: a memory of 4 periods
-    (1500, 25, 1 - 1 / 6),
+    (400, 16, 0.6),     # 25 syncs per fragment: a memory of 2.5 periods
     (1500, 50, 1 - 1 / 3),  # 30 syncs: 3 periods
-    (1500, 10, 0.9),    # 150 syncs: capped at DiLoCo's 0.9
+    (1500, 25, 0.7),    # 60 syncs: at most 0.7
+    (3000, 10, 0.7),
     (600, 50, 0.5),     # 12 syncs: at least 0.5
 ])
-def test_auto_outer_momentum_remembers_a_tenth_of_the_runs_syncs_within_half_and_nine_tenths(
+def test_auto_outer_momentum_remembers_a_tenth_of_the_runs_syncs_within_half_and_seven_tenths(
         steps, interval, expected):
     data = mutate("syncer.outer_optimizer.momentum", "auto")
     data["trainer"]["max_steps"], data["sync"]["interval_steps"] = steps, interval
@@ -178,11 +178,11 @@ def test_auto_outer_momentum_remembers_a_tenth_of_the_runs_syncs_within_half_and
 
 
 def test_a_run_token_budget_that_ends_the_run_first_shortens_the_run_auto_momentum_sees():
-    data = mutate("sync.interval_steps", 10)
+    data = mutate("sync.interval_steps", 16)
     cfg = parse_config(data)
     tokens_per_step = cfg.tokens_per_step()
     data["trainer"].update(max_steps=10_000, max_run_tokens=len(cfg.learners) * 400 * tokens_per_step)
-    assert parse_config(data).syncs_per_fragment() == 40 and parse_config(data).outer_momentum() == 0.75
+    assert parse_config(data).syncs_per_fragment() == 25 and parse_config(data).outer_momentum() == pytest.approx(0.6)
 
 
 def test_an_outer_momentum_given_is_the_one_used():
