@@ -192,13 +192,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         base = load_config(args.config)
         run_dir = pathlib.Path(args.run_dir)
-        shutil.rmtree(run_dir, ignore_errors=True)  # a run starts from nothing
         cfg = build_config(base, args, run_dir)
         check_factories(cfg)
         check_learner_script(args)
-    except ConfigError as error:
+    except ConfigError as error:  # the previous run's folder is left as it was
         print(f"invalid: {error}", file=sys.stderr)
         return 2
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run starts from nothing
     if args.mode == "dp":
         processes = data_parallel.DataParallelJob(cfg, run_dir)
         progress = None if args.quiet else _progress_bar(cfg.trainer.max_steps * len(cfg.learners))

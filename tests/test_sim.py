@@ -99,13 +99,17 @@ def test_sim_runs_a_users_own_loop_as_each_learner_and_evaluates_its_global_mode
     assert report["final_eval_loss"] < 0.85 * 5.5  # from ln(256) = 5.5 at the start
 
 
-def test_sim_refuses_a_learner_script_with_dp_or_that_does_not_exist_before_it_starts_anything(tmp_path):
+def test_sim_refuses_a_learner_script_with_dp_or_that_does_not_exist_and_leaves_the_run_folder_alone(tmp_path):
     script = pathlib.Path(__file__).resolve().parent.parent / "bench" / "plain_loop.py"
     for flags, message in ((["--learner-script", str(script), "--mode", "dp"], "--learner-script: --mode dp runs"),
                            (["--learner-script", str(tmp_path / "mine.py")], f"--learner-script: no file {tmp_path}")):
+        previous_run = tmp_path / "run" / "report.json"  # what an earlier run left there
+        previous_run.parent.mkdir(exist_ok=True)
+        previous_run.write_text("{}")
         result = subprocess.run(sim_command(tmp_path, *flags), capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and message in result.stderr, result.stderr
         assert not (tmp_path / "run" / "logs" / "shard-0.log").exists()
+        assert previous_run.read_text() == "{}"
 
 
 def test_sim_param_avg_mode_syncs_every_step_uncompressed(tmp_path):
