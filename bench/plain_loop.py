@@ -16,7 +16,7 @@ from torch import nn
 from diloco import DecoupledDiLoCo
 from diloco.learner.data import build_data
 from diloco.learner.model import build_model
-from diloco.learner.train import lr_at
+from diloco.learner.train import lr_at, weight_decay_groups
 from diloco.services.config import load_config
 
 
@@ -32,10 +32,8 @@ def main():
     model = build_model(cfg.model, seed=cfg.run.seed)
     data = build_data(cfg, learner_index, model.seq_len)
     opt = cfg.trainer.inner_optimizer
-    optimizer = torch.optim.AdamW(  # weight decay on matrices and embeddings only, as the built-in learner
-        [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": opt.weight_decay},
-         {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}],
-        lr=opt.lr, betas=(opt.beta1, opt.beta2))
+    # torch's own AdamW with the built-in learner's parameter groups and schedule
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, opt), lr=opt.lr, betas=(opt.beta1, opt.beta2))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, opt, cfg.trainer.max_steps) / opt.lr)
 
     with DecoupledDiLoCo(model, cfg, args.learner_id, catch_up_seconds=86400) as sync:

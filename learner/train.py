@@ -71,14 +71,16 @@ def manifest(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     return [(name, tuple(param.shape)) for name, param in model.named_parameters()]
 
 
-def make_optimizer(model: nn.Module, opt: InnerOptimizerConfig) -> AdamW:
-    # nanoGPT: weight decay on matrices and embeddings (dim >= 2), none on biases and norms.
+def weight_decay_groups(model: nn.Module, opt: InnerOptimizerConfig) -> list[dict]:
+    """nanoGPT's parameter groups: weight decay on matrices and embeddings (dim >= 2), none on
+    biases and norms."""
     params = named_parameters(model).values()
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": opt.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2))
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": opt.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def make_optimizer(model: nn.Module, opt: InnerOptimizerConfig) -> AdamW:
+    return AdamW(weight_decay_groups(model, opt), lr=opt.lr, betas=(opt.beta1, opt.beta2))
 
 
 class Trainer:
