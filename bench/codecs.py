@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from diloco.services.codecs import CODEC_NAMES, DEFAULT_BLOCK_SIZE, get_codec  # noqa: E402
+from diloco.services.contract.codecs import CODEC_NAMES, DEFAULT_BLOCK_SIZE, get_codec  # noqa: E402
 
 IDEAL_BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5, "fp4_e3m0": 0.5}
 MIN_VS_CLONE = {"int8": 1 / 8, "int4": 1 / 8}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pathlib
 
 from diloco.localcluster.cluster import free_ports
-from diloco.services.config import Config, load_config, parse_config
+from diloco.services.contract.config import Config, load_config, parse_config
 
 
 def one_learner_config(example: pathlib.Path, state_dir: pathlib.Path, steps: int, **sections: dict) -> Config:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from bench.one_learner import one_learner_config  # noqa: E402
 from diloco.services.client import ShardClient  # noqa: E402
 from diloco.localcluster.cluster import LocalCluster  # noqa: E402
-from diloco.services.codecs import get_codec  # noqa: E402
+from diloco.services.contract.codecs import get_codec  # noqa: E402
 
 
 def bench_config(state_dir: pathlib.Path, steps: int, wan_mbps: float | None):

@@ -17,7 +17,7 @@ from diloco import DecoupledDiLoCo
 from diloco.learner.data import build_data
 from diloco.learner.model import build_model
 from diloco.learner.train import lr_at, weight_decay_groups
-from diloco.services.config import load_config
+from diloco.services.contract.config import load_config
 
 
 def main():

@@ -69,13 +69,13 @@ sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from diloco.services.client import ShardClient  # noqa: E402
-from diloco.services.state import apply_update, state_hash  # noqa: E402
+from diloco.services.contract.state import apply_update, state_hash  # noqa: E402
 from diloco.localcluster.cluster import free_ports  # noqa: E402
-from diloco.services.codecs import ErrorFeedback, get_codec  # noqa: E402
-from diloco.services.config import RpcConfig, load_config  # noqa: E402
-from diloco.services.payload import Reassembler, iter_chunks  # noqa: E402
-from diloco.services.rpc import Server  # noqa: E402
-from diloco.services.wire import pb, pb_grpc  # noqa: E402
+from diloco.services.contract.codecs import ErrorFeedback, get_codec  # noqa: E402
+from diloco.services.contract.config import RpcConfig, load_config  # noqa: E402
+from diloco.services.contract.payload import Reassembler, iter_chunks  # noqa: E402
+from diloco.services.contract.rpc import Server  # noqa: E402
+from diloco.services.contract.wire import pb, pb_grpc  # noqa: E402
 from diloco.syncer.memory import keep_freed_memory  # noqa: E402
 from diloco.syncer.merge import RoundAccumulator  # noqa: E402
 from diloco.syncer.outer import OuterOptimizer  # noqa: E402

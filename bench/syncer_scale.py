@@ -43,12 +43,12 @@ sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 from bench.syncer_push import BLOCK, INT4, in_parallel, wait_serving  # noqa: E402
 from diloco.localcluster.cluster import free_ports  # noqa: E402
 from diloco.services.client import ShardClient  # noqa: E402
-from diloco.services.codecs import get_codec  # noqa: E402
-from diloco.services.config import load_config, parse_config  # noqa: E402
-from diloco.services.payload import describe, push_requests  # noqa: E402
+from diloco.services.contract.codecs import get_codec  # noqa: E402
+from diloco.services.contract.config import load_config, parse_config  # noqa: E402
+from diloco.services.contract.payload import describe, push_requests  # noqa: E402
 from diloco.syncer.core import ShardCore  # noqa: E402
 from diloco.syncer.fragment_state import SNAPSHOT_BYTES_PER_PARAM  # noqa: E402
-from diloco.services.wire import pb  # noqa: E402
+from diloco.services.contract.wire import pb  # noqa: E402
 from diloco.syncer.service import IDLE_RELEASE_SECONDS  # noqa: E402
 
 PACKAGES = ("services", "learner", "syncer", "localcluster", "integrations", "planner")

@@ -40,7 +40,7 @@ from bench.one_learner import one_learner_config  # noqa: E402
 from diloco import DecoupledDiLoCo  # noqa: E402
 from diloco.learner.model import build_model  # noqa: E402
 from diloco.localcluster.cluster import LocalCluster  # noqa: E402
-from diloco.services.config import Config  # noqa: E402
+from diloco.services.contract.config import Config  # noqa: E402
 
 TARGET_RATIO = 1.01
 DEMO_CONFIG = ROOT / "examples" / "local-4-regions.yaml"

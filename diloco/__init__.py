@@ -26,6 +26,6 @@ def __getattr__(name: str):
         from diloco.learner.sync import JoinRefused
         return JoinRefused
     if name == "ConfigError":
-        from diloco.services.config import ConfigError
+        from diloco.services.contract.config import ConfigError
         return ConfigError
     raise AttributeError(f"module 'diloco' has no attribute {name!r}")

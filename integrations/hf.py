@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from diloco.learner.api import DecoupledDiLoCo
-from diloco.services.config import Config
+from diloco.services.contract.config import Config
 
 VOCAB_SIZE = 256  # bytes are the tokens, as in the built-in models
 LLAMA_SEQ_LEN = 64

@@ -55,11 +55,12 @@ from diloco.learner.report import Report, process_started
 from diloco.learner.sync import JoinRefused, StreamingSync
 from diloco.learner.train import manifest, named_parameters
 from diloco.services.client import ShardClient
-from diloco.services.config import Config, ConfigError, check_state_folder, load_config
+from diloco.services.contract.config import Config, ConfigError, check_state_folder, load_config
 from diloco.services.export import ExportedFragment, GlobalModel, write_export
-from diloco.services.fragments import plan_for_config
-from diloco.services.metrics import LearnerMetrics, serve
-from diloco.services.tls import Identity, learner_name, load_identity
+from diloco.services.contract.fragments import plan_for_config
+from diloco.learner.metrics import LearnerMetrics
+from diloco.services.metrics import serve
+from diloco.services.contract.tls import Identity, learner_name, load_identity
 
 
 class DecoupledDiLoCo:

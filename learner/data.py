@@ -29,7 +29,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from diloco.services.config import Config, CorpusConfig, resolve_factory
+from diloco.services.contract.config import Config, CorpusConfig, resolve_factory
 
 # Between files, so no window reads one file's end as if it ran on into the next one's start.
 # Source files never contain a NUL byte.

@@ -15,7 +15,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from diloco.learner.train import Trainer, named_parameters
-from diloco.services.config import ConfigError, load_config
+from diloco.services.contract.config import ConfigError, load_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

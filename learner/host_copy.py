@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from diloco.services.fragments import Fragment, gather
+from diloco.services.contract.fragments import Fragment, gather
 
 
 class HostCopy:

@@ -13,7 +13,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from diloco.services.fragments import FragmentPlan, gather, scatter
+from diloco.services.contract.fragments import FragmentPlan, gather, scatter
 
 
 class Island:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diloco.learner.model import VOCAB_SIZE
-from diloco.services.config import GPTConfig
+from diloco.services.contract.config import GPTConfig
 
 ROPE_BASE = 10000.0
 

@@ -33,7 +33,7 @@ from diloco.learner.checkpoint import CheckpointWriter, load_checkpoint
 from diloco.learner.device import DeviceUnavailable, local_rank, resolve_device
 from diloco.learner.sync import JoinRefused
 from diloco.learner.train import Trainer
-from diloco.services.config import ConfigError, load_config
+from diloco.services.contract.config import ConfigError, load_config
 
 log = logging.getLogger(__name__)
 

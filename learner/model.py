@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diloco.services.config import GPTConfig, resolve_factory
+from diloco.services.contract.config import GPTConfig, resolve_factory
 
 VOCAB_SIZE = 256  # bytes are the tokens
 

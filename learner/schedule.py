@@ -37,9 +37,9 @@ from typing import Callable, Iterable
 
 import torch
 
-from diloco.services.config import Config, SyncConfig
-from diloco.services.fragments import FragmentPlan
-from diloco.services.wire import pb
+from diloco.services.contract.config import Config, SyncConfig
+from diloco.services.contract.fragments import FragmentPlan
+from diloco.services.contract.wire import pb
 
 
 def merged_fragment(alpha: float, global_value: torch.Tensor, local: torch.Tensor,

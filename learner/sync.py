@@ -39,13 +39,14 @@ import torch
 
 from diloco.learner.host_copy import HostCopy, copy_to_host
 from diloco.learner.schedule import LearnerSchedule, merged_fragment
-from diloco.services.client import PullResult, ShardClient, StateHashMismatch, TransferObserver, WanLink
-from diloco.services.codecs import ErrorFeedback, get_codec
-from diloco.services.config import Config
-from diloco.services.fragments import Fragment, FragmentPlan, assemble, pieces, scatter, to_device
-from diloco.services.state import state_hash
-from diloco.services.tls import Identity
-from diloco.services.wire import pb
+from diloco.localcluster.wan import WanLink
+from diloco.services.client import PullResult, ShardClient, StateHashMismatch, TransferObserver
+from diloco.services.contract.codecs import ErrorFeedback, get_codec
+from diloco.services.contract.config import Config
+from diloco.services.contract.fragments import Fragment, FragmentPlan, assemble, pieces, scatter, to_device
+from diloco.services.contract.state import state_hash
+from diloco.services.contract.tls import Identity
+from diloco.services.contract.wire import pb
 
 log = logging.getLogger(__name__)
 

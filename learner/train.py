@@ -35,7 +35,7 @@ from diloco.learner.adamw import AdamW
 from diloco.learner.checkpoint import checkpoint_state, rank_state, restore_rng
 from diloco.learner.data import DataSource, build_data
 from diloco.learner.model import build_model
-from diloco.services.config import Config, InnerOptimizerConfig, TrainerConfig
+from diloco.services.contract.config import Config, InnerOptimizerConfig, TrainerConfig
 
 log = logging.getLogger(__name__)
 

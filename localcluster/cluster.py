@@ -23,9 +23,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diloco.services.cli import DIE_WITH_PARENT_ENV
-from diloco.services.config import Config, RpcConfig, dump_config
-from diloco.services.rpc import open_channel
-from diloco.services.tls import OPERATOR, Identity, certs_dir, issue_cluster_certs, load_identity
+from diloco.services.contract.config import Config, RpcConfig, dump_config
+from diloco.services.contract.rpc import open_channel
+from diloco.services.cli.certs import issue_cluster_certs
+from diloco.services.contract.tls import OPERATOR, Identity, certs_dir, load_identity
 
 SYNCER_SERVICE = "diloco.v1.Syncer"
 

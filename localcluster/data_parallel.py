@@ -24,8 +24,8 @@ import time
 
 from diloco.localcluster.cluster import Proc
 from diloco.localcluster.chaos import Chaos
-from diloco.services.config import Config, dump_config
-from diloco.services.goodput import account, no_badput
+from diloco.services.contract.config import Config, dump_config
+from diloco.services.contract.goodput import account, no_badput
 
 POLL_SECONDS = 0.5
 

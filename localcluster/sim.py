@@ -15,7 +15,7 @@ optimizer state.
 Chaos (`--chaos-mtbf`, `--chaos-shards`) SIGKILLs processes at exponentially
 distributed intervals and restarts each after `--restart-delay`. WAN emulation
 (`--wan-mbps`) paces each learner's sync client in both directions: n bytes take
-n / rate seconds (services.client.WanLink); no root, no namespaces needed.
+n / rate seconds (localcluster/wan.py: WanLink); no root, no namespaces needed.
 
 SIGTERM or Ctrl-C stops every process the run started (learners leave cleanly, shards drain);
 another one meanwhile SIGKILLs them. On Linux they also die with the sim if it is SIGKILLed.
@@ -42,11 +42,11 @@ from diloco.services.client import ShardClient
 from diloco.localcluster import data_parallel
 from diloco.localcluster.chaos import Chaos
 from diloco.localcluster.cluster import ExitedBeforeServing, LocalCluster, Proc, free_ports
-from diloco.services.config import Config, ConfigError, ConfigLoader, check_factories, load_config, parse_config
+from diloco.services.contract.config import Config, ConfigError, ConfigLoader, check_factories, load_config, parse_config
 from diloco.services.export import MODEL_FILE, ExportError, fetch_global_model, write_export
-from diloco.services.goodput import account, no_badput
+from diloco.services.contract.goodput import account, no_badput
 from diloco.services.metrics import write_file_sd
-from diloco.services.tls import Identity
+from diloco.services.contract.tls import Identity
 
 log = logging.getLogger(__name__)
 
@@ -412,7 +412,7 @@ def _read_json(path: pathlib.Path) -> dict:
 def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], observer: Observer,
               learner_chaos: Chaos, shard_chaos: Chaos, provisioned: dict[str, float], wall: float,
               timeline: list[dict]) -> dict:
-    """The run's figures. Goodput (services/goodput.py) = kept training compute / provisioned
+    """The run's figures. Goodput (services/contract/goodput.py) = kept training compute / provisioned
     learner time: a learner is provisioned from the start of the run until its budget is
     spent, and its kept compute is its final step count times its mean step time (steps redone
     after a crash, waits, start-up, down time, evaluations and checkpoint copies are the

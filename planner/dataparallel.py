@@ -9,7 +9,7 @@
   it back after its repair (another pause). The failed slice is down meanwhile.
 
 Training is counted in steps of the slowest training slice; kept compute is each slice's own
-step time per kept step (goodput, services/goodput.py).
+step time per kept step (goodput, services/contract/goodput.py).
 """
 from __future__ import annotations
 

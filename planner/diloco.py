@@ -29,12 +29,12 @@ from diloco.planner.events import EventQueue, VirtualClock
 from diloco.planner.failures import FailureModel, FleetChange
 from diloco.planner.inputs import PlanInputs
 from diloco.planner.outcome import Bandwidth, Ledger, PlanResult, SyncerFacts, Uptime, staleness_counts
-from diloco.services.codecs import get_codec
-from diloco.services.config import Config, parse_config
-from diloco.services.fragments import FragmentPlan, plan_for_config
-from diloco.services.goodput import fragment_compute_seconds
-from diloco.services.payload import describe, iter_chunks
-from diloco.services.wire import pb
+from diloco.services.contract.codecs import get_codec
+from diloco.services.contract.config import Config, parse_config
+from diloco.services.contract.fragments import FragmentPlan, plan_for_config
+from diloco.services.contract.goodput import fragment_compute_seconds
+from diloco.services.contract.payload import describe, iter_chunks
+from diloco.services.contract.wire import pb
 from diloco.syncer.core import ShardCore
 from diloco.syncer.fragment_state import ClosedRound
 from diloco.syncer.refusal import Refusal

@@ -13,8 +13,8 @@ import yaml
 from pydantic import ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass
 
-from diloco.services.codecs import CODEC_NAMES
-from diloco.services.config import ConfigLoader, validation_message
+from diloco.services.contract.codecs import CODEC_NAMES
+from diloco.services.contract.config import ConfigLoader, validation_message
 
 Positive = Annotated[float, Field(gt=0)]
 NonNegative = Annotated[float, Field(ge=0)]

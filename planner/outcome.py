@@ -2,7 +2,7 @@
 
 Seconds are unit-seconds (one learner unit, or data-parallel slice, for one second): every unit
 has the same chips, so shares of unit-seconds are shares of chip-seconds. Goodput and badput
-follow services/goodput.py, the definition `diloco sim` and Prometheus use.
+follow services/contract/goodput.py, the definition `diloco sim` and Prometheus use.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
-from diloco.services.goodput import Goodput, account, no_badput
+from diloco.services.contract.goodput import Goodput, account, no_badput
 
 
 class Ledger:

@@ -6,7 +6,7 @@ import pathlib
 from itertools import groupby
 
 from diloco.planner.outcome import PlanResult
-from diloco.services.goodput import BADPUT, REMAINDER
+from diloco.services.contract.goodput import BADPUT, REMAINDER
 
 # The categories a planned run can have (the others belong to a real learner's loop).
 PLANNED_BADPUT = tuple(c for c in BADPUT if c not in ("startup", "evaluation", "checkpoint")) + (REMAINDER,)

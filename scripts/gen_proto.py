@@ -2,8 +2,8 @@
 
     python scripts/gen_proto.py [OUT_DIR]
 
-The stubs land in services/wire/, whose import path is diloco.services.wire (the
-package-dir mapping of pyproject.toml), as diloco.services.wire.diloco.v1, so they
+The stubs land in services/contract/wire/, whose import path is diloco.services.contract.wire (the
+package-dir mapping of pyproject.toml), as diloco.services.contract.wire.diloco.v1, so they
 import from an installed package without sys.path tricks. The test suite
 regenerates them into a temporary folder and fails if they drift.
 """
@@ -16,12 +16,12 @@ from grpc_tools import protoc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"
-PACKAGE_PREFIX = "diloco/services/wire"  # where proto/ is mounted in the Python import tree
-FOLDER = "services/wire"  # where that package is in the repository
+PACKAGE_PREFIX = "diloco/services/contract/wire"  # where proto/ is mounted in the Python import tree
+FOLDER = "services/contract/wire"  # where that package is in the repository
 
 
 def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:
-    """Writes the stubs for every .proto file under out_dir/services/wire; returns their paths."""
+    """Writes the stubs for every .proto file under out_dir/services/contract/wire; returns their paths."""
     protos = sorted(PROTO_DIR.rglob("*.proto"))
     include = f"-I{PACKAGE_PREFIX}={PROTO_DIR}"
     grpc_include = f"-I{pathlib.Path(protoc.__file__).parent / '_proto'}"

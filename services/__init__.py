@@ -1,6 +1,12 @@
-"""What learners and syncer shards share: the wire stubs, codecs, fragment plans,
-configuration, RPC plumbing, metrics and the `diloco` command line.
+"""What learners and syncer shards share, in three rooms and two modules:
 
-Nothing here imports `learner` or `syncer`; they meet only at the wire contract. The
-local-cluster harness (LocalCluster, `diloco sim`) is not shared run time: it is localcluster/.
+    contract/   the wire contract both sides speak: generated stubs (wire/), codecs, payload
+                chunking, fragment plans, state hashes, config, RPC plumbing, mutual TLS
+    client.py   the shard client every caller of a shard uses
+    export.py   the run's global model, fetched from the shards and written as safetensors
+    metrics.py  what both roles' Prometheus metrics share (each role's own: beside it)
+    cli/        the `diloco` command and the operator's subcommands (status, export, certs, config)
+
+Nothing here imports `learner`, `syncer`, `localcluster` or `planner`; learner and syncer meet
+only at the contract.
 """

@@ -8,45 +8,30 @@ decide on retries by status code.
 """
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Protocol, Sequence
 
 import torch
 
-from diloco.services.codecs import Codec, get_codec
-from diloco.services.config import RpcConfig
-from diloco.services.payload import Reassembler, decode_payload, describe, push_requests
-from diloco.services.rpc import open_channel, stream_deadline
-from diloco.services.state import apply_update, state_hash
-from diloco.services.tls import Identity
-from diloco.services.wire import pb, pb_grpc
+from diloco.services.contract.codecs import Codec, get_codec
+from diloco.services.contract.config import RpcConfig
+from diloco.services.contract.payload import Reassembler, decode_payload, describe, push_requests
+from diloco.services.contract.rpc import open_channel, stream_deadline
+from diloco.services.contract.state import apply_update, state_hash
+from diloco.services.contract.tls import Identity
+from diloco.services.contract.wire import pb, pb_grpc
 
 
-class PacedDirection:
-    """One direction of an emulated link: n bytes occupy it for n / rate seconds, one
-    transfer after another, as serialisation on a real link does (no burst credit)."""
-
-    def __init__(self, bytes_per_second: float):
-        self.rate = bytes_per_second
-        self._busy_until = 0.0
-        self._lock = threading.Lock()
-
-    def consume(self, count: int) -> None:
-        with self._lock:
-            start = max(time.monotonic(), self._busy_until)
-            self._busy_until = start + count / self.rate
-            done_at = self._busy_until
-        time.sleep(max(0.0, done_at - time.monotonic()))
+class LinkEmulation(Protocol):
+    """Paces the bytes of one learner's transfers as a capped link would (localcluster/wan.py:
+    WanLink): `up.consume(n)` and `down.consume(n)` return once n bytes went through."""
+    up: "Pacer"
+    down: "Pacer"
 
 
-class WanLink:
-    """An emulated WAN link of one learner, shared by its clients of every shard."""
-
-    def __init__(self, mbps: float):
-        self.up = PacedDirection(mbps * 1e6 / 8)
-        self.down = PacedDirection(mbps * 1e6 / 8)
+class Pacer(Protocol):
+    def consume(self, count: int) -> None: ...
 
 
 class StateHashMismatch(ValueError):
@@ -90,7 +75,7 @@ class PullResult:
 
 
 class TransferObserver(Protocol):
-    """Told about every completed transfer and heartbeat (services.metrics.LearnerMetrics)."""
+    """Told about every completed transfer and heartbeat (learner/metrics.py: LearnerMetrics)."""
 
     def pushed(self, header: pb.PushHeader, payload_bytes: int, seconds: float, result: int) -> None: ...
 
@@ -104,7 +89,7 @@ class ShardClient:
     None only when the config says plaintext. A learner's calls must present its own."""
 
     def __init__(self, address: str, rpc: RpcConfig, learner_id: str = "", incarnation: int = 0,
-                 wan: WanLink | None = None, observer: TransferObserver | None = None, *,
+                 wan: LinkEmulation | None = None, observer: TransferObserver | None = None, *,
                  identity: Identity | None):
         self.address = address
         self.wan = wan

@@ -1,4 +1,5 @@
-"""`diloco export --config C --out DIR`: the run's product, the global model, from its shards.
+"""The run's product, the global model, from its shards (`diloco export`: services/cli/export.py;
+the learner's `sync.export()`).
 
 Every fragment's global value is pulled as a snapshot from the shard that owns it (read-only
 calls, Status and PullFragment, under the operator's certificate), checked against the state
@@ -14,11 +15,9 @@ a temporary name and renamed, so a failed export leaves DIR as it was.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
-import sys
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -27,10 +26,10 @@ import torch
 from safetensors.torch import save_file
 
 from diloco.services.client import ShardClient, StateHashMismatch
-from diloco.services.config import Config, ConfigError, load_config
-from diloco.services.fragments import assemble, plan_for_config
-from diloco.services.tls import OPERATOR, Identity, load_identity
-from diloco.services.wire import pb
+from diloco.services.contract.config import Config
+from diloco.services.contract.fragments import assemble, plan_for_config
+from diloco.services.contract.tls import Identity
+from diloco.services.contract.wire import pb
 
 MODEL_FILE = "model.safetensors"
 INFO_FILE = "export.json"
@@ -61,33 +60,6 @@ class GlobalModel:
                 "parameters": sum(t.numel() for t in self.tensors.values()),
                 "merged_tokens": max((f.merged_tokens or 0 for f in self.fragments), default=0),
                 "fragments": [asdict(f) for f in self.fragments]}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="cluster YAML file: pull from every shard it lists")
-    parser.add_argument("--out", required=True, help="folder to write model.safetensors and export.json to")
-    parser.add_argument("--tls-dir", help="folder with the ca.crt, tls.crt and tls.key to present "
-                        "(default: <tls.dir>/operator)")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        cfg = load_config(args.config)
-        identity = load_identity(cfg, OPERATOR, args.tls_dir)
-    except ConfigError as error:
-        print(f"invalid: {error}", file=sys.stderr)
-        return 2
-    try:
-        model = fetch_global_model(cfg, identity)
-    except ExportError as error:
-        print(f"export failed: {error}", file=sys.stderr)
-        return 1
-    out = pathlib.Path(args.out)
-    write_export(model, out)
-    versions = [f.version for f in model.fragments]
-    print(f"exported {model.info()['parameters']} parameters of run {model.run!r} to {out / MODEL_FILE} "
-          f"(fragment versions {min(versions)}..{max(versions)})")
-    return 0
 
 
 def fetch_global_model(cfg: Config, identity: Identity | None) -> GlobalModel:

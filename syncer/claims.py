@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from diloco.services.config import Config
-from diloco.services.wire import pb
+from diloco.services.contract.config import Config
+from diloco.services.contract.wire import pb
 from diloco.syncer.membership import HeartbeatReport, Learner
 from diloco.syncer.refusal import Refusal
 

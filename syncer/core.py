@@ -21,12 +21,12 @@ from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
-from diloco.services.config import Config
-from diloco.services.fragments import FragmentPlan, plan_for_config
-from diloco.services.goodput import fragment_compute_seconds
-from diloco.services.payload import ChecksumMismatch, PayloadError, Reassembler, decode_payload, leading_bytes
-from diloco.services.state import state_hash
-from diloco.services.wire import pb
+from diloco.services.contract.config import Config
+from diloco.services.contract.fragments import FragmentPlan, plan_for_config
+from diloco.services.contract.goodput import fragment_compute_seconds
+from diloco.services.contract.payload import ChecksumMismatch, PayloadError, Reassembler, decode_payload, leading_bytes
+from diloco.services.contract.state import state_hash
+from diloco.services.contract.wire import pb
 from diloco.syncer.claims import ClaimBounds
 from diloco.syncer.counters import Counters
 from diloco.syncer.disk import DiskGuardedJournal

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 from diloco.syncer.refusal import Refusal
 
 if TYPE_CHECKING:  # the core imports this module
-    from diloco.services.wire import pb
+    from diloco.services.contract.wire import pb
     from diloco.syncer.core import Journal, LoggedClose, LoggedContribution, Manifest, Spool
     from diloco.syncer.fragment_state import FragmentSnapshot
 

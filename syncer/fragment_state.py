@@ -23,12 +23,12 @@ from typing import NamedTuple
 
 import torch
 
-from diloco.services.state import apply_update, state_hash
-from diloco.services.codecs import ErrorFeedback, get_codec
-from diloco.services.config import SyncConfig, SyncerConfig
-from diloco.services.fragments import Fragment
-from diloco.services.payload import decode_payload, describe
-from diloco.services.wire import pb
+from diloco.services.contract.state import apply_update, state_hash
+from diloco.services.contract.codecs import ErrorFeedback, get_codec
+from diloco.services.contract.config import SyncConfig, SyncerConfig
+from diloco.services.contract.fragments import Fragment
+from diloco.services.contract.payload import decode_payload, describe
+from diloco.services.contract.wire import pb
 from diloco.syncer.grace import GraceWindow
 from diloco.syncer.merge import RoundAccumulator
 from diloco.syncer.outer import OuterOptimizer

@@ -3,7 +3,7 @@ makes before a call reaches the core.
 
 - Identity (tls.mode mtls): the TLS handshake already proved the caller holds a certificate
   of the run's CA. Join, Heartbeat, Leave and PushFragment act for a learner id, so the
-  certificate must name that learner (services/tls.py): a certificate naming no learner is
+  certificate must name that learner (services/contract/tls.py): a certificate naming no learner is
   UNAUTHENTICATED, one naming another learner PERMISSION_DENIED. PullFragment and Status
   only read, so any certificate of the CA will do (the operator's, for `diloco status`).
   In plaintext mode there is no identity to check: the config said the network is trusted.
@@ -24,10 +24,10 @@ from typing import Callable, Iterator, TypeVar
 
 import grpc
 
-from diloco.services.config import Config
-from diloco.services.rpc import stream_deadline
-from diloco.services.tls import LEARNER_PREFIX, learner_of, peer_spiffe_id
-from diloco.services.wire import pb
+from diloco.services.contract.config import Config
+from diloco.services.contract.rpc import stream_deadline
+from diloco.services.contract.tls import LEARNER_PREFIX, learner_of, peer_spiffe_id
+from diloco.services.contract.wire import pb
 from diloco.syncer.counters import Counters
 from diloco.syncer.refusal import Refusal
 

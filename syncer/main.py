@@ -10,8 +10,9 @@ import argparse
 import logging
 import sys
 
-from diloco.services.config import ConfigError, load_config
-from diloco.services.metrics import SyncerMetrics, serve
+from diloco.services.contract.config import ConfigError, load_config
+from diloco.services.metrics import serve
+from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.memory import keep_freed_memory
 from diloco.syncer.service import start_shard
 from diloco.syncer.store import StoreError

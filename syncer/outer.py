@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco.services.config import Config
+from diloco.services.contract.config import Config
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from diloco.services.codecs import get_codec
-from diloco.services.config import Config, check_state_folder
-from diloco.services.payload import iter_chunks
-from diloco.services.rpc import Server
-from diloco.services.tls import load_identity, shard_name
-from diloco.services.wire import pb, pb_grpc
+from diloco.services.contract.codecs import get_codec
+from diloco.services.contract.config import Config, check_state_folder
+from diloco.services.contract.payload import iter_chunks
+from diloco.services.contract.rpc import Server
+from diloco.services.contract.tls import load_identity, shard_name
+from diloco.services.contract.wire import pb, pb_grpc
 from diloco.syncer.counters import Counters
 from diloco.syncer.core import FragmentView, ShardCore
 from diloco.syncer.guard import CallGuard

@@ -6,7 +6,7 @@ import pathlib
 from typing import Iterator
 
 from diloco.localcluster.cluster import LocalCluster, free_ports
-from diloco.services.config import Config, parse_config
+from diloco.services.contract.config import Config, parse_config
 
 
 def tiny_cluster(state_dir: pathlib.Path, *, shards: int = 2, learners: int = 3,

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from diloco.services import codecs
-from diloco.services.codecs import CODEC_NAMES, DEFAULT_BLOCK_SIZE, ErrorFeedback, get_codec
-from diloco.services.wire import pb
+from diloco.services.contract import codecs
+from diloco.services.contract.codecs import CODEC_NAMES, DEFAULT_BLOCK_SIZE, ErrorFeedback, get_codec
+from diloco.services.contract.wire import pb
 
 QUANTISED = ("int8", "int4", "fp4_e3m0")
 FLT_MAX = torch.finfo(torch.float32).max

@@ -26,12 +26,12 @@ import pytest
 import yaml
 
 import diloco.learner.main
-import diloco.services.tls
+import diloco.services.cli.certs
 import diloco.syncer.main
 from diloco.services.client import ShardClient
 from diloco.localcluster.cluster import Proc, free_ports, wait_serving
-from diloco.services.config import Config, dump_config, load_config, parse_config
-from diloco.services.tls import OPERATOR, load_identity
+from diloco.services.contract.config import Config, dump_config, load_config, parse_config
+from diloco.services.contract.tls import OPERATOR, load_identity
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -64,7 +64,7 @@ def compose() -> dict:
 
 def parse_command(command: list[str]) -> argparse.Namespace:
     """The service's command as the subcommand's own parser reads it."""
-    module = {"syncer": diloco.syncer.main, "learner": diloco.learner.main, "certs": diloco.services.tls}[command[0]]
+    module = {"syncer": diloco.syncer.main, "learner": diloco.learner.main, "certs": diloco.services.cli.certs}[command[0]]
     parser = argparse.ArgumentParser(prog=f"diloco {command[0]}")
     module.add_arguments(parser)
     return parser.parse_args(command[1:])

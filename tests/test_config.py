@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from diloco.services.cli import main
-from diloco.services.config import Config, ConfigError, GPTConfig, dump_config, load_config, parse_config
+from diloco.services.contract.config import Config, ConfigError, GPTConfig, dump_config, load_config, parse_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "local-4-regions.yaml"

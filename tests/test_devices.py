@@ -23,8 +23,8 @@ from diloco.learner.device import DeviceUnavailable, resolve_device
 from diloco.learner.host_copy import copy_to_host
 from diloco.learner.model import build_model
 from diloco.learner.train import Trainer, make_optimizer, manifest, named_parameters
-from diloco.services.config import GPTConfig, InnerOptimizerConfig, dump_config
-from diloco.services.fragments import plan_fragments, scatter
+from diloco.services.contract.config import GPTConfig, InnerOptimizerConfig, dump_config
+from diloco.services.contract.fragments import plan_fragments, scatter
 from tests.cluster_config import running_shards, tiny_cluster
 from tests.test_learner_cluster import (cluster_factory, held_fragments, shard_fragments,  # noqa: F401 (fixture)
                                         wait_for_learners_to_finish)

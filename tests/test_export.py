@@ -15,11 +15,12 @@ from diloco.learner.train import Trainer, named_parameters
 from diloco.services.cli import main
 from diloco.services.client import ShardClient
 from diloco.localcluster.cluster import LocalCluster
-from diloco.services.config import dump_config
-from diloco.services.fragments import plan_for_config, scatter
-from diloco.services.state import state_hash
-from diloco.services.tls import certs_dir, issue_cluster_certs, learner_name, load_identity
-from diloco.services.wire import pb
+from diloco.services.contract.config import dump_config
+from diloco.services.contract.fragments import plan_for_config, scatter
+from diloco.services.contract.state import state_hash
+from diloco.services.cli.certs import issue_cluster_certs
+from diloco.services.contract.tls import certs_dir, learner_name, load_identity
+from diloco.services.contract.wire import pb
 from diloco.syncer.service import start_shard
 from tests.cluster_config import tiny_cluster
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from diloco.services.fragments import gather, plan_fragments, scatter
+from diloco.services.contract.fragments import gather, plan_fragments, scatter
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 property_test = settings(deadline=None)  # the first torch call in a process is slow
@@ -167,7 +167,7 @@ def _digest_cases():
 def test_digest_is_identical_across_processes_and_hash_seeds():
     cases = _digest_cases()
     here = [(plan.digest, repr(plan)) for plan in (plan_fragments(*case) for case in cases)]
-    code = ("import json, sys; from diloco.services.fragments import plan_fragments; "
+    code = ("import json, sys; from diloco.services.contract.fragments import plan_fragments; "
             "plans = [plan_fragments(*case) for case in json.load(sys.stdin)]; "
             "json.dump([(p.digest, repr(p)) for p in plans], sys.stdout)")
     children = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True,

@@ -243,7 +243,7 @@ def test_crd_objects_have_the_shape_the_operator_expects(renders):
 # ---------------------------------------------------------------- the cluster config
 
 def test_rendered_cluster_config_passes_the_projects_validation(renders, tmp_path):
-    from diloco.services.config import load_config, parse_config
+    from diloco.services.contract.config import load_config, parse_config
 
     for name, docs in renders.items():
         text = one(docs, "ConfigMap", "-config")["data"]["cluster.yaml"]
@@ -260,8 +260,8 @@ def test_rendered_runs_have_a_fragment_plan_for_their_model(renders):
     import torch
     from diloco.learner.model import build_model
     from diloco.learner.train import manifest
-    from diloco.services.config import parse_config
-    from diloco.services.fragments import plan_for_config
+    from diloco.services.contract.config import parse_config
+    from diloco.services.contract.fragments import plan_for_config
 
     for name in ("default", "diloco"):
         cfg = parse_config(cluster_config(renders[name]), source=name)
@@ -272,10 +272,10 @@ def test_rendered_runs_have_a_fragment_plan_for_their_model(renders):
 
 
 def test_schema_knows_exactly_the_keys_of_the_projects_config():
-    """values.schema.json mirrors services/config.py, so helm refuses what the processes
+    """values.schema.json mirrors services/contract/config.py, so helm refuses what the processes
     would refuse; this keeps the two from drifting apart."""
-    from diloco.services import config as c
-    from diloco.services.codecs import CODEC_NAMES
+    from diloco.services.contract import config as c
+    from diloco.services.contract.codecs import CODEC_NAMES
 
     schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["config"]
 

@@ -16,7 +16,7 @@ import pytest
 
 from diloco.services.client import ShardClient
 from diloco.localcluster.cluster import LocalCluster
-from diloco.services.tls import OPERATOR, load_identity
+from diloco.services.contract.tls import OPERATOR, load_identity
 from tests.cluster_config import tiny_cluster
 
 pytestmark = pytest.mark.slow

@@ -17,10 +17,10 @@ import torch
 from diloco.learner.sync import StreamingSync
 from diloco.services.client import ShardClient
 from diloco.localcluster.cluster import LocalCluster
-from diloco.services.config import dump_config, parse_config
-from diloco.services.fragments import plan_for_config
-from diloco.services.state import state_hash
-from diloco.services.wire import pb
+from diloco.services.contract.config import dump_config, parse_config
+from diloco.services.contract.fragments import plan_for_config
+from diloco.services.contract.state import state_hash
+from diloco.services.contract.wire import pb
 from diloco.syncer.store import shard_state_dir
 from tests.cluster_config import tiny_cluster
 from tests.test_learner_cluster import wait_until

@@ -15,7 +15,7 @@ from diloco.learner.data import (FILE_SEPARATOR, CorpusShard, build_data, is_val
 from diloco.learner.model import build_model
 import diloco.learner.train
 from diloco.learner.train import Trainer, lr_at, manifest, named_parameters
-from diloco.services.config import GPTConfig, InnerOptimizerConfig, parse_config
+from diloco.services.contract.config import GPTConfig, InnerOptimizerConfig, parse_config
 from tests import user_plugins
 
 TINY_GPT = {"n_layer": 2, "n_head": 4, "n_embd": 64, "seq_len": 64}
@@ -391,9 +391,9 @@ def _sync_with_a_held_result(tmp_path, monkeypatch, mix_alpha=0.0, shapes=None):
     value 100 once `release` is set."""
     import threading
     from diloco.learner.sync import FragmentSync, StreamingSync, SyncOutcome
-    from diloco.services.codecs import ErrorFeedback, get_codec
-    from diloco.services.fragments import plan_for_config
-    from diloco.services.wire import pb
+    from diloco.services.contract.codecs import ErrorFeedback, get_codec
+    from diloco.services.contract.fragments import plan_for_config
+    from diloco.services.contract.wire import pb
     from tests.cluster_config import tiny_cluster
 
     cfg = tiny_cluster(tmp_path, shards=1, learners=1, tls={"mode": "plaintext"},

@@ -4,9 +4,9 @@ the phase of the others. No gRPC, no threads, no sleeping."""
 import torch
 
 from diloco.learner.schedule import LearnerSchedule, merged_fragment, phase_of_the_others
-from diloco.services.config import parse_config
-from diloco.services.fragments import plan_for_config
-from diloco.services.wire import pb
+from diloco.services.contract.config import parse_config
+from diloco.services.contract.fragments import plan_for_config
+from diloco.services.contract.wire import pb
 
 MANIFEST = [("blocks.0.w", (64,)), ("blocks.1.w", (48,)), ("head.w", (40,)), ("embed.w", (32,))]
 TOKENS = 10  # per inner step

@@ -10,7 +10,7 @@ import torch
 from diloco.learner.llama import Llama, rotary_tables, rotate
 from diloco.learner.model import build_model
 from diloco.learner.train import Trainer, manifest
-from diloco.services.config import GPTConfig, parse_config
+from diloco.services.contract.config import GPTConfig, parse_config
 
 TINY_LLAMA = {"family": "llama", "n_layer": 2, "n_head": 2, "n_embd": 32, "seq_len": 64}
 

@@ -16,7 +16,7 @@ import torch
 
 from diloco.services.client import ShardClient
 from diloco.localcluster.cluster import LocalCluster, Proc, free_ports
-from diloco.services.config import dump_config, load_config, parse_config
+from diloco.services.contract.config import dump_config, load_config, parse_config
 from tests.test_learner_cluster import held_fragments, read_report, shard_fragments, wait_until
 
 pytestmark = pytest.mark.slow

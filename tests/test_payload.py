@@ -6,8 +6,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from diloco.services.codecs import get_codec
-from diloco.services.payload import (
+from diloco.services.contract.codecs import get_codec
+from diloco.services.contract.payload import (
     CHUNK_BYTES,
     PayloadError,
     Reassembler,
@@ -17,7 +17,7 @@ from diloco.services.payload import (
     iter_chunks,
     leading_bytes,
 )
-from diloco.services.wire import pb
+from diloco.services.contract.wire import pb
 
 INT4 = get_codec("int4")
 BLOCK_SIZE = 128

@@ -16,7 +16,7 @@ import time
 import pytest
 import yaml
 
-from diloco.services.config import dump_config, load_config
+from diloco.services.contract.config import dump_config, load_config
 from diloco.services.metrics import file_sd_target_groups
 from tests.cluster_config import tiny_cluster
 from tests.prometheus_server import LOCAL_CONFIG, ROOT, Prometheus, binary, local_config

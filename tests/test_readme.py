@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from diloco.localcluster.cluster import LocalCluster
-from diloco.services.config import dump_config
+from diloco.services.contract.config import dump_config
 from tests.test_learner_cluster import held_fragments, shard_fragments
 from tests.test_own_loop import own_loop_config
 

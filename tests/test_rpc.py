@@ -5,9 +5,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from diloco.services.config import RpcConfig
-from diloco.services.rpc import Server, open_channel
-from diloco.services.tls import OPERATOR, certs_dir, issue_cluster_certs, learner_name, load_identity, shard_name
+from diloco.services.contract.config import RpcConfig
+from diloco.services.contract.rpc import Server, open_channel
+from diloco.services.cli.certs import issue_cluster_certs
+from diloco.services.contract.tls import OPERATOR, certs_dir, learner_name, load_identity, shard_name
 from tests.cluster_config import tiny_cluster
 
 SYNCER = "diloco.v1.Syncer"

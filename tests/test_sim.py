@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from diloco.services.config import ConfigError, dump_config
+from diloco.services.contract.config import ConfigError, dump_config
 from tests.cluster_config import tiny_cluster
 from tests.test_learner_cluster import wait_until
 

@@ -8,9 +8,10 @@ import torch
 
 from diloco.services.cli import main
 from diloco.services.client import ShardClient
-from diloco.services.config import dump_config
-from diloco.services.tls import OPERATOR, certs_dir, issue_cluster_certs, learner_name, load_identity
-from diloco.services.wire import pb
+from diloco.services.contract.config import dump_config
+from diloco.services.cli.certs import issue_cluster_certs
+from diloco.services.contract.tls import OPERATOR, certs_dir, learner_name, load_identity
+from diloco.services.contract.wire import pb
 from diloco.syncer.service import start_shard
 from tests.cluster_config import tiny_cluster
 

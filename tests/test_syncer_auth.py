@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from diloco.services.client import ShardClient
-from diloco.services.tls import issue_cluster_certs, learner_name, load_identity
-from diloco.services.wire import pb
+from diloco.services.cli.certs import issue_cluster_certs
+from diloco.services.contract.tls import learner_name, load_identity
+from diloco.services.contract.wire import pb
 from diloco.syncer.service import start_shard
 from tests.test_syncer_service import MANIFEST, _outer_gradient, identity, write_config
 

@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from diloco.services.state import apply_update, state_hash
-from diloco.services.codecs import get_codec
-from diloco.services.config import ConfigError, parse_config
-from diloco.services.payload import decode_payload, describe, push_requests
-from diloco.services.wire import pb
+from diloco.services.contract.state import apply_update, state_hash
+from diloco.services.contract.codecs import get_codec
+from diloco.services.contract.config import ConfigError, parse_config
+from diloco.services.contract.payload import decode_payload, describe, push_requests
+from diloco.services.contract.wire import pb
 from diloco.syncer.core import NullJournal, Restored, ShardCore
 from diloco.syncer.grace import GraceWindow
 from diloco.syncer.merge import RoundAccumulator, contribution_weight

@@ -10,9 +10,9 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from diloco.services.state import apply_update, state_hash
-from diloco.services.payload import decode_payload
-from diloco.services.wire import pb
+from diloco.services.contract.state import apply_update, state_hash
+from diloco.services.contract.payload import decode_payload
+from diloco.services.contract.wire import pb
 
 from diloco.syncer.core import NullSpool, ShardCore
 from diloco.syncer.refusal import Refusal

@@ -29,11 +29,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diloco.services.client import ShardClient
-from diloco.services.codecs import get_codec
-from diloco.services.config import RpcConfig
-from diloco.services.payload import describe, iter_chunks
-from diloco.services.rpc import open_channel
-from diloco.services.wire import pb
+from diloco.services.contract.codecs import get_codec
+from diloco.services.contract.config import RpcConfig
+from diloco.services.contract.payload import describe, iter_chunks
+from diloco.services.contract.rpc import open_channel
+from diloco.services.contract.wire import pb
 from diloco.syncer.service import start_shard
 from tests.test_syncer_service import BLOCK, MANIFEST, identity, write_config
 

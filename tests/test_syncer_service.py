@@ -20,13 +20,14 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diloco.services.client import ShardClient
-from diloco.services.codecs import get_codec
-from diloco.services.rpc import open_channel
-from diloco.services.config import RpcConfig, load_config, parse_config
-from diloco.services.payload import describe, iter_chunks, push_requests
-from diloco.services.state import state_hash
-from diloco.services.tls import OPERATOR, certs_dir, issue_cluster_certs, learner_name, load_identity
-from diloco.services.wire import pb
+from diloco.services.contract.codecs import get_codec
+from diloco.services.contract.rpc import open_channel
+from diloco.services.contract.config import RpcConfig, load_config, parse_config
+from diloco.services.contract.payload import describe, iter_chunks, push_requests
+from diloco.services.contract.state import state_hash
+from diloco.services.cli.certs import issue_cluster_certs
+from diloco.services.contract.tls import OPERATOR, certs_dir, learner_name, load_identity
+from diloco.services.contract.wire import pb
 from diloco.syncer.core import ShardCore
 from diloco.syncer.service import start_shard
 
@@ -118,7 +119,7 @@ def _outer_gradient(fragment, numel, values=None, *, learner="a", incarnation=1,
 
 
 def _nan_scale(payload: bytes) -> bytes:
-    """int4 layout (services/codecs.py): fp32 block scales first; a NaN scale decodes to NaN."""
+    """int4 layout (services/contract/codecs.py): fp32 block scales first; a NaN scale decodes to NaN."""
     return torch.tensor([float("nan")]).numpy().tobytes() + payload[4:]
 
 

@@ -27,7 +27,7 @@ def test_committed_stubs_match_the_proto_files(tmp_path):
 
 def test_stubs_import_without_path_tricks(tmp_path):
     # From an unrelated working directory, with nothing added to sys.path.
-    code = ("from diloco.services.wire import pb, pb_grpc; "
+    code = ("from diloco.services.contract.wire import pb, pb_grpc; "
             "print(pb.DESCRIPTOR.package, sorted(pb.DESCRIPTOR.services_by_name['Syncer'].methods_by_name))")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                          text=True, check=True).stdout

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from diloco import DecoupledDiLoCo
-from diloco.services.config import load_config
+from diloco.services.contract.config import load_config
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from byte_llama import (BATCH_SIZE, SEQ_LEN, ByteWindows, example_arguments, learner_text, tiny_llama,

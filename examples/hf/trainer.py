@@ -14,7 +14,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from diloco.integrations.hf import DecoupledDiLoCoCallback
-from diloco.services.config import load_config
+from diloco.services.contract.config import load_config
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from byte_llama import (BATCH_SIZE, ByteWindows, SEQ_LEN, example_arguments, learner_text, tiny_llama,

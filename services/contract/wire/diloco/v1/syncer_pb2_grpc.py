@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from diloco.services.wire.diloco.v1 import syncer_pb2 as diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2
+from diloco.services.contract.wire.diloco.v1 import syncer_pb2 as diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in diloco/services/wire/diloco/v1/syncer_pb2_grpc.py depends on'
+        + ' but the generated code in diloco/services/contract/wire/diloco/v1/syncer_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,33 +38,33 @@ class SyncerStub:
         """
         self.Join = channel.unary_unary(
                 '/diloco.v1.Syncer/Join',
-                request_serializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.JoinRequest.SerializeToString,
-                response_deserializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.JoinResponse.FromString,
+                request_serializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.JoinRequest.SerializeToString,
+                response_deserializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.JoinResponse.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/diloco.v1.Syncer/Heartbeat',
-                request_serializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.HeartbeatResponse.FromString,
+                request_serializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/diloco.v1.Syncer/Leave',
-                request_serializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.LeaveRequest.SerializeToString,
-                response_deserializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.LeaveResponse.FromString,
+                request_serializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.LeaveResponse.FromString,
                 _registered_method=True)
         self.PushFragment = channel.stream_unary(
                 '/diloco.v1.Syncer/PushFragment',
-                request_serializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PushRequest.SerializeToString,
-                response_deserializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PushResponse.FromString,
+                request_serializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PushRequest.SerializeToString,
+                response_deserializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PushResponse.FromString,
                 _registered_method=True)
         self.PullFragment = channel.unary_stream(
                 '/diloco.v1.Syncer/PullFragment',
-                request_serializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PullRequest.SerializeToString,
-                response_deserializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PullResponse.FromString,
+                request_serializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PullRequest.SerializeToString,
+                response_deserializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PullResponse.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/diloco.v1.Syncer/Status',
-                request_serializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.StatusRequest.SerializeToString,
-                response_deserializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.StatusResponse.FromString,
+                request_serializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.StatusRequest.SerializeToString,
+                response_deserializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.StatusResponse.FromString,
                 _registered_method=True)
 
 
@@ -124,33 +124,33 @@ def add_SyncerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Join': grpc.unary_unary_rpc_method_handler(
                     servicer.Join,
-                    request_deserializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.JoinRequest.FromString,
-                    response_serializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.JoinResponse.SerializeToString,
+                    request_deserializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.JoinRequest.FromString,
+                    response_serializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.JoinResponse.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.HeartbeatRequest.FromString,
-                    response_serializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.HeartbeatResponse.SerializeToString,
+                    request_deserializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.HeartbeatRequest.FromString,
+                    response_serializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.HeartbeatResponse.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
-                    request_deserializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.LeaveRequest.FromString,
-                    response_serializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.LeaveResponse.SerializeToString,
+                    request_deserializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.LeaveRequest.FromString,
+                    response_serializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.LeaveResponse.SerializeToString,
             ),
             'PushFragment': grpc.stream_unary_rpc_method_handler(
                     servicer.PushFragment,
-                    request_deserializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PushRequest.FromString,
-                    response_serializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PushResponse.SerializeToString,
+                    request_deserializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PushRequest.FromString,
+                    response_serializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PushResponse.SerializeToString,
             ),
             'PullFragment': grpc.unary_stream_rpc_method_handler(
                     servicer.PullFragment,
-                    request_deserializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PullRequest.FromString,
-                    response_serializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PullResponse.SerializeToString,
+                    request_deserializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PullRequest.FromString,
+                    response_serializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PullResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.StatusRequest.FromString,
-                    response_serializer=diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.StatusResponse.SerializeToString,
+                    request_deserializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.StatusRequest.FromString,
+                    response_serializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.StatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,8 +180,8 @@ class Syncer:
             request,
             target,
             '/diloco.v1.Syncer/Join',
-            diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.JoinRequest.SerializeToString,
-            diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.JoinResponse.FromString,
+            diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.JoinRequest.SerializeToString,
+            diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.JoinResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -207,8 +207,8 @@ class Syncer:
             request,
             target,
             '/diloco.v1.Syncer/Heartbeat',
-            diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.HeartbeatRequest.SerializeToString,
-            diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.HeartbeatResponse.FromString,
+            diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.HeartbeatRequest.SerializeToString,
+            diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -234,8 +234,8 @@ class Syncer:
             request,
             target,
             '/diloco.v1.Syncer/Leave',
-            diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.LeaveRequest.SerializeToString,
-            diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.LeaveResponse.FromString,
+            diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.LeaveRequest.SerializeToString,
+            diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.LeaveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -261,8 +261,8 @@ class Syncer:
             request_iterator,
             target,
             '/diloco.v1.Syncer/PushFragment',
-            diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PushRequest.SerializeToString,
-            diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PushResponse.FromString,
+            diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PushRequest.SerializeToString,
+            diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PushResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -288,8 +288,8 @@ class Syncer:
             request,
             target,
             '/diloco.v1.Syncer/PullFragment',
-            diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PullRequest.SerializeToString,
-            diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PullResponse.FromString,
+            diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PullRequest.SerializeToString,
+            diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PullResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -315,8 +315,8 @@ class Syncer:
             request,
             target,
             '/diloco.v1.Syncer/Status',
-            diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.StatusRequest.SerializeToString,
-            diloco_dot_services_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.StatusResponse.FromString,
+            diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.StatusRequest.SerializeToString,
+            diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,11 +26,11 @@ SUBCOMMANDS = {
     "learner": ("diloco.learner.main", "run one learner island"),
     "sim": ("diloco.localcluster.sim", "run a whole multi-region cluster as local processes"),
     "plan": ("diloco.planner.main", "simulate a whole run at datacenter scale in virtual time: goodput by mode"),
-    "export": ("diloco.services.export", "write the run's global model from its shards as safetensors"),
+    "export": ("diloco.services.cli.export", "write the run's global model from its shards as safetensors"),
     "evaluate": ("diloco.learner.evaluate", "the validation loss of a model file (the run's global model)"),
-    "status": ("diloco.services.status", "show a cluster's learners and fragments from its shards"),
-    "config": ("diloco.services.config_cli", "validate a config file and print what it describes"),
-    "certs": ("diloco.services.tls", "make a CA and a certificate for every shard, learner and operator of a config"),
+    "status": ("diloco.services.cli.status", "show a cluster's learners and fragments from its shards"),
+    "config": ("diloco.services.cli.config", "validate a config file and print what it describes"),
+    "certs": ("diloco.services.cli.certs", "make a CA and a certificate for every shard, learner and operator of a config"),
 }
 
 

@@ -5,7 +5,7 @@ Conventions (DESIGN.md §4): message limits and keepalive are set on both ends,
 every call carries a deadline, and nothing is gzipped (payloads are already
 quantised; compressing them again costs CPU and saves nothing).
 
-Transport security (services/tls.py): with an Identity, servers listen with mutual TLS and
+Transport security (services/contract/tls.py): with an Identity, servers listen with mutual TLS and
 channels present the process's certificate; None means plaintext, which only a config saying
 `tls: {mode: plaintext}` gives. A server may also serve the health service alone on a
 plaintext port, for probes that cannot present a certificate.
@@ -22,8 +22,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from diloco.services.config import RpcConfig
-from diloco.services.tls import Identity
+from diloco.services.contract.config import RpcConfig
+from diloco.services.contract.tls import Identity
 
 log = logging.getLogger(__name__)
 

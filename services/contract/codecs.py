@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from diloco.services.wire import pb
+from diloco.services.contract.wire import pb
 
 DEFAULT_BLOCK_SIZE = 128
 

@@ -6,8 +6,8 @@ import argparse
 import collections
 import sys
 
-from diloco.services.config import ConfigError, check_factories, load_config
-from diloco.services.tls import certs_dir
+from diloco.services.contract.config import ConfigError, check_factories, load_config
+from diloco.services.contract.tls import certs_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

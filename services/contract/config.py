@@ -19,7 +19,7 @@ from typing import Annotated, Callable, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from diloco.services.codecs import CODEC_NAMES
+from diloco.services.contract.codecs import CODEC_NAMES
 
 
 class ConfigError(ValueError):
@@ -186,7 +186,7 @@ class RpcConfig(_Section):
     max_message_bytes: Annotated[int, Field(ge=4 << 20)] = 16 << 20
     keepalive_seconds: PositiveFloat = 30.0
     # Emulated WAN: caps each learner's sync traffic to this many Mbit/s in each direction
-    # (its client paces n bytes to n / rate seconds; services.client.WanLink). None: no cap.
+    # (its client paces n bytes to n / rate seconds; localcluster/wan.py: WanLink). None: no cap.
     wan_mbps: PositiveFloat | None = None
 
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from diloco.services.client import ShardClient
-from diloco.services.config import ConfigError, RpcConfig, load_config
-from diloco.services.tls import OPERATOR, Identity, load_identity, read_identity
-from diloco.services.wire import pb
+from diloco.services.contract.config import ConfigError, RpcConfig, load_config
+from diloco.services.contract.tls import OPERATOR, Identity, load_identity, read_identity
+from diloco.services.contract.wire import pb
 
 HASH_PREFIX = 12
 

@@ -22,8 +22,8 @@ from collections.abc import Iterator
 import torch
 from isal.isal_zlib import crc32
 
-from diloco.services.codecs import Codec, get_codec
-from diloco.services.wire import pb
+from diloco.services.contract.codecs import Codec, get_codec
+from diloco.services.contract.wire import pb
 
 CHUNK_BYTES = 1 << 20
 

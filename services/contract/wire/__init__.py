@@ -1,0 +1,8 @@
+"""The generated gRPC stubs of proto/diloco/v1 (regenerate with scripts/gen_proto.py).
+
+    from diloco.services.contract.wire import pb, pb_grpc
+"""
+from diloco.services.contract.wire.diloco.v1 import syncer_pb2 as pb
+from diloco.services.contract.wire.diloco.v1 import syncer_pb2_grpc as pb_grpc
+
+__all__ = ["pb", "pb_grpc"]

@@ -1,8 +1,0 @@
-"""The generated gRPC stubs of proto/diloco/v1 (regenerate with scripts/gen_proto.py).
-
-    from diloco.services.wire import pb, pb_grpc
-"""
-from diloco.services.wire.diloco.v1 import syncer_pb2 as pb
-from diloco.services.wire.diloco.v1 import syncer_pb2_grpc as pb_grpc
-
-__all__ = ["pb", "pb_grpc"]

@@ -1,0 +1,111 @@
+"""A syncer shard's Prometheus metrics (names and serving: services/metrics.py)."""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Mapping
+
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from diloco.services.metrics import WAN_TRANSFER_BUCKETS, Collector, new_registry
+
+# The families of syncer/counters.py (`family.label` -> diloco_syncer_<family>_total{label}):
+# label name, and the label values exported as 0 before they first happen, so that rates and
+# dashboards have a series from the start. Refusal reasons are open-ended.
+SYNCER_COUNTER_FAMILIES: dict[str, tuple[str | None, tuple[str, ...]]] = {
+    "contributions": ("result", ("accepted", "stale_merged", "refused_stale", "refused", "restored")),
+    "refusals": ("reason", ()),
+    "rounds": ("reason", ("all", "quorum_grace")),
+    "learners": ("event", ("joined", "rejoined", "left", "expired")),
+    "seeds": (None, ()),
+    "kept_compute_seconds": (None, ()),
+    "journal_bytes": (None, ()),
+    "snapshots": (None, ()),
+    "replayed_rounds": (None, ()),
+}
+SYNCER_COUNTER_HELP = {
+    "contributions": "Outer-gradient pushes by what the shard did with them.",
+    "refusals": "Requests the shard refused, by reason.",
+    "rounds": "Rounds closed, by why they closed (all live learners, or quorum then grace).",
+    "learners": "Membership events.",
+    "seeds": "Fragments seeded with a learner's initial values.",
+    "kept_compute_seconds": "Learner compute embodied in merged contributions: "
+                            "c_steps * step_seconds * fragment share.",
+    "journal_bytes": "Bytes the shard wrote to its state folder (log records and snapshots).",
+    "snapshots": "Full writes of a fragment's state (the log starts over after each).",
+    "replayed_rounds": "Rounds closed again from the log when the shard restarted.",
+}
+
+
+
+class SyncerMetrics:
+    """A shard's metrics: its decision counters and state read from `status()` at scrape time
+    (a syncer.core.ShardStatus), plus what `round_closed` observes as rounds close."""
+
+    def __init__(self, status: Callable[[], object]):
+        self.registry = r = new_registry()
+        self._status = status
+        self._lock = threading.Lock()
+        self._outer_steps: dict[int, int] = {}
+        self.round_duration = Histogram("diloco_syncer_round_duration_seconds",
+                                        "From a round's first contribution to its close.", ["reason"],
+                                        buckets=WAN_TRANSFER_BUCKETS, registry=r)
+        for reason in SYNCER_COUNTER_FAMILIES["rounds"][1]:
+            self.round_duration.labels(reason)
+        Collector(self._collect, r)
+
+    def round_closed(self, fragment_id: int, closed_round) -> None:
+        """Called by the core for every round it closes (a syncer.fragment_state.ClosedRound)."""
+        with self._lock:
+            self._outer_steps[fragment_id] = self._outer_steps.get(fragment_id, 0) + 1
+        self.round_duration.labels(closed_round.close_reason).observe(closed_round.duration_seconds)
+
+    def _collect(self):
+        status = self._status()
+        yield from counter_families(status.counters)
+        live = GaugeMetricFamily("diloco_syncer_live_learners",
+                                 "Learners whose lease this shard holds alive.")
+        live.add_metric([], sum(1 for learner in status.learners if learner.alive))
+        yield live
+        steps = CounterMetricFamily("diloco_syncer_outer_steps", "Outer steps (closed rounds) by fragment.",
+                                    labels=["fragment"])
+        version = GaugeMetricFamily("diloco_syncer_fragment_version",
+                                    "Version of the fragment's global value (outer steps since the seed).",
+                                    labels=["fragment"])
+        pending = GaugeMetricFamily("diloco_syncer_pending_contributions",
+                                    "Contributions in the fragment's open round.", labels=["fragment"])
+        with self._lock:
+            outer_steps = dict(self._outer_steps)
+        for fragment in status.fragments:
+            label = [str(fragment.id)]
+            steps.add_metric(label, outer_steps.get(fragment.id, 0))
+            version.add_metric(label, fragment.version)
+            pending.add_metric(label, fragment.pending_contributions)
+        yield from (steps, version, pending)
+
+
+def counter_families(counters: Mapping[str, float]):
+    """The shard's counters (ShardCore.counters_snapshot) as Prometheus counters: the process
+    counters of syncer/counters.py, `family.label` -> diloco_syncer_<family>_total{label}, and
+    the durable totals `state.<name>` -> diloco_syncer_<name>_total (they survive restarts)."""
+    values: dict[str, dict[str, float]] = {
+        family: dict.fromkeys(known, 0.0) for family, (_, known) in SYNCER_COUNTER_FAMILIES.items()}
+    for name, value in counters.items():
+        family, _, label = name.partition(".")
+        if family == "state":
+            yield CounterMetricFamily(f"diloco_syncer_{label}", "Durable total of the shard's state "
+                                      "(survives restarts).", value=value)
+        else:
+            values.setdefault(family, {})[label] = value
+    for family, by_label in values.items():
+        # A family this module does not know yet still gets exported, under a generic label.
+        label_name = SYNCER_COUNTER_FAMILIES[family][0] if family in SYNCER_COUNTER_FAMILIES \
+            else ("kind" if any(by_label) else None)
+        metric = CounterMetricFamily(f"diloco_syncer_{family}", SYNCER_COUNTER_HELP.get(family, family),
+                                     labels=[label_name] if label_name else None)
+        if label_name:
+            for label, value in sorted(by_label.items()):
+                metric.add_metric([label], value)
+        else:
+            metric.add_metric([], by_label.get("", 0.0))
+        yield metric
