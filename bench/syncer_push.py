@@ -68,6 +68,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from diloco.learner.pulled import value_after  # noqa: E402
 from diloco.services.client import ShardClient  # noqa: E402
 from diloco.services.contract.state import apply_update, state_hash  # noqa: E402
 from diloco.localcluster.cluster import free_ports  # noqa: E402
@@ -289,7 +290,7 @@ def measure_shards(args: argparse.Namespace, num_shards: int, in_process: InProc
         for fragment, n in fragments:  # every learner starts from the same value
             pushers[0][owner[fragment]].push(fragment, torch.zeros(n), codec="fp32", block_size=BLOCK,
                                              kind=pb.PUSH_KIND_SEED)
-        values = [{fragment: pusher[owner[fragment]].pull(fragment).apply(None) for fragment, _ in fragments}
+        values = [{fragment: value_after(pusher[owner[fragment]].pull(fragment), None) for fragment, _ in fragments}
                   for pusher in pushers]
         payloads = outer_gradients(args.pushers, fragments)
         payload_bytes = sum(len(p) for per_pusher in payloads for p in per_pusher.values())
@@ -325,7 +326,7 @@ def measure_shards(args: argparse.Namespace, num_shards: int, in_process: InProc
             """As a learner's client takes the round's update: received, checksummed, decoded and applied."""
             for fragment, _ in fragments:
                 result = pushers[i][owner[fragment]].pull(fragment, version, min_version=version + 1)
-                values[i][fragment] = result.apply(values[i][fragment])
+                values[i][fragment] = value_after(result, values[i][fragment])
 
         def pull_served(i, version, wait=False):
             """What the shard serves, received and checksummed as a learner does, not decoded;

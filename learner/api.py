@@ -42,7 +42,6 @@ import contextlib
 import os
 import pathlib
 import signal
-import threading
 import time
 from typing import Iterator
 
@@ -52,8 +51,10 @@ from torch import nn
 
 from diloco.learner.island import Island
 from diloco.learner.report import Report, process_started
-from diloco.learner.sync import JoinRefused, StreamingSync
-from diloco.learner.train import manifest, named_parameters
+from diloco.learner.stop_signals import StopSignals
+from diloco.learner.sync import StreamingSync
+from diloco.learner.synced_parameters import SyncedParameters
+from diloco.learner.train import manifest
 from diloco.services.client import ShardClient
 from diloco.services.contract.config import Config, ConfigError, check_state_folder, load_config
 from diloco.services.export import ExportedFragment, GlobalModel, write_export
@@ -104,9 +105,7 @@ class DecoupledDiLoCo:
         self.island = Island()
         self.state_dir = pathlib.Path(state_dir or pathlib.Path(self.cfg.run.state_dir) / f"learner-{learner_id}")
         self._tls_dir = tls_dir
-        self._stop_signals = stop_signals
-        self._previous_handlers: dict[int, object] = {}
-        self._signalled = threading.Event()
+        self._stop_signals = StopSignals(stop_signals)
         self._restored: dict = {}
         self._max_tokens_per_step = self.cfg.max_tokens_per_step()
         self.steps = 0  # inner steps trained, over every incarnation
@@ -121,10 +120,7 @@ class DecoupledDiLoCo:
         self._stopping = False
         self._last_step_done = 0.0  # perf_counter when the last step() returned
         self._restore_started = 0.0  # monotonic: joining and pulling the global model began
-        self._storage: list[int] = []  # each synced tensor's data_ptr() on entering
-        # The module and attribute holding each synced parameter: a new nn.Parameter set there is
-        # seen at the next step, before a sync gathers from the tensor training no longer updates.
-        self._owners: list[tuple[nn.Module, str]] = []
+        self._synced: SyncedParameters | None = None  # taken on entering
 
     # ---- checkpoint state -----------------------------------------------------------
 
@@ -160,7 +156,8 @@ class DecoupledDiLoCo:
             raise RuntimeError("DecoupledDiLoCo: this learner already left the run; to go on where it left off, "
                                "make a new DecoupledDiLoCo and call its load_state_dict(old.state_dict()) "
                                "before entering")
-        self._take_parameters()
+        self._synced = SyncedParameters(self.model, self._manifest)
+        self.params = self._synced.params
         self._restore_started = time.monotonic()  # the leader restarts this clock once /metrics is served
         if self.island.leader:
             try:
@@ -176,7 +173,7 @@ class DecoupledDiLoCo:
                 self._close(leave=False)
                 raise
         self.steps, self.tokens = self.island.share_start(self.params, [self.steps, self.tokens])
-        self._install_signal_handlers()
+        self._stop_signals.install()
         self._inside = True
         self._stopping = self.budget_spent
         restore_seconds = time.monotonic() - self._restore_started
@@ -189,17 +186,6 @@ class DecoupledDiLoCo:
             self._write_report("training")  # so this incarnation's record exists, should it die
         self._last_step_done = time.perf_counter()
         return self
-
-    def _take_parameters(self) -> None:
-        """The tensors to sync are the model's as it is now: moving it (model.to(device), a dtype)
-        after making this object is fine, replacing parameters inside the block is not."""
-        if manifest(self.model) != self._manifest:
-            raise RuntimeError("DecoupledDiLoCo: the model's parameter names or shapes changed since this "
-                               "DecoupledDiLoCo was made; make it from the model you train")
-        self.params = named_parameters(self.model)
-        self._storage = [p.data_ptr() for p in self.params.values()]
-        self._owners = [(self.model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
-                        for name in self.params]
 
     def _start_leader(self) -> None:
         """Rank 0: metrics, then (enabled) join every shard and pull the global model."""
@@ -222,7 +208,7 @@ class DecoupledDiLoCo:
                                     mean_step_seconds(lives))
         self.sync = StreamingSync(self.cfg, self.learner.id, self.learner.region, self.params, self.plan,
                                   observer=self.metrics, identity=identity)
-        self.sync.start(self._restored.get("sync"), should_stop=self._signalled.is_set, step=self.steps,
+        self.sync.start(self._restored.get("sync"), should_stop=self._stop_signals.received.is_set, step=self.steps,
                         tokens=self.tokens)
         if self.metrics:
             sync = self.sync
@@ -261,25 +247,17 @@ class DecoupledDiLoCo:
                 self.sync.deliver()  # the last contributions are in; their rounds need not wait for us
                 self.sync.leave()
                 self._write_report("catching_up")
-            self.sync.catch_up(self.catch_up_seconds, should_stop=self._signalled.is_set)
+            self.sync.catch_up(self.catch_up_seconds, should_stop=self._stop_signals.received.is_set)
 
     def _close(self, leave: bool) -> None:
         self._inside = False
-        for signum, handler in self._previous_handlers.items():
-            signal.signal(signum, handler)
-        self._previous_handlers = {}
+        self._stop_signals.restore()
         if self.sync is not None:
             self.sync.close(leave=leave)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
             self._metrics_server = None
-
-    def _install_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for signum in self._stop_signals:
-            self._previous_handlers[signum] = signal.signal(signum, lambda *_: self._signalled.set())
 
     # ---- the training loop's calls ----------------------------------------------------
 
@@ -297,17 +275,17 @@ class DecoupledDiLoCo:
             raise ValueError(f"DecoupledDiLoCo.step: {island_tokens} tokens in one step (x {self.island.world_size} "
                              f"ranks) is more than syncer.max_tokens_per_step={self._max_tokens_per_step} of the "
                              "config allows; the shards would refuse this learner's contributions")
-        self._check_parameters()
+        self._synced.check()
         compute_seconds = entered - self._last_step_done if seconds is None else seconds
         applied = []
         if self.sync is not None:
             started = self.sync.stats.syncs_started
             applied = self.sync.after_step(self.steps, island_tokens, compute_seconds)
             if applied or self.sync.stats.syncs_started != started:
-                self._check_parameters(by_name=True)
+                self._synced.check(by_name=True)
         self.steps += 1
         self.tokens += island_tokens
-        stop = self.budget_spent or self._signalled.is_set()
+        stop = self.budget_spent or self._stop_signals.received.is_set()
         applied, self._stopping = self.island.share_step(self.plan, applied, stop, self.params)
         if self.island.leader:
             self.report.step(compute_seconds, compute_seconds + time.perf_counter() - entered)
@@ -321,7 +299,7 @@ class DecoupledDiLoCo:
         """The config's trainer.max_steps, trainer.max_tokens or the run's trainer.max_run_tokens
         is spent, or a stop signal came. Every rank of an island sees the same answer after each
         step()."""
-        return self._stopping or (self.island.world_size == 1 and self._signalled.is_set())
+        return self._stopping or (self.island.world_size == 1 and self._stop_signals.received.is_set())
 
     @contextlib.contextmanager
     def timed(self, category: str) -> Iterator[None]:
@@ -363,20 +341,6 @@ class DecoupledDiLoCo:
         if not self._inside:
             raise RuntimeError(f"DecoupledDiLoCo.{call}() called outside its `with DecoupledDiLoCo(...)` block: "
                                "enter the block first (it joins the run)")
-
-    def _check_parameters(self, by_name: bool = False) -> None:
-        """The synced tensors are still the model's: a parameter replaced between steps (a new
-        nn.Parameter, or `.data =`) would be synced from a tensor training no longer updates."""
-        replaced = [name for (name, p), ptr, (module, attr) in zip(self.params.items(), self._storage, self._owners)
-                    if p.data_ptr() != ptr or module._parameters.get(attr) is not p]
-        if not replaced and by_name:  # also a replaced submodule (walks the whole model: on syncs only)
-            current = dict(self.model.named_parameters())
-            replaced = [name for name, p in self.params.items() if current.get(name) is not p] \
-                + [name for name in current if name not in self.params]
-        if replaced:
-            raise RuntimeError(f"DecoupledDiLoCo: parameter(s) {', '.join(replaced)} of the model "
-                               "were replaced by new tensors since the learner joined; update them in place "
-                               "(param.data.copy_(...), optimizer steps) so the synced tensors stay the model's")
 
     @property
     def budget_spent(self) -> bool:

@@ -141,11 +141,26 @@ class FragmentSchedule:
 
 
 @dataclass(frozen=True)
+class SyncStart:
+    """A sync that starts now (in flight from here), with the counters its push carries."""
+    fragment_id: int
+    c_steps: int
+    c_tokens: int
+
+
+@dataclass(frozen=True)
+class DueResult:
+    """A result due now: wait for it up to `wait_limit` seconds (None: as long as it takes)."""
+    fragment_id: int
+    wait_limit: float | None
+
+
+@dataclass(frozen=True)
 class StepActions:
     """What the shell does after an inner step."""
     held: bool  # the schedule stood still: no sync fell due
-    start: tuple[int, ...]  # fragments whose sync starts now (in flight from here)
-    apply: tuple[int, ...]  # fragments whose result is due now: wait for it, apply it
+    start: tuple[SyncStart, ...]
+    apply: tuple[DueResult, ...]
 
 
 @dataclass(frozen=True)
@@ -185,21 +200,34 @@ class LearnerSchedule:
         else:
             # Never two syncs of one fragment in flight (only possible if tau >= H, which the
             # config refuses).
-            starting = tuple(f.id for f in self.plan.due_at(step + self.sync_offset)
+            starting = tuple(SyncStart(f.id, self.fragments[f.id].steps_since_sync,
+                                       self.fragments[f.id].tokens_since_sync)
+                             for f in self.plan.due_at(step + self.sync_offset)
                              if not self.fragments[f.id].in_flight)
-            for fid in starting:
-                self.fragments[fid].start(step)
-        due = tuple(fid for fid, f in self.fragments.items() if f.due_for_apply(step))
+            for sync in starting:
+                self.fragments[sync.fragment_id].start(step)
+        due = tuple(DueResult(fid, f.wait_limit()) for fid, f in self.fragments.items() if f.due_for_apply(step))
         return StepActions(held, starting, due)
 
     def join_in_phase(self, learners: Iterable[pb.LearnerStatus], learner_id: str, step: int) -> None:
         """(Re)joining at `step`: the schedule starts in phase with the others of a Status reply."""
         self.sync_offset = phase_of_the_others(learners, learner_id, step, self._interval_steps)
 
-    def result_arrived(self, fragment_id: int, step: int, step_seconds: float, applied: bool) -> bool:
-        """Fragment's result is in after step `step`; whether it came past its apply step. A
-        result that came after it was needed (waited for, or late) means the others reached
-        the round that much later: the schedule holds for that lead."""
+    def result_still_out(self, fragment_id: int, waited: float) -> bool:
+        """The training thread waited `waited` seconds for a due result and it is still out.
+        True the first time: the shell keeps the fragment's local values as they are now (a
+        late result is merged with them), and the counters are kept here."""
+        fragment = self.fragments[fragment_id]
+        fragment.waited(waited)
+        return fragment.missed()
+
+    def result_arrived(self, fragment_id: int, step: int, step_seconds: float, applied: bool,
+                       waited: float = 0.0) -> bool:
+        """Fragment's result is in after step `step`, the training thread having waited
+        `waited` seconds for it just now; whether it came past its apply step. A result that
+        came after it was needed (waited for, or late) means the others reached the round
+        that much later: the schedule holds for that lead."""
+        self.fragments[fragment_id].waited(waited)
         late_steps, lead_steps = self.fragments[fragment_id].arrived(step, step_seconds, applied)
         if lead_steps > 0:
             self.hold = max(self.hold, min(lead_steps, self._max_hold))

@@ -210,12 +210,12 @@ class DilocoRun:
         self.ledger.kept += learner.step_seconds
         learner.last_step_end = now
         actions = learner.schedule.step_done(learner.steps - 1, learner.tokens_per_step)
-        for fid in actions.start:
-            self._push(learner, fid)
+        for sync in actions.start:
+            self._push(learner, sync.fragment_id)
         if learner.schedule.run_over(learner.tokens):
             self._finish(learner)
             return
-        learner.to_apply = list(actions.apply)
+        learner.to_apply = [due.fragment_id for due in actions.apply]
         self._apply_due(learner)
 
     def _apply_due(self, learner: Learner) -> None:

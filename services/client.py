@@ -18,7 +18,6 @@ from diloco.services.contract.codecs import Codec, get_codec
 from diloco.services.contract.config import RpcConfig
 from diloco.services.contract.payload import Reassembler, decode_payload, describe, push_requests
 from diloco.services.contract.rpc import open_channel, stream_deadline
-from diloco.services.contract.state import apply_update, state_hash
 from diloco.services.contract.tls import Identity
 from diloco.services.contract.wire import pb, pb_grpc
 
@@ -34,10 +33,6 @@ class Pacer(Protocol):
     def consume(self, count: int) -> None: ...
 
 
-class StateHashMismatch(ValueError):
-    """A pull's items, applied, do not give the value whose hash the shard sent with them."""
-
-
 @dataclass
 class PulledItem:
     kind: int  # pb.PAYLOAD_KIND_UPDATE or pb.PAYLOAD_KIND_SNAPSHOT
@@ -47,6 +42,7 @@ class PulledItem:
 
 @dataclass
 class PullResult:
+    """A pull's items as they came (learner/pulled.py applies them to a held value)."""
     fragment_id: int
     items: list[PulledItem]
     state_hash: str  # of the global value after the last item ("" if nothing was sent)
@@ -55,23 +51,6 @@ class PullResult:
     @property
     def version(self) -> int | None:
         return self.items[-1].version if self.items else None
-
-    def apply(self, value: torch.Tensor | None) -> torch.Tensor | None:
-        """The fragment's value after this pull: a snapshot replaces, updates add in order
-        (`value` is modified). Raises StateHashMismatch unless the result has the hash the
-        shard sent: a wrong base, or an update that is not the one that made its version."""
-        for item in self.items:
-            if item.kind == pb.PAYLOAD_KIND_SNAPSHOT:
-                value = item.values.clone()
-            else:
-                if value is None:
-                    raise ValueError(f"fragment {self.fragment_id}: update to v{item.version} "
-                                     "without a base value")
-                apply_update(value, item.values)
-        if self.items and self.state_hash and state_hash(value) != self.state_hash:
-            raise StateHashMismatch(f"fragment {self.fragment_id}: the value at v{self.version} after this pull "
-                                    f"has sha256 {state_hash(value)[:12]}, the shard's {self.state_hash[:12]}")
-        return value
 
 
 class TransferObserver(Protocol):

@@ -25,9 +25,10 @@ import grpc
 import torch
 from safetensors.torch import save_file
 
-from diloco.services.client import ShardClient, StateHashMismatch
+from diloco.services.client import ShardClient
 from diloco.services.contract.config import Config
 from diloco.services.contract.fragments import assemble, plan_for_config
+from diloco.services.contract.state import StateHashMismatch, check_pulled
 from diloco.services.contract.tls import Identity
 from diloco.services.contract.wire import pb
 
@@ -110,8 +111,11 @@ def _pull_fragment(client: ShardClient, fragment_id: int, shard: int) -> tuple[t
         raise ExportError(f"fragment {fragment_id}: shard {shard} sent no value (not seeded yet)")
     if not result.state_hash:
         raise ExportError(f"fragment {fragment_id}: shard {shard} sent no state hash to check the value against")
+    value = result.items[-1].values
+    if len(result.items) != 1 or result.items[0].kind != pb.PAYLOAD_KIND_SNAPSHOT:
+        raise ExportError(f"fragment {fragment_id}: shard {shard} sent updates where a whole value was asked for")
     try:
-        value = result.apply(None)
+        check_pulled(fragment_id, result.version, value, result.state_hash)
     except StateHashMismatch as mismatch:
         raise ExportError(f"shard {shard}: {mismatch}") from None
     return value, result.version, result.state_hash

@@ -390,7 +390,9 @@ def _sync_with_a_held_result(tmp_path, monkeypatch, mix_alpha=0.0, shapes=None):
     (default one of 8 values) whose push + pull is replaced by one that returns the global
     value 100 once `release` is set."""
     import threading
-    from diloco.learner.sync import FragmentSync, StreamingSync, SyncOutcome
+    from diloco.learner.pipeline import FragmentPipeline
+    from diloco.learner.sync import StreamingSync
+    from diloco.learner.sync_stats import SyncOutcome
     from diloco.services.contract.codecs import ErrorFeedback, get_codec
     from diloco.services.contract.fragments import plan_for_config
     from diloco.services.contract.wire import pb
@@ -405,10 +407,11 @@ def _sync_with_a_held_result(tmp_path, monkeypatch, mix_alpha=0.0, shapes=None):
     numel = plan.fragments[0].numel
     sync = StreamingSync(cfg, cfg.learners[0].id, cfg.learners[0].region, params, plan, identity=None)
     fragment = plan.fragments[0]
-    sync.fragments[0] = FragmentSync(fragment, torch.zeros(numel), 0,
-                                     ErrorFeedback(get_codec("fp32"), numel, cfg.sync.codec_block_size))
+    sync.fragments[0] = FragmentPipeline(fragment, torch.zeros(numel), 0,
+                                         ErrorFeedback(get_codec("fp32"), numel, cfg.sync.codec_block_size),
+                                         sync.sessions[0], sync._context)
     release = threading.Event()
-    monkeypatch.setattr(sync, "_push_and_pull", lambda *_: (release.wait(10),
+    monkeypatch.setattr(sync.fragments[0], "exchange", lambda *_: (release.wait(10),
                         SyncOutcome(torch.full((numel,), 100.0), 1, pb.PUSH_RESULT_ACCEPTED))[1])
     return sync, params, release
 

@@ -41,16 +41,21 @@ def starts(schedule, steps):
     started = {}
     for step in range(steps):
         actions = schedule.step_done(step, TOKENS)
-        for fid in actions.start:
+        for fid in ids(actions.start):
             started.setdefault(step, []).append(fid)
             schedule.result_arrived(fid, step, 0.1, applied=True)  # so that the next one can start
     return started
 
 
+def ids(entries):
+    """The fragment ids of StepActions.start or .apply."""
+    return tuple(entry.fragment_id for entry in entries)
+
+
 def start_one(schedule, fragment_id=0):
     """Steps until `fragment_id` starts syncing; the step it started after."""
     step = 0
-    while fragment_id not in schedule.step_done(step, TOKENS).start:
+    while fragment_id not in ids(schedule.step_done(step, TOKENS).start):
         step += 1
     return step
 
@@ -77,7 +82,7 @@ def test_the_sync_offset_moves_the_steps_a_fragment_syncs_at():
 def test_a_fragment_whose_sync_is_in_flight_does_not_start_another():
     schedule, _ = make_schedule(fragments=1)
     first = start_one(schedule)
-    later = [schedule.step_done(step, TOKENS).start for step in range(first + 1, first + 9)]
+    later = [ids(schedule.step_done(step, TOKENS).start) for step in range(first + 1, first + 9)]
     assert later == [()] * 8  # its result never arrived
 
 
@@ -86,10 +91,10 @@ def test_a_fragment_whose_sync_is_in_flight_does_not_start_another():
 def test_a_result_is_due_tau_steps_after_its_sync_started_and_stays_due_until_it_arrives():
     schedule, _ = make_schedule(fragments=1, overlap_steps=2)
     started = start_one(schedule)
-    due = [schedule.step_done(step, TOKENS).apply for step in range(started + 1, started + 4)]
+    due = [ids(schedule.step_done(step, TOKENS).apply) for step in range(started + 1, started + 4)]
     assert due == [(), (0,), (0,)]
     schedule.result_arrived(0, started + 3, 0.1, applied=True)
-    assert schedule.step_done(started + 4, TOKENS).apply == ()
+    assert ids(schedule.step_done(started + 4, TOKENS).apply) == ()
 
 
 def test_tau_zero_applies_after_the_same_step_and_waits_without_limit():
@@ -97,7 +102,7 @@ def test_tau_zero_applies_after_the_same_step_and_waits_without_limit():
     step = 0
     while not (actions := schedule.step_done(step, TOKENS)).start:
         step += 1
-    assert actions.apply == (0,)
+    assert ids(actions.apply) == (0,)
     schedule.fragments[0].waited(1000.0)
     assert schedule.fragments[0].wait_limit() is None
 
@@ -114,6 +119,18 @@ def test_the_wait_for_a_result_is_bounded_by_max_block_seconds_per_sync():
     schedule.result_arrived(0, fragment.apply_at, 0.0, applied=True)
     start_one(schedule)  # the next sync waits afresh
     assert fragment.wait_limit() == 2.0
+
+
+def test_a_due_result_comes_with_how_long_to_wait_for_it_and_a_start_with_its_counters():
+    schedule, _ = make_schedule(fragments=1, max_block_seconds=2.0)
+    step = 0
+    while not (actions := schedule.step_done(step, TOKENS)).start:
+        step += 1
+    assert actions.start[0].c_steps == step + 1 and actions.start[0].c_tokens == (step + 1) * TOKENS
+    assert schedule.result_still_out(0, 1.5) is True  # the first time: keep the local values now
+    assert schedule.result_still_out(0, 0.25) is False
+    due = schedule.step_done(step + 1, TOKENS).apply
+    assert ids(due) == (0,) and due[0].wait_limit == 0.25
 
 
 def test_a_result_missing_after_the_wait_asks_for_one_snapshot_of_the_fragment():

@@ -19,6 +19,7 @@ import torch
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from diloco.learner.pulled import value_after
 from diloco.services.client import ShardClient
 from diloco.services.contract.codecs import get_codec
 from diloco.services.contract.rpc import open_channel
@@ -363,7 +364,7 @@ class Learner:
 
     def _apply(self, fragment, result):
         if result.items:
-            self.values[fragment] = result.apply(self.values.get(fragment))
+            self.values[fragment] = value_after(result, self.values.get(fragment))
             self.versions[fragment] = result.version
             assert state_hash(self.values[fragment]) == result.state_hash, (self.id, fragment, result.version)
 

@@ -19,3 +19,16 @@ def apply_update(value: torch.Tensor, update: torch.Tensor, out: torch.Tensor | 
     the same bits after the same chain of updates: in place, or into `out` (value unchanged,
     one pass where a copy and an add would take two)."""
     return value.add_(update) if out is None else torch.add(value, update, out=out)
+
+
+class StateHashMismatch(ValueError):
+    """A value after a pull is not the one whose hash the shard sent with it."""
+
+
+def check_pulled(fragment_id: int, version: int, value: torch.Tensor, expected_hash: str) -> torch.Tensor:
+    """`value`, if it has the state hash the shard sent for the fragment at `version`; else
+    StateHashMismatch naming both hashes."""
+    if state_hash(value) != expected_hash:
+        raise StateHashMismatch(f"fragment {fragment_id}: the value at v{version} after this pull "
+                                f"has sha256 {state_hash(value)[:12]}, the shard's {expected_hash[:12]}")
+    return value

@@ -1,0 +1,288 @@
+"""One fragment's sync, from the snapshot of its values to the new global value merged into
+the model: compress the outer gradient `anchor - theta` (with error feedback), push it, pull
+the round's result, all on a background thread while training goes on; then, when the
+training thread takes the result, merge it (learner/schedule.py: merged_fragment).
+
+What it keeps is fp32 in host memory whatever the training dtype: the anchor (the global
+value at `version`) and the error-feedback residual. Results are merged on the model's
+device one tensor at a time and cast to each parameter's dtype between steps.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from itertools import repeat
+from typing import Callable, Mapping
+
+import grpc
+import torch
+
+from diloco.learner.host_copy import HostCopy, copy_to_host
+from diloco.learner.schedule import merged_fragment
+from diloco.learner.session import ReanchorDue, ShardSession
+from diloco.learner.shard_errors import Remedy, reason, remedy
+from diloco.learner.sync_stats import SyncOutcome, SyncStats
+from diloco.services.client import PullResult
+from diloco.services.contract.codecs import ErrorFeedback
+from diloco.services.contract.config import Config
+from diloco.services.contract.fragments import Fragment, pieces, scatter, to_device
+from diloco.services.contract.state import StateHashMismatch, state_hash
+from diloco.services.contract.wire import pb
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PushMeta:
+    """What an outer gradient's push says besides its payload."""
+    base_version: int
+    c_steps: int
+    c_tokens: int
+    step_seconds: float
+
+
+@dataclass(frozen=True)
+class SyncContext:
+    """What every fragment's pipeline of one learner shares."""
+    cfg: Config
+    params: Mapping[str, torch.Tensor]
+    pool: ThreadPoolExecutor  # a thread per fragment: a sync waiting for its round never holds up another's push
+    stats: SyncStats
+    reanchor_due: ReanchorDue
+    stopping: Callable[[], bool]  # shutting down, or asked to stop: waits for a shard end
+
+
+class FragmentPipeline:
+    """One fragment: its anchor, version and residual, and its sync in flight."""
+
+    def __init__(self, fragment: Fragment, anchor: torch.Tensor, version: int, feedback: ErrorFeedback,
+                 session: ShardSession, context: SyncContext):
+        self.fragment = fragment
+        self.anchor = anchor  # the global value at `version`, fp32 flat
+        self.version = version
+        self.feedback = feedback
+        self.session = session
+        self.context = context
+        self.in_flight: Future | None = None
+        self.pushed = threading.Event()  # the in-flight push was answered (or never went out)
+        # The fragment after the apply step of a result that was not in by then (fp32, on the
+        # host): the steps trained since are kept on top of the result (merged_fragment).
+        self.local_at_apply: HostCopy | None = None
+        self._on_gpu = any(p.is_cuda for p in context.params.values())
+        self._lock = threading.Lock()  # anchor and version are read as a pair by a rejoin
+
+    def held(self) -> tuple[int, torch.Tensor]:
+        with self._lock:
+            return self.version, self.anchor
+
+    # ---- the training thread ------------------------------------------------------------
+
+    def start(self, c_steps: int, c_tokens: int, step_seconds: float) -> None:
+        """Snapshots the fragment now (the only work on the training thread); the rest runs
+        on the fragment's sync thread. The counters are the push's (LearnerSchedule)."""
+        local = copy_to_host(self.fragment, self.context.params)
+        meta = PushMeta(self.version, c_steps, c_tokens, step_seconds)
+        self.pushed.clear()
+        if self.context.reanchor_due.take(self.fragment.id):
+            self.in_flight = self.context.pool.submit(self._reanchor)
+        else:
+            self.in_flight = self.context.pool.submit(self.exchange, self.anchor, local, meta)
+
+    def wait(self, limit: float | None) -> float:
+        """Waits up to `limit` seconds (None: as long as it takes) for the sync in flight;
+        returns the seconds waited."""
+        if self.in_flight.done() or limit == 0:
+            return 0.0
+        started = time.perf_counter()
+        wait([self.in_flight], timeout=limit)
+        return time.perf_counter() - started
+
+    def result_in(self) -> bool:
+        return self.in_flight.done()
+
+    def keep_local_at_apply(self) -> None:
+        """The result missed its apply step: the values now are what it is merged with."""
+        self.local_at_apply = copy_to_host(self.fragment, self.context.params)
+
+    def take(self) -> tuple[SyncOutcome, HostCopy | None]:
+        """The finished sync's outcome (the sync is no longer in flight) and, for a late
+        result, the fragment's values kept at its apply step."""
+        outcome: SyncOutcome = self.in_flight.result()
+        self.in_flight = None
+        local_at_apply, self.local_at_apply = self.local_at_apply, None
+        if outcome.anchor is not None and (outcome.reanchored or
+                                           outcome.push_result == pb.PUSH_RESULT_REFUSED_STALE):
+            self.feedback.residual.zero_()  # what it held was built on a value the run no longer has
+        return outcome, local_at_apply
+
+    def adopt(self, global_value: torch.Tensor, version: int, local_at_apply: HostCopy | None = None,
+              staged: torch.Tensor | None = None) -> None:
+        """The one way a new global value is taken: it becomes the anchor, and the model's
+        fragment is merged with it (merged_fragment; `local_at_apply` for a late result) one
+        tensor at a time, in fp32 on the model's device: no fragment-sized buffer there. From
+        pinned memory (`staged`, the same values) the copies to the GPU queue without waiting."""
+        with self._lock:
+            self.anchor, self.version = global_value, version
+        params, alpha = self.context.params, self.context.cfg.sync.mix_alpha
+        source = global_value if staged is None else staged
+        if alpha == 0 and local_at_apply is None:  # overwritten: straight from the host
+            scatter(self.fragment, source, params)
+            return
+        at_apply = repeat(None) if local_at_apply is None else \
+            (piece for _, piece in pieces(self.fragment, local_at_apply.wait(), params))
+        with torch.no_grad():
+            for (param, global_piece), at_apply_piece in zip(pieces(self.fragment, source, params), at_apply):
+                param.copy_(merged_fragment(alpha, to_device(global_piece, param.device), param.float(),
+                                            None if at_apply_piece is None
+                                            else to_device(at_apply_piece, param.device)))
+
+    def pull_newer(self, wait_seconds: float) -> tuple[PullResult, torch.Tensor | None]:
+        """The fragment's versions after ours, or the shard's value where it serves the fragment
+        below our version (re-anchored; an unseeded one: we keep ours)."""
+        try:
+            return self.session.pull_checked(self.fragment.id, self.version, self.anchor,
+                                             min_version=self.version + 1, max_wait_seconds=wait_seconds)
+        except grpc.RpcError as error:
+            if remedy(error) is not Remedy.REJOIN:
+                raise
+            log.warning("fragment %d: shard %d: %s", self.fragment.id, self.session.index, error.details())
+        try:
+            result, value = self.session.pull_checked(self.fragment.id, None, None)
+        except grpc.RpcError as error:
+            if remedy(error) is not Remedy.REJOIN:
+                raise
+            log.warning("fragment %d: shard %d serves no value: keeping ours at version %d",
+                        self.fragment.id, self.session.index, self.version)
+            return PullResult(self.fragment.id, [], "", 0), None
+        self.context.stats.reanchored_fragment(self.fragment.id, self.version, result.version)
+        self.feedback.residual.zero_()
+        return result, value
+
+    def hash(self) -> tuple[int, str]:
+        return self.version, state_hash(self.anchor)
+
+    # ---- the sync thread ----------------------------------------------------------------
+
+    def exchange(self, anchor: torch.Tensor, local: HostCopy, meta: PushMeta) -> SyncOutcome:
+        """Compress the outer gradient, push it, pull the result. While it runs the training
+        thread leaves `feedback` and `anchor` alone."""
+        try:
+            return self._push_then_pull(anchor, local.wait(), meta)
+        finally:
+            self.pushed.set()  # also when the push never went out
+
+    def _push_then_pull(self, anchor: torch.Tensor, local: torch.Tensor, meta: PushMeta) -> SyncOutcome:
+        started = time.perf_counter()
+        fragment_id, version, session = self.fragment.id, meta.base_version, self.session
+        if not session.joined:
+            return SyncOutcome(None, version)
+        residual_before = self.feedback.residual
+        try:
+            payload, _ = self.feedback.compress(anchor - local)
+        except ValueError as exc:  # non-finite values: never send them
+            log.error("fragment %d: not pushing: %s", fragment_id, exc)
+            return SyncOutcome(None, version)
+        try:
+            push_result, round_version = self._deliver(payload, meta)
+        except grpc.RpcError as error:
+            # Lost push: undo the residual update so nothing is counted twice; the next
+            # outer gradient still holds this progress.
+            self.feedback.residual = residual_before
+            if remedy(error) is Remedy.REJOIN:
+                session.forgotten()
+            elif remedy(error) is Remedy.STOP:
+                self.context.stats.count("syncs_refused")
+            log.warning("fragment %d: push to shard %d failed: %s", fragment_id, session.index, reason(error))
+            return SyncOutcome(None, version)
+        # Delivered: the shard holds this contribution, so the residual stays as compressed
+        # and the round's result is what comes next, however long the shard takes to give it.
+        self.pushed.set()
+        outcome = SyncOutcome(None, version, push_result, bytes_up=len(payload))
+        try:
+            if push_result == pb.PUSH_RESULT_REFUSED_STALE:  # too stale to merge: re-anchor to the current value
+                result, value = session.retry(lambda: session.pull_checked(fragment_id, version, anchor),
+                                              self.context.stopping)
+            else:
+                result, value = self._pull_round_result(anchor, version, round_version)
+            if result is None:
+                return outcome
+            outcome.anchor = value
+            if value is not None and self._on_gpu:
+                outcome.staged = value.pin_memory()  # here, not on the training thread
+        except StateHashMismatch as mismatch:  # a snapshot too: nothing to trust from this shard now
+            log.error("%s; skipping this sync", mismatch)
+            return outcome
+        except grpc.RpcError as error:
+            log.warning("fragment %d: pull from shard %d failed: %s", fragment_id, session.index, reason(error))
+            if remedy(error) is Remedy.REJOIN:
+                # The shard serves the fragment below our version (it lost its state, and our
+                # contribution with it): rejoining offers it our value back, or re-anchors.
+                session.forgotten()
+            return outcome
+        outcome.version = result.version if result.version is not None else version
+        outcome.bytes_down = result.payload_bytes
+        outcome.seconds = time.perf_counter() - started
+        return outcome
+
+    def _deliver(self, payload: bytes, meta: PushMeta) -> tuple[int, int]:
+        """Pushes an outer gradient: (the shard's answer, the version of the round that holds
+        it). Already delivered is an answer too: an earlier attempt of this push (its reply
+        lost to a shard restart) is held by the shard, in the round after its base version at
+        the earliest."""
+        cfg = self.context.cfg
+        try:
+            reply = self.session.client.push(
+                self.fragment.id, payload, codec=self.feedback.codec, block_size=cfg.sync.codec_block_size,
+                base_version=meta.base_version, c_steps=meta.c_steps, c_tokens=meta.c_tokens,
+                step_seconds=meta.step_seconds, numel=self.fragment.numel)
+        except grpc.RpcError as error:
+            if remedy(error) is not Remedy.ALREADY_DELIVERED:
+                raise
+            log.info("fragment %d: shard %d already holds this contribution: %s", self.fragment.id,
+                     self.session.index, error.details())
+            return pb.PUSH_RESULT_ACCEPTED, meta.base_version + 1
+        return reply.result, reply.current_version + 1
+
+    def _pull_round_result(self, anchor: torch.Tensor, version: int,
+                           round_version: int) -> tuple[PullResult | None, torch.Tensor | None]:
+        """Pulls until the round holding our delivered contribution has closed, across shard
+        restarts (the round is durable on the shard). The contribution is already merged (or
+        durable in the open round), so taking an older value now would push the same progress
+        twice next time: wait for it instead (the training thread only blocks if this outlasts
+        the overlap window). (None, None) once stopping."""
+        session, stopping = self.session, self.context.stopping
+        while True:
+            try:
+                result, value = session.retry(lambda: session.pull_checked(
+                    self.fragment.id, version, anchor, min_version=round_version,
+                    max_wait_seconds=self.context.cfg.syncer.lease_seconds), stopping)
+            except grpc.RpcError as error:
+                if remedy(error) is Remedy.RETRY_LATER:  # stopping while the shard is down
+                    return None, None
+                raise
+            if result.version is not None and result.version >= round_version:
+                return result, value
+            # Shutting down; or asked to stop while a round cannot close (synchronous rounds
+            # wait for a learner that is down): the training thread must not block on it.
+            if stopping():
+                return None, None
+
+    def _reanchor(self) -> SyncOutcome:
+        """Instead of a push: takes the shard's value of a fragment it serves below our version
+        (the residual was built on our value: it is dropped when the outcome is taken)."""
+        session = self.session
+        try:
+            started = time.perf_counter()
+            result, value = session.retry(lambda: session.pull_checked(self.fragment.id, None, None),
+                                          self.context.stopping)
+            return SyncOutcome(value, result.version, bytes_down=result.payload_bytes,
+                               seconds=time.perf_counter() - started, reanchored=True)
+        except (grpc.RpcError, StateHashMismatch) as error:
+            log.warning("fragment %d: re-anchoring on shard %d failed: %s", self.fragment.id, session.index, error)
+            self.context.reanchor_due.add(self.fragment.id)  # at the next sync, then
+            return SyncOutcome(None, self.version)
+        finally:
+            self.pushed.set()

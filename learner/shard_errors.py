@@ -1,0 +1,71 @@
+"""What a learner does about a shard's error: one rule for every call it makes.
+
+    RETRY_LATER        the shard is down or restarting (UNAVAILABLE, DEADLINE_EXCEEDED,
+                       CANCELLED): try again with backoff; a sync skips, training goes on
+    REJOIN             the shard forgot this learner or the version it holds (a restart:
+                       FAILED_PRECONDITION, NOT_FOUND): rejoin, which restores or re-anchors
+    ALREADY_DELIVERED  an earlier attempt got through (its reply was lost; ALREADY_EXISTS)
+    STOP               refused for a reason retrying cannot change: counted, and at a join
+                       the learner stops with the shard's reason
+
+At a join every answer but RETRY_LATER is a refusal: a shard that does not know the model
+(FAILED_PRECONDITION there) will not know it the next time either.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from typing import Callable, TypeVar
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+# A shard that does not answer is retried after this long, doubling up to the cap.
+RETRY_INITIAL_SECONDS = 0.2
+RETRY_MAX_SECONDS = 5.0
+
+T = TypeVar("T")
+
+
+class Remedy(enum.Enum):
+    RETRY_LATER = "retry later"
+    REJOIN = "rejoin"
+    ALREADY_DELIVERED = "already delivered"
+    STOP = "stop"
+
+
+_REMEDIES = {
+    grpc.StatusCode.UNAVAILABLE: Remedy.RETRY_LATER,
+    grpc.StatusCode.DEADLINE_EXCEEDED: Remedy.RETRY_LATER,
+    grpc.StatusCode.CANCELLED: Remedy.RETRY_LATER,
+    grpc.StatusCode.FAILED_PRECONDITION: Remedy.REJOIN,
+    grpc.StatusCode.NOT_FOUND: Remedy.REJOIN,
+    grpc.StatusCode.ALREADY_EXISTS: Remedy.ALREADY_DELIVERED,
+}
+
+
+def remedy(error: grpc.RpcError) -> Remedy:
+    return _REMEDIES.get(error.code(), Remedy.STOP)
+
+
+def reason(error: grpc.RpcError) -> str:
+    """The shard's status and message, as logs and refusals quote them."""
+    return f"{error.code().name} {error.details()}"
+
+
+def with_retries(call: Callable[[], T], shard_index: int, give_up: Callable[[], bool],
+                 stop: threading.Event) -> T:
+    """call(), again with backoff while the shard is down, until `give_up()` says to stop
+    trying (then, and for any other error, the error is raised). `stop` cuts a backoff short."""
+    delay = RETRY_INITIAL_SECONDS
+    while True:
+        try:
+            return call()
+        except grpc.RpcError as error:
+            if remedy(error) is not Remedy.RETRY_LATER or give_up():
+                raise
+            log.warning("shard %d unreachable (%s); retrying in %.1fs", shard_index, error.code().name, delay)
+        stop.wait(delay)
+        delay = min(delay * 2, RETRY_MAX_SECONDS)

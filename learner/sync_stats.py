@@ -1,0 +1,64 @@
+"""The counters a learner's sync reports (metrics, final report)."""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from diloco.services.contract.wire import pb
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SyncOutcome:
+    """What one background push + pull (or re-anchoring) brought back."""
+    anchor: torch.Tensor | None  # the new global value, None when there is none to apply
+    version: int
+    push_result: int = pb.PUSH_RESULT_UNSPECIFIED
+    bytes_up: int = 0
+    bytes_down: int = 0
+    seconds: float = 0.0
+    reanchored: bool = False  # the anchor is the shard's value after it lost the one we held
+    staged: torch.Tensor | None = None  # the anchor in pinned memory (a model on a GPU): copied there without a wait
+
+
+@dataclass
+class SyncStats:
+    """Counters the learner reports. The training thread updates most of them; what other
+    threads count goes through `count` (one lock)."""
+    syncs_started: int = 0
+    syncs_applied: int = 0
+    syncs_skipped: int = 0  # shard unreachable: progress kept for the next sync
+    syncs_late: int = 0  # applied after the loop stopped waiting for them
+    held_steps: int = 0  # steps the sync schedule stood still to fall back into phase
+    refused_stale: int = 0
+    syncs_refused: int = 0  # pushes the shard refused with an error (not "unreachable", not "rejoin")
+    blocked_seconds: float = 0.0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    transfer_seconds: float = 0.0  # time pushes and pulls spent on the wire
+    versions_behind_at_join: int = 0
+    reanchored: int = 0  # fragments taken from a shard that served them below our version
+    hash_mismatches: int = 0  # pulls whose result did not have the shard's hash: pulled again whole
+    push_results: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count(self, name: str) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + 1)
+
+    def reanchored_fragment(self, fragment_id: int, ours: int, theirs: int) -> None:
+        self.count("reanchored")
+        log.warning("fragment %d: re-anchored from version %d to the shard's version %d", fragment_id, ours, theirs)
+
+    def took(self, outcome: SyncOutcome) -> None:
+        """A finished sync's transfers and the shard's answer to its push."""
+        self.bytes_up += outcome.bytes_up
+        self.bytes_down += outcome.bytes_down
+        self.transfer_seconds += outcome.seconds
+        if not outcome.reanchored:
+            name = pb.PushResult.Name(outcome.push_result)
+            self.push_results[name] = self.push_results.get(name, 0) + 1
