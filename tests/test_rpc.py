@@ -1,5 +1,8 @@
 """The shared server plumbing: health and reflection answer over real gRPC, and a
 graceful stop flips health to NOT_SERVING before the port closes."""
+import socket
+import threading
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -90,5 +93,38 @@ def test_mutual_tls_port_and_plaintext_health_port(tmp_path):
             assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
             srv.health.enter_graceful_shutdown()  # draining shows on the health port too
             assert health.Check(check, timeout=5).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        srv.stop(drain_seconds=0)
+
+
+def closed_by_the_server(sock: socket.socket) -> bool:
+    """Reads what the server sends (its HTTP/2 settings) until it closes the connection;
+    False if it is still open when the socket's timeout runs out."""
+    try:
+        while sock.recv(1024):
+            pass
+    except ConnectionResetError:
+        pass
+    except socket.timeout:
+        return False
+    return True
+
+
+def test_connections_that_sit_idle_are_closed_by_the_server():
+    cfg = RpcConfig(handshake_seconds=1.0, idle_connection_seconds=1.0)
+    srv = Server(cfg, [SYNCER])
+    port = srv.start("127.0.0.1:0")
+    try:
+        sockets = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(20)]
+        assert all(closed_by_the_server(sock) for sock in sockets)  # a TCP connection that never speaks
+        for sock in sockets:
+            sock.close()
+        idle = threading.Event()
+        with open_channel(f"127.0.0.1:{port}", RpcConfig(), None) as channel:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            channel.subscribe(lambda state: state == grpc.ChannelConnectivity.IDLE and idle.set())
+            assert idle.wait(10)  # a gRPC connection after its last call: the server sent GOAWAY
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING  # the client reconnects
     finally:
         srv.stop(drain_seconds=0)

@@ -185,6 +185,14 @@ class RpcConfig(_Section):
     deadline_seconds: PositiveFloat = 60.0  # every unary call; streams get this per MiB too
     max_message_bytes: Annotated[int, Field(ge=4 << 20)] = 16 << 20
     keepalive_seconds: PositiveFloat = 30.0
+    # Connections a shard closes (docs/security.md): one that has not finished its TLS and
+    # HTTP/2 handshake after handshake_seconds, one without a call for idle_connection_seconds,
+    # and every one after max_connection_age_seconds (its calls in flight finish first; the
+    # client reconnects for the next). At most max_streams_per_connection calls at once on one.
+    handshake_seconds: PositiveFloat = 10.0
+    idle_connection_seconds: PositiveFloat = 300.0
+    max_connection_age_seconds: PositiveFloat = 3600.0
+    max_streams_per_connection: PositiveInt = 100
     # Emulated WAN: caps each learner's sync traffic to this many Mbit/s in each direction
     # (its client paces n bytes to n / rate seconds; localcluster/wan.py: WanLink). None: no cap.
     wan_mbps: PositiveFloat | None = None

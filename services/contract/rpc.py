@@ -52,9 +52,16 @@ def channel_options(cfg: RpcConfig) -> list[tuple[str, int]]:
 def server_options(cfg: RpcConfig) -> list[tuple[str, int]]:
     keepalive_ms = int(cfg.keepalive_seconds * 1000)
     return _common_options(cfg) + [
-        # Accept client pings as often as clients are configured to send them.
+        # Accept client pings as often as clients are configured to send them; a client that
+        # pings more often is sent GOAWAY after two strikes.
         ("grpc.http2.min_recv_ping_interval_without_data_ms", keepalive_ms // 2),
         ("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms // 2),
+        ("grpc.http2.max_ping_strikes", 2),
+        # Connections that hold resources without using them are closed (RpcConfig).
+        ("grpc.server_handshake_timeout_ms", int(cfg.handshake_seconds * 1000)),
+        ("grpc.max_connection_idle_ms", int(cfg.idle_connection_seconds * 1000)),
+        ("grpc.max_connection_age_ms", int(cfg.max_connection_age_seconds * 1000)),
+        ("grpc.max_concurrent_streams", cfg.max_streams_per_connection),
     ]
 
 
@@ -152,6 +159,7 @@ class Server:
     def __init__(self, cfg: RpcConfig, service_names: Iterable[str], max_workers: int = 32,
                  identity: Identity | None = None):
         self.identity = identity
+        self._cfg = cfg
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
             options=server_options(cfg),
@@ -177,7 +185,8 @@ class Server:
             credentials = self.identity.server_credentials()
             self.port = _bound_port(lambda: self.grpc_server.add_secure_port(listen, credentials), listen)
         if health_listen is not None:
-            self.health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
+            self.health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"),
+                                             options=server_options(self._cfg))
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
             self.health_port = _bound_port(lambda: self.health_server.add_insecure_port(health_listen), health_listen)
             self.health_server.start()
