@@ -3,6 +3,7 @@ staleness, last step), fragments (version, hash prefix, last round), totals, and
 does not answer."""
 from __future__ import annotations
 
+import grpc
 import pytest
 import torch
 
@@ -24,7 +25,8 @@ INCARNATION = 1234567
 def cluster(tmp_path):
     """Shard 0 of a 2-shard config serving, shard 1 not started. A learner joined, seeded
     every fragment of shard 0, pushed one outer gradient (a round closed: version 1) and
-    heartbeat at step 42 while still holding version 0 (staleness 1)."""
+    heartbeat at step 42 while still holding version 0 (staleness 1). One seed came too late
+    (already_seeded) and one join named another learner's id (wrong_learner)."""
     cfg = tiny_cluster(tmp_path / "state", shards=2, learners=3)
     config_path = tmp_path / "cluster.yaml"
     config_path.write_text(dump_config(cfg))
@@ -42,6 +44,12 @@ def cluster(tmp_path):
             client.push(first.fragment_id, torch.full((first.numel,), 0.01), codec="int4", block_size=128,
                         base_version=0, c_steps=5, c_tokens=640, step_seconds=0.02)
             client.pull(first.fragment_id, 0, min_version=1, max_wait_seconds=5)
+            with pytest.raises(grpc.RpcError):  # seeded already: a race between learners, harmless
+                client.push(first.fragment_id, torch.zeros(first.numel), codec="fp32", block_size=128,
+                            kind=pb.PUSH_KIND_SEED)
+            with pytest.raises(grpc.RpcError):  # a real refusal: another learner's id
+                ShardClient(cfg.shards[0].address, cfg.rpc, cfg.learners[1].id, INCARNATION,
+                            identity=load_identity(cfg, learner_name(learner.id))).join(learner.region, MANIFEST)
             client.heartbeat(step=42, step_seconds=0.02, held_versions={f.fragment_id: 0 for f in fragments})
         yield cfg, config_path, handle, [f.fragment_id for f in fragments]
     finally:
@@ -72,6 +80,7 @@ def test_status_shows_learners_fragments_and_totals(cluster, capsys):
     first = rows[str(owned[0])]
     assert first[3] == "1" and " ".join(first[6:]).startswith("#1 all, contributors 1,")
     assert "totals    1 outer steps" in out and "contributions 1 accepted" in out
+    assert "requests refused: 1 (wrong_learner 1); races and retries: 1 (already_seeded 1)" in out
 
 
 def test_status_from_a_config_names_the_shard_that_does_not_answer(cluster, capsys):

@@ -25,6 +25,9 @@ from diloco.services.contract.tls import OPERATOR, Identity, load_identity, read
 from diloco.services.contract.wire import pb
 
 HASH_PREFIX = 12
+# Refusals a healthy run has: learners racing to seed a fragment, a push retried after its
+# reply was lost, a restore offered to a shard that already holds the version.
+HARMLESS_REFUSALS = frozenset({"already_seeded", "duplicate", "not_restorable"})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,6 +117,16 @@ def _last_round(fragment: pb.FragmentStatus, now: float) -> str:
             f"{max(0.0, now - r.closed_unix_seconds):.0f}s ago")
 
 
+def _by_reason(refusals: dict[str, float], real: bool) -> str:
+    """'N (reason n, ...)' of the real refusals, or of those that races and retries cause in a
+    healthy run (HARMLESS_REFUSALS)."""
+    chosen = {reason: count for reason, count in refusals.items() if (reason not in HARMLESS_REFUSALS) == real}
+    if not chosen:
+        return "0"
+    detail = ", ".join(f"{reason} {count:g}" for reason, count in sorted(chosen.items(), key=lambda kv: -kv[1]))
+    return f"{sum(chosen.values()):g} ({detail})"
+
+
 def render(view: ClusterView, asked: int, now: float) -> str:
     learners = view.learners()
     digests = {reply.plan_digest[:HASH_PREFIX] for _, reply in view.replies if reply.plan_digest}
@@ -135,12 +148,14 @@ def render(view: ClusterView, asked: int, now: float) -> str:
              for shard, f in fragments])]
     counters = view.counters()
     refused = counters.get("contributions.refused_stale", 0)
-    refusals = sum(v for name, v in counters.items() if name.startswith("refusals."))
+    refusals = {name.partition(".")[2]: count for name, count in counters.items()
+                if name.startswith("refusals.") and count}
     lines += ["",
               f"totals    {sum(f.version for _, f in fragments)} outer steps over {len(fragments)} fragments",
               f"          contributions {counters.get('contributions.accepted', 0)} accepted, "
-              f"{counters.get('contributions.stale_merged', 0)} stale-merged, {refused} refused as stale; "
-              f"{refusals} requests refused",
+              f"{counters.get('contributions.stale_merged', 0)} stale-merged, {refused} refused as stale",
+              f"          requests refused: {_by_reason(refusals, real=True)}; "
+              f"races and retries: {_by_reason(refusals, real=False)}",
               f"          {counters.get('kept_compute_milliseconds', 0) / 1000:.1f} learner compute-seconds kept "
               f"(counted since each shard started)"]
     return "\n".join(lines)
