@@ -24,6 +24,7 @@ import time
 
 from diloco.localcluster.cluster import Proc
 from diloco.localcluster.chaos import Chaos
+from diloco.localcluster.interrupt import ends_early
 from diloco.services.contract.config import Config, dump_config
 from diloco.services.contract.goodput import account, no_badput
 
@@ -122,36 +123,38 @@ def simulate(job: DataParallelJob, args: argparse.Namespace, progress) -> dict:
     # Every rank fails at the rate a learner does; any failure stops the whole job.
     chaos = Chaos("learner", ranks, args.chaos_mtbf, args.restart_delay, rng, started)
     lost_seconds, timeline, launches = 0.0, [], [job.proc.started_at]
+    outcome: dict = {}  # interrupted, if a stop signal ended the run early
     try:
-        while True:
-            now = time.time()
-            report = job.report()
-            if args.duration and now - started > args.duration:
-                break
-            if not chaos.down and job.proc.returncode is not None:
-                if job.proc.returncode == 0 and report.get("phase") == "done":
+        with ends_early(outcome):
+            while True:
+                now = time.time()
+                report = job.report()
+                if args.duration and now - started > args.duration:
                     break
-                raise JobFailed(f"the data-parallel job exited with {job.proc.returncode} by itself "
-                                f"(log {job.proc.log_path}):\n{job.proc.log_tail()}")
-            for rank in [] if chaos.down else chaos.due_kills(now)[:1]:  # the first failure stops the job
-                job.fail(rank)
-                # Trained since this life's last checkpoint (its report is written with it): lost.
-                written = job.report_path.stat().st_mtime if job.report_path.exists() else 0.0
-                if report.get("phase") == "training" and written >= launches[-1]:
-                    lost_seconds += now - written
-                chaos.killed(rank, now, report.get("steps", 0))
-            for downtime in chaos.due_restarts(now):
-                job.proc.start()
-                launches.append(job.proc.started_at)
-                chaos.restarted(downtime, time.time())
-                chaos.redraw_all(time.time())
-            steps = report.get("steps", 0) * ranks
-            timeline.append({"time": now - started, "steps": steps})
-            if progress:
-                progress.n = steps
-                progress.set_postfix_str(f"job restarts {len(chaos.events) // 2}", refresh=False)
-                progress.refresh()
-            time.sleep(POLL_SECONDS)
+                if not chaos.down and job.proc.returncode is not None:
+                    if job.proc.returncode == 0 and report.get("phase") == "done":
+                        break
+                    raise JobFailed(f"the data-parallel job exited with {job.proc.returncode} by itself "
+                                    f"(log {job.proc.log_path}):\n{job.proc.log_tail()}")
+                for rank in [] if chaos.down else chaos.due_kills(now)[:1]:  # the first failure stops the job
+                    job.fail(rank)
+                    # Trained since this life's last checkpoint (its report is written with it): lost.
+                    written = job.report_path.stat().st_mtime if job.report_path.exists() else 0.0
+                    if report.get("phase") == "training" and written >= launches[-1]:
+                        lost_seconds += now - written
+                    chaos.killed(rank, now, report.get("steps", 0))
+                for downtime in chaos.due_restarts(now):
+                    job.proc.start()
+                    launches.append(job.proc.started_at)
+                    chaos.restarted(downtime, time.time())
+                    chaos.redraw_all(time.time())
+                steps = report.get("steps", 0) * ranks
+                timeline.append({"time": now - started, "steps": steps})
+                if progress:
+                    progress.n = steps
+                    progress.set_postfix_str(f"job restarts {len(chaos.events) // 2}", refresh=False)
+                    progress.refresh()
+                time.sleep(POLL_SECONDS)
     finally:
         if progress:
             progress.close()
@@ -159,7 +162,7 @@ def simulate(job: DataParallelJob, args: argparse.Namespace, progress) -> dict:
     chaos.end(stopping)
     job.stop()
     report = job.report()
-    return summarise(cfg, args, report, chaos, lost_seconds, started, stopping, launches, timeline)
+    return summarise(cfg, args, report, chaos, lost_seconds, started, stopping, launches, timeline) | outcome
 
 
 def summarise(cfg: Config, args: argparse.Namespace, report: dict, chaos: Chaos, lost_seconds: float,

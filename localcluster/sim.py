@@ -42,6 +42,7 @@ from diloco.services.client import ShardClient
 from diloco.localcluster import data_parallel
 from diloco.localcluster.chaos import Chaos
 from diloco.localcluster.cluster import ExitedBeforeServing, LocalCluster, Proc, free_ports
+from diloco.localcluster.interrupt import Interrupted, StopSignals, ends_early
 from diloco.services.contract.config import Config, ConfigError, ConfigLoader, check_factories, load_config, parse_config
 from diloco.services.export import MODEL_FILE, ExportError, fetch_global_model, write_export
 from diloco.services.contract.goodput import account, no_badput
@@ -213,6 +214,11 @@ def run(args: argparse.Namespace) -> int:
     except (StartupFailure, ExitedBeforeServing, data_parallel.JobFailed) as failure:
         print(f"error: {failure}", file=sys.stderr)
         return 1
+    except Interrupted as interrupted:  # before the run started, or a second signal: no report
+        print(f"interrupted ({interrupted.name}): "
+              + ("every process killed" if interrupted.processes_killed else "while starting the run"),
+              file=sys.stderr)
+        return 128 + interrupted.signum
     finally:
         stop_signals.cleaning_up = True
         processes.stop()
@@ -222,6 +228,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(report, pathlib.Path(args.plot))
         print(f"plot: {args.plot}")
+    if report.get("interrupted"):
+        return 128 + signal.Signals[report["interrupted"]]
     return 0
 
 
@@ -259,25 +267,6 @@ def _without_timestamp(line: str) -> str:
     return re.sub(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ", "", line)
 
 
-class StopSignals:
-    """SIGTERM (kill, timeout, a CI runner) and Ctrl-C end the run: the cleanup in run()
-    stops every process it started. A second signal, or one during the cleanup, must not cut
-    that short: it SIGKILLs the processes instead, and the cleanup goes on to reap them."""
-
-    def __init__(self, processes: LocalCluster | data_parallel.DataParallelJob):
-        self.processes = processes
-        self.cleaning_up = False
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self.handle)
-
-    def handle(self, signum: int, frame) -> None:
-        if not self.cleaning_up:
-            self.cleaning_up = True
-            raise SystemExit(128 + signum)
-        log.warning("%s during the cleanup: killing every process of the run", signal.Signals(signum).name)
-        self.processes.kill_now()
-
-
 def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     cluster.start_shards()
@@ -293,52 +282,54 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
     if cfg.trainer.max_run_tokens:  # the run ends at least this early
         total_steps = min(total_steps, -(-cfg.trainer.max_run_tokens // cfg.tokens_per_step()))
     progress = None if args.quiet else _progress_bar(total_steps)
+    outcome: dict = {}  # interrupted, if a stop signal ended the run early
     try:
-        while len(finished_at) < len(cluster.learners):
-            now = time.time()
-            if args.duration and now - started > args.duration:
-                log.info("--duration %.0fs reached", args.duration)
-                break
-            observer.poll()
-            for i, proc in enumerate(cluster.learners):
-                if proc.name in finished_at or i in learner_chaos.down:
-                    continue
-                report = _read_json(cluster.learner_report_path(proc.name))
-                if report.get("phase") in ("catching_up", "done"):  # budget spent: now only following the run
-                    # Provisioned until the learner finished, not until this loop noticed.
-                    lives = report.get("incarnations") or [{}]
-                    finished_at[proc.name] = lives[-1].get("training_ended_at", now)
-                    learner_chaos.retire(i)
-                elif proc.returncode is not None:  # crashed by itself: restart like chaos would
-                    startup_failures.exited(proc)
-                    log.warning("learner %s exited with %s; restarting", proc.name, proc.returncode)
-                    learner_chaos.killed(i, now, observer.steps.get(proc.name, 0))
-            for i in learner_chaos.due_kills(now):
-                proc = cluster.learners[i]
-                proc.kill()
-                learner_chaos.killed(i, now, observer.steps.get(proc.name, 0))
-                log.info("chaos: killed learner %s at step %d", proc.name, observer.steps.get(proc.name, 0))
-            for downtime in learner_chaos.due_restarts(now):
-                proc = cluster.learners[downtime.proc_index]
-                proc.start()
-                learner_chaos.restarted(downtime, time.time())
-            for i in shard_chaos.due_kills(now):
+        with ends_early(outcome):
+            while len(finished_at) < len(cluster.learners):
+                now = time.time()
+                if args.duration and now - started > args.duration:
+                    log.info("--duration %.0fs reached", args.duration)
+                    break
                 observer.poll()
-                observer.shard_restarting(i)
-                cluster.shards[i].kill()
-                shard_chaos.killed(i, now)
-                log.info("chaos: killed shard %d", i)
-            for downtime in shard_chaos.due_restarts(now):
-                cluster.restart_shard(downtime.proc_index)
-                shard_chaos.restarted(downtime, time.time())
-            done = sum(observer.steps.values())
-            timeline.append({"time": now - started, "steps": done})
-            if progress:
-                progress.n = min(done, total_steps)
-                progress.set_postfix_str(f"killed {len(learner_chaos.events) // 2} "
-                                         f"down {len(learner_chaos.down)}", refresh=False)
-                progress.refresh()
-            time.sleep(0.5)
+                for i, proc in enumerate(cluster.learners):
+                    if proc.name in finished_at or i in learner_chaos.down:
+                        continue
+                    report = _read_json(cluster.learner_report_path(proc.name))
+                    if report.get("phase") in ("catching_up", "done"):  # budget spent: now only following the run
+                        # Provisioned until the learner finished, not until this loop noticed.
+                        lives = report.get("incarnations") or [{}]
+                        finished_at[proc.name] = lives[-1].get("training_ended_at", now)
+                        learner_chaos.retire(i)
+                    elif proc.returncode is not None:  # crashed by itself: restart like chaos would
+                        startup_failures.exited(proc)
+                        log.warning("learner %s exited with %s; restarting", proc.name, proc.returncode)
+                        learner_chaos.killed(i, now, observer.steps.get(proc.name, 0))
+                for i in learner_chaos.due_kills(now):
+                    proc = cluster.learners[i]
+                    proc.kill()
+                    learner_chaos.killed(i, now, observer.steps.get(proc.name, 0))
+                    log.info("chaos: killed learner %s at step %d", proc.name, observer.steps.get(proc.name, 0))
+                for downtime in learner_chaos.due_restarts(now):
+                    proc = cluster.learners[downtime.proc_index]
+                    proc.start()
+                    learner_chaos.restarted(downtime, time.time())
+                for i in shard_chaos.due_kills(now):
+                    observer.poll()
+                    observer.shard_restarting(i)
+                    cluster.shards[i].kill()
+                    shard_chaos.killed(i, now)
+                    log.info("chaos: killed shard %d", i)
+                for downtime in shard_chaos.due_restarts(now):
+                    cluster.restart_shard(downtime.proc_index)
+                    shard_chaos.restarted(downtime, time.time())
+                done = sum(observer.steps.values())
+                timeline.append({"time": now - started, "steps": done})
+                if progress:
+                    progress.n = min(done, total_steps)
+                    progress.set_postfix_str(f"killed {len(learner_chaos.events) // 2} "
+                                             f"down {len(learner_chaos.down)}", refresh=False)
+                    progress.refresh()
+                time.sleep(0.5)
     finally:
         if progress:
             progress.close()
@@ -363,6 +354,7 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
         finished_at.setdefault(proc.name, max(stopping, lives[-1].get("training_ended_at", stopping)))
     report = summarise(cfg, args, reports, observer, learner_chaos, shard_chaos,
                        {name: at - started for name, at in finished_at.items()}, wall, timeline)
+    report.update(outcome)
     observer.close()
     report["final_eval_loss"] = evaluate_global_model(cluster)
     return report
@@ -522,7 +514,9 @@ def print_summary(report: dict, report_path: pathlib.Path) -> None:
     rows = [
         ("mode", f"{report['mode']}  ({report['learners']} learners in {len(report['regions'])} regions, "
                  f"{report['shards']} shards)"),
-        ("wall time", f"{report['wall_seconds']:.1f} s"),
+        ("wall time", f"{report['wall_seconds']:.1f} s"
+                      + (f"  (interrupted by {report['interrupted']}: what ran until then)"
+                         if report.get("interrupted") else "")),
         ("inner / outer steps", f"{report['inner_steps']} / {report['outer_steps']}"),
         ("validation loss", _losses(report)),
         ("goodput", f"{report['goodput']:.1%}"),

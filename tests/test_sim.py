@@ -185,7 +185,7 @@ def running_sim(tmp_path):
     SIGKILLed at the end, not to leave them running after a failure."""
     run_dir = str(tmp_path / "run")
     sim = subprocess.Popen(sim_command(tmp_path, "--learners", "2", "--shards", "1", "--steps", "100000"),
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     children: set[int] = set()
     try:
         children = wait_until(lambda: len(found := of_the_run(descendants(sim.pid), run_dir)) == 3 and found,
@@ -199,13 +199,17 @@ def running_sim(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_sim_stops_every_process_it_started_on_sigterm(tmp_path):
+def test_ctrl_c_ends_the_sim_early_with_its_summary_and_report_and_stops_every_process(tmp_path):
     with running_sim(tmp_path) as (sim, children):
         wait_until(lambda: list((tmp_path / "run").glob("state/learner-*/report.json")), 120,
                    "a learner to write its first report")
-        sim.send_signal(signal.SIGTERM)
-        assert sim.wait(timeout=120) == 128 + signal.SIGTERM
+        sim.send_signal(signal.SIGINT)
+        out, _ = sim.communicate(timeout=120)
+        assert sim.returncode == 128 + signal.SIGINT
         assert not of_the_run(children, str(tmp_path / "run"))
+        assert "interrupted by SIGINT" in out and "state hashes agree" in out, out
+        report = json.loads((tmp_path / "report.json").read_text())
+        assert report["interrupted"] == "SIGINT" and report["inner_steps"] > 0
 
 
 def test_a_second_sigterm_during_the_sims_cleanup_still_stops_every_process(tmp_path):
