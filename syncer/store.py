@@ -77,7 +77,7 @@ import torch
 from isal.isal_zlib import crc32, crc32_combine
 
 from diloco.services.contract.wire import pb
-from diloco.syncer.core import LoggedClose, LoggedContribution, Manifest, Restored, Spool
+from diloco.syncer.journal import LoggedClose, LoggedContribution, Manifest, Restored, Spool
 from diloco.syncer.counters import Counters
 from diloco.syncer.fragment_state import ClosedRound, ContributionKey, Encoded, FragmentSnapshot
 

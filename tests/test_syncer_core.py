@@ -13,7 +13,8 @@ from diloco.services.contract.codecs import get_codec
 from diloco.services.contract.config import ConfigError, parse_config
 from diloco.services.contract.payload import decode_payload, describe, push_requests
 from diloco.services.contract.wire import pb
-from diloco.syncer.core import NullJournal, Restored, ShardCore
+from diloco.syncer.core import ShardCore
+from diloco.syncer.journal import NullJournal, Restored
 from diloco.syncer.grace import GraceWindow
 from diloco.syncer.merge import RoundAccumulator, contribution_weight
 from diloco.syncer.refusal import Refusal

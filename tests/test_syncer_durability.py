@@ -14,7 +14,8 @@ from diloco.services.contract.state import apply_update, state_hash
 from diloco.services.contract.payload import decode_payload
 from diloco.services.contract.wire import pb
 
-from diloco.syncer.core import NullSpool, ShardCore
+from diloco.syncer.core import ShardCore
+from diloco.syncer.journal import NullSpool
 from diloco.syncer.refusal import Refusal
 from diloco.syncer import store
 from diloco.syncer.store import ShardStore, StoreError
