@@ -11,7 +11,6 @@ counters have their own. Lock order: fragment, then membership / counters / plan
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import threading
@@ -118,7 +117,7 @@ class ShardCore:
     def join(self, learner_id: str, incarnation: int, region: str,
              manifest: Sequence[tuple[str, Sequence[int]]]) -> tuple[str, list[FragmentView]]:
         """(plan digest, this shard's fragments). The first join fixes the manifest."""
-        with self._counting():
+        with self.counters.counting_refusals():
             self.membership.check_allowed(learner_id)
             self._fix_manifest(tuple((name, tuple(shape)) for name, shape in manifest))
             self.membership.join(learner_id, incarnation, region, self.clock())
@@ -129,7 +128,7 @@ class ShardCore:
                   sync_step: int | None = None, tokens: int = 0) -> dict[int, int]:
         """The current version of every owned fragment. Numbers out of range or implausible
         (syncer/claims.py) are refused before anything, the lease included, changes."""
-        with self._counting():
+        with self.counters.counting_refusals():
             report = HeartbeatReport(step, step_seconds, tokens_per_second, held_versions or {},
                                      step if sync_step is None else sync_step, tokens)
             now = self.clock()
@@ -154,23 +153,19 @@ class ShardCore:
         return max(round(heard), merged), sum(l.tokens_per_second for l in learners if l.alive)
 
     def leave(self, learner_id: str, incarnation: int) -> None:
-        with self._counting():
+        with self.counters.counting_refusals():
             self.membership.leave(learner_id, incarnation, self.clock())
 
     # ---- pushes --------------------------------------------------------------------------
 
-    def push(self, requests: Iterable[pb.PushRequest]) -> PushOutcome:
-        """One PushFragment stream: a header, then its chunks. Returns only once an admitted
+    def push(self, header: pb.PushHeader, chunks: Iterable[pb.Chunk]) -> PushOutcome:
+        """One push: its header, then its payload's chunks as the wire numbers them (the
+        reassembly checks each index against the header). Returns only once an admitted
         contribution is durable. Whatever the header alone can refuse is refused before a
-        byte of payload is read."""
-        with self._counting():
-            requests = iter(requests)
-            first = next(requests, None)
-            if first is None or first.WhichOneof("item") != "header":
-                raise Refusal("bad_stream", "INVALID_ARGUMENT", "a push starts with a PushHeader")
-            header = first.header
+        chunk is read."""
+        with self.counters.counting_refusals():
             try:
-                return self._push(header, requests)
+                return self._push(header, iter(chunks))
             except Refusal as refusal:
                 # A contribution refused. Not one: a seed that lost the race to seed its
                 # fragment, or the retry of a contribution already merged (a duplicate).
@@ -180,7 +175,7 @@ class ShardCore:
             finally:
                 self.last_push_at = self.clock()
 
-    def _push(self, header: pb.PushHeader, requests: Iterator[pb.PushRequest]) -> PushOutcome:
+    def _push(self, header: pb.PushHeader, chunks: Iterator[pb.Chunk]) -> PushOutcome:
         state = self._check_header(header)
         assembler = _reassembler(header.payload)
         if header.kind == pb.PUSH_KIND_OUTER_GRADIENT:
@@ -192,18 +187,18 @@ class ShardCore:
         else:  # a seed or restore is written in full by the snapshot it makes
             spool = NullSpool()
         started = self.clock()
-        chunks = _receive(assembler, requests, spool)
+        payload = _receive(assembler, chunks, spool)
         transfer_seconds = self.clock() - started
         if header.kind == pb.PUSH_KIND_SEED:
-            values = decode_payload(header.payload, b"".join(chunks))
+            values = decode_payload(header.payload, b"".join(payload))
             _finite_norm(state, values)
             return self._seed(state, header, values)
         if header.kind == pb.PUSH_KIND_RESTORE:
-            values = decode_payload(header.payload, b"".join(chunks))
+            values = decode_payload(header.payload, b"".join(payload))
             _finite_norm(state, values)
             return self._restore(state, header, values)
-        self._check_norm(state, header.payload, chunks)
-        return self._contribute(state, header, chunks, transfer_seconds, spool)
+        self._check_norm(state, header.payload, payload)
+        return self._contribute(state, header, payload, transfer_seconds, spool)
 
     def _check_header(self, header: pb.PushHeader) -> FragmentState:
         self.membership.authenticate(header.learner_id, header.incarnation, self.clock())
@@ -370,12 +365,12 @@ class ShardCore:
     # ---- reads ---------------------------------------------------------------------------
 
     def pull(self, fragment_id: int, base_version: int | None) -> PullPlan:
-        with self._counting():
+        with self.counters.counting_refusals():
             return self._fragment(fragment_id).pull(base_version)
 
     def version(self, fragment_id: int) -> int | None:
         """The fragment's version, None while unseeded (for pulls waiting on it)."""
-        with self._counting():
+        with self.counters.counting_refusals():
             committed = self._fragment(fragment_id).committed
         return None if committed is None else committed.version
 
@@ -501,15 +496,6 @@ class ShardCore:
             committed.state_hash if committed else "", state.round.count,
             committed.last_round if committed else None, committed.merged_tokens if committed else 0)
 
-    @contextlib.contextmanager
-    def _counting(self) -> Iterator[None]:
-        """Counts a refusal on its way out to the caller."""
-        try:
-            yield
-        except Refusal as refusal:
-            self.counters.add(f"refusals.{refusal.reason}")
-            raise
-
 
 def _key(header: pb.PushHeader) -> ContributionKey:
     return ContributionKey(header.learner_id, header.incarnation, header.base_version)
@@ -523,14 +509,11 @@ def _reassembler(header: pb.PayloadHeader) -> Reassembler:
         raise Refusal("bad_payload_header", "INVALID_ARGUMENT", str(error)) from None
 
 
-def _receive(assembler: Reassembler, requests: Iterator[pb.PushRequest], spool: Spool) -> tuple[bytes, ...]:
-    """The payload carried by the chunks that follow the push header, verified, as its chunks,
-    each written to the spool as it arrives."""
+def _receive(assembler: Reassembler, chunks: Iterator[pb.Chunk], spool: Spool) -> tuple[bytes, ...]:
+    """The payload, verified, as its chunks, each written to the spool as it arrives."""
     try:
-        for request in requests:
-            if request.WhichOneof("item") != "chunk":
-                raise Refusal("bad_stream", "INVALID_ARGUMENT", "a push has one PushHeader, then only chunks")
-            spool.write(assembler.add(request.chunk))
+        for chunk in chunks:
+            spool.write(assembler.add(chunk))
         return assembler.finish_chunks()
     except ChecksumMismatch as error:
         raise Refusal("checksum", "DATA_LOSS", f"payload corrupted: {error}") from None
