@@ -47,7 +47,7 @@ from diloco.services.contract.codecs import get_codec  # noqa: E402
 from diloco.services.contract.config import load_config, parse_config  # noqa: E402
 from diloco.services.contract.payload import describe, iter_chunks  # noqa: E402
 from diloco.syncer.core import ShardCore  # noqa: E402
-from diloco.syncer.fragment_state import SNAPSHOT_BYTES_PER_PARAM  # noqa: E402
+from diloco.syncer.snapshot import SNAPSHOT_BYTES_PER_PARAM  # noqa: E402
 from diloco.services.contract.wire import pb  # noqa: E402
 from diloco.syncer.service import IDLE_RELEASE_SECONDS  # noqa: E402
 
@@ -174,7 +174,7 @@ def close_seconds_per_param(contributions: int, numel: int = 16_000_000) -> floa
     for i in range(contributions):
         core.push(*push_parts(f"l{i}", torch.randn(numel) * 1e-3, INT4, pb.PUSH_KIND_OUTER_GRADIENT))
     state = core.fragments[0]
-    closed = state.closing("all", frozenset(learners), time.monotonic(), time.time())
+    closed = state.round.closing("all", frozenset(learners), time.monotonic(), time.time())
     started = time.perf_counter()
     state.close(closed)
     return (time.perf_counter() - started) / numel

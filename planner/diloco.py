@@ -36,8 +36,8 @@ from diloco.services.contract.goodput import fragment_compute_seconds
 from diloco.services.contract.payload import describe, iter_chunks
 from diloco.services.contract.wire import pb
 from diloco.syncer.core import ShardCore
-from diloco.syncer.fragment_state import ClosedRound
 from diloco.syncer.refusal import Refusal
+from diloco.syncer.snapshot import ClosedRound
 
 FP32 = get_codec("fp32")
 FRAGMENT_NUMEL = 1  # decisions do not depend on the tensors' size: the cores see one element

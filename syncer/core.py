@@ -29,13 +29,15 @@ from diloco.services.contract.wire import pb
 from diloco.syncer.claims import ClaimBounds
 from diloco.syncer.counters import Counters
 from diloco.syncer.disk import DiskGuardedJournal
-from diloco.syncer.fragment_state import ClosedRound, ContributionKey, FragmentState, PullPlan
+from diloco.syncer.fragment_state import FragmentState
 from diloco.syncer.journal import (Journal, LoggedClose, LoggedContribution, Manifest, NullJournal, NullSpool,
                                    Restored, Spool)
 from diloco.syncer.membership import HeartbeatReport, Membership
 from diloco.syncer.merge import contribution_weight
 from diloco.syncer.outer import OuterOptimizer
+from diloco.syncer.pull import PullPlan
 from diloco.syncer.refusal import Refusal
+from diloco.syncer.snapshot import ClosedRound, ContributionKey
 
 log = logging.getLogger(__name__)
 
@@ -343,14 +345,14 @@ class ShardCore:
         # parallel) every learner still in the run, also while it is down.
         if self.cfg.syncer.wait_for_all:
             live_ids = self.membership.member_ids()
-            reason = state.synchronous_close_reason(live_ids, self.membership.departed_ids())
+            reason = state.round.synchronous_close_reason(live_ids, self.membership.departed_ids())
         else:
             live_ids = self.membership.live_ids(started)
-            reason = state.close_reason(live_ids, started)
+            reason = state.round.close_reason(live_ids, started, state.grace.seconds())
         if reason is None:
             return False
         round_ = state.round
-        closed = state.closing(reason, live_ids, started, self.wall_clock())
+        closed = state.round.closing(reason, live_ids, started, self.wall_clock())
         try:
             self.journal.close_round(state.id, LoggedClose(closed, state.committed.state_hash))
         except Refusal:  # a disk that cannot take it (logged once): the round stays open, the next push or tick retries
@@ -366,7 +368,8 @@ class ShardCore:
 
     def pull(self, fragment_id: int, base_version: int | None) -> PullPlan:
         with self.counters.counting_refusals():
-            return self._fragment(fragment_id).pull(base_version)
+            state = self._fragment(fragment_id)
+            return state.pulls.plan(state.committed, base_version)
 
     def version(self, fragment_id: int) -> int | None:
         """The fragment's version, None while unseeded (for pulls waiting on it)."""

@@ -14,9 +14,9 @@ import threading
 from typing import Callable, TypeVar
 
 from diloco.services.contract.wire import pb
-from diloco.syncer.fragment_state import FragmentSnapshot
 from diloco.syncer.journal import Journal, LoggedClose, LoggedContribution, Manifest, Spool
 from diloco.syncer.refusal import Refusal
+from diloco.syncer.snapshot import FragmentSnapshot
 
 Result = TypeVar("Result")
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from diloco.services.contract.wire import pb
-from diloco.syncer.fragment_state import ClosedRound, FragmentSnapshot
+from diloco.syncer.snapshot import ClosedRound, FragmentSnapshot
 
 Manifest = tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape) in model order
 

@@ -14,7 +14,7 @@ Two merges (DESIGN.md §2.2):
 - "mean": the weighted mean.
 
 Both are running sums over the round's contributions, folded in when the round closes
-(fragment_state.OpenRound keeps them encoded until then).
+(open_round.OpenRound keeps them encoded until then).
 """
 from __future__ import annotations
 
