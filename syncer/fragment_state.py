@@ -61,25 +61,7 @@ class FragmentState:
     def version(self) -> int:
         return self.committed.version if self.committed is not None else 0
 
-    # ---- what a push must look like ----------------------------------------------------
-
-    def check_payload(self, header: pb.PushHeader) -> None:
-        """Seeds and restores are fp32 values; outer gradients use the cluster codec and block size."""
-        value = header.kind in (pb.PUSH_KIND_SEED, pb.PUSH_KIND_RESTORE)
-        expected = FP32 if value else self.codec
-        payload = header.payload
-        if payload.codec != expected.wire:
-            raise Refusal("wrong_codec", "INVALID_ARGUMENT",
-                          f"fragment {self.id}: a {_KIND_NAMES[header.kind]} must be "
-                          f"{expected.name}, got {_codec_name(payload.codec)}")
-        if not value and payload.block_size != self.block_size:
-            raise Refusal("wrong_block_size", "INVALID_ARGUMENT",
-                          f"fragment {self.id}: codec block size must be {self.block_size}, "
-                          f"got {payload.block_size}")
-        if payload.numel != self.fragment.numel:
-            raise Refusal("wrong_numel", "INVALID_ARGUMENT",
-                          f"fragment {self.id} has {self.fragment.numel} elements, "
-                          f"the push has {payload.numel}")
+    # ---- whether a push can be taken ---------------------------------------------------
 
     def staleness(self, key: ContributionKey) -> int:
         """How many versions the contribution is behind; refuses what can never be merged."""
@@ -217,12 +199,3 @@ class FragmentState:
         self.grace.quorum_seconds.observe(round_.quorum_seconds)
         self.grace.sync_seconds.observe(round_.mean_transfer_seconds + close_seconds)
 
-
-_KIND_NAMES = {pb.PUSH_KIND_SEED: "seed", pb.PUSH_KIND_RESTORE: "restore", pb.PUSH_KIND_OUTER_GRADIENT: "outer gradient"}
-
-
-def _codec_name(wire: int) -> str:
-    try:
-        return get_codec(wire).name
-    except ValueError:
-        return f"unknown codec {wire}"

@@ -40,7 +40,7 @@ SYNCER_COUNTER_HELP = {
 
 class SyncerMetrics:
     """A shard's metrics: its decision counters and state read from `status()` at scrape time
-    (a syncer.core.ShardStatus), plus what `round_closed` observes as rounds close."""
+    (a syncer.views.ShardStatus), plus what `round_closed` observes as rounds close."""
 
     def __init__(self, status: Callable[[], object]):
         self.registry = r = new_registry()

@@ -16,7 +16,6 @@ import inspect
 import logging
 import math
 import os
-import pathlib
 import threading
 from dataclasses import dataclass
 from typing import Iterator
@@ -29,12 +28,14 @@ from diloco.services.contract.payload import iter_chunks
 from diloco.services.contract.rpc import Server
 from diloco.services.contract.tls import load_identity, shard_name
 from diloco.services.contract.wire import pb, pb_grpc
+from diloco.syncer.admission import PushOutcome
+from diloco.syncer.core import ShardCore
 from diloco.syncer.counters import Counters
-from diloco.syncer.core import FragmentView, PushOutcome, ShardCore
 from diloco.syncer.guard import CallGuard
 from diloco.syncer.memory import release_freed_memory
 from diloco.syncer.refusal import Refusal
 from diloco.syncer.store import ShardStore, shard_state_dir
+from diloco.syncer.views import FragmentView
 
 log = logging.getLogger(__name__)
 
