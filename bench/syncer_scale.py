@@ -45,9 +45,9 @@ from diloco.localcluster.cluster import free_ports  # noqa: E402
 from diloco.services.client import ShardClient  # noqa: E402
 from diloco.services.contract.codecs import get_codec  # noqa: E402
 from diloco.services.contract.config import load_config, parse_config  # noqa: E402
-from diloco.services.contract.payload import describe, push_requests  # noqa: E402
+from diloco.services.contract.payload import describe, iter_chunks  # noqa: E402
 from diloco.syncer.core import ShardCore  # noqa: E402
-from diloco.syncer.fragment_state import SNAPSHOT_BYTES_PER_PARAM  # noqa: E402
+from diloco.syncer.snapshot import SNAPSHOT_BYTES_PER_PARAM  # noqa: E402
 from diloco.services.contract.wire import pb  # noqa: E402
 from diloco.syncer.service import IDLE_RELEASE_SECONDS  # noqa: E402
 
@@ -170,21 +170,22 @@ def close_seconds_per_param(contributions: int, numel: int = 16_000_000) -> floa
     core = ShardCore(cfg, 0)
     for learner in learners:
         core.join(learner, 1, "r", [("w", (numel,))])
-    core.push(push_stream("l0", torch.zeros(numel), FP32, pb.PUSH_KIND_SEED))
+    core.push(*push_parts("l0", torch.zeros(numel), FP32, pb.PUSH_KIND_SEED))
     for i in range(contributions):
-        core.push(push_stream(f"l{i}", torch.randn(numel) * 1e-3, INT4, pb.PUSH_KIND_OUTER_GRADIENT))
+        core.push(*push_parts(f"l{i}", torch.randn(numel) * 1e-3, INT4, pb.PUSH_KIND_OUTER_GRADIENT))
     state = core.fragments[0]
-    closed = state.closing("all", frozenset(learners), time.monotonic(), time.time())
+    closed = state.round.closing("all", frozenset(learners), time.monotonic(), time.time())
     started = time.perf_counter()
     state.close(closed)
     return (time.perf_counter() - started) / numel
 
 
-def push_stream(learner: str, values: torch.Tensor, codec, kind: int):
+def push_parts(learner: str, values: torch.Tensor, codec, kind: int):
+    """A push's header and chunks, as the core takes them."""
     payload = codec.encode(values, BLOCK)
-    return push_requests(pb.PushHeader(learner_id=learner, incarnation=1, fragment_id=0, kind=kind,
-                                       c_steps=24, c_tokens=24 * 1024, step_seconds=1.0,
-                                       payload=describe(codec, values.numel(), payload, BLOCK)), payload)
+    header = pb.PushHeader(learner_id=learner, incarnation=1, fragment_id=0, kind=kind, c_steps=24,
+                           c_tokens=24 * 1024, step_seconds=1.0, payload=describe(codec, values.numel(), payload, BLOCK))
+    return header, iter_chunks(payload)
 
 
 def disk_write_bytes_per_second(folder: Path, nbytes: int = 1 << 30) -> float:

@@ -5,8 +5,8 @@ what it does with each push (merged, stale, refused), when each round closes (ev
 learner, or quorum then grace; leases expiring) and the versions; each learner's
 LearnerSchedule decides when each fragment syncs, when its result is due, how long the
 learner may wait for it, when the schedule holds, and when the run's token budget is spent.
-Pushes are real PushFragment streams of one-element fragments with the learner's real
-metadata (base version, c_steps, c_tokens, step time); heartbeats are real calls.
+Pushes are a real push header and payload chunks of one-element fragments with the learner's
+real metadata (base version, c_steps, c_tokens, step time); heartbeats are real calls.
 
 Modelled: time and bytes. A step takes the learner's step time; a push or pull takes its bytes
 (the codec's size of a fragment of the real model) over the learner's region link, one
@@ -36,8 +36,8 @@ from diloco.services.contract.goodput import fragment_compute_seconds
 from diloco.services.contract.payload import describe, iter_chunks
 from diloco.services.contract.wire import pb
 from diloco.syncer.core import ShardCore
-from diloco.syncer.fragment_state import ClosedRound
 from diloco.syncer.refusal import Refusal
+from diloco.syncer.snapshot import ClosedRound
 
 FP32 = get_codec("fp32")
 FRAGMENT_NUMEL = 1  # decisions do not depend on the tensors' size: the cores see one element
@@ -162,7 +162,7 @@ class DilocoRun:
         self.failure_count = 0
         zeros = FP32.encode(torch.zeros(FRAGMENT_NUMEL), inputs.codec_block_size)
         self.payload = describe(FP32, FRAGMENT_NUMEL, zeros, inputs.codec_block_size)
-        self.chunks = [pb.PushRequest(chunk=chunk) for chunk in iter_chunks(zeros)]
+        self.chunks = list(iter_chunks(zeros))
         self._changes: Iterator[FleetChange] = failures.changes()
 
     # ---- the run -------------------------------------------------------------------------
@@ -187,7 +187,7 @@ class DilocoRun:
         for fragment in self.plan.fragments:
             header = pb.PushHeader(learner_id=self.learners[0].id, incarnation=1, fragment_id=fragment.id,
                                    kind=pb.PUSH_KIND_SEED, base_version=0, payload=self.payload)
-            self.core.push(iter([pb.PushRequest(header=header), *self.chunks]))
+            self.core.push(header, self.chunks)
 
     def _start_training(self, learner: Learner, at: float) -> None:
         learner.schedule = LearnerSchedule(self.cfg, self.plan, self.clock)
@@ -286,7 +286,7 @@ class DilocoRun:
             return  # the learner died with the push on the wire
         fid = header.fragment_id
         try:
-            outcome = self.core.push(iter([pb.PushRequest(header=header), *self.chunks]))
+            outcome = self.core.push(header, self.chunks)
         except Refusal:
             self._deliver(learner, fid, Result(header.base_version, applied=False), self.clock.now, 0)
             return

@@ -14,8 +14,12 @@ fragment's state), replayed_rounds (closed again from the log at a restart).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import defaultdict
+from typing import Iterator
+
+from diloco.syncer.refusal import Refusal
 
 
 class Counters:
@@ -30,3 +34,12 @@ class Counters:
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             return dict(self._values)
+
+    @contextlib.contextmanager
+    def counting_refusals(self) -> Iterator[None]:
+        """Counts a Refusal on its way out to the caller, under refusals.<reason>."""
+        try:
+            yield
+        except Refusal as refusal:
+            self.add(f"refusals.{refusal.reason}")
+            raise

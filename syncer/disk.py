@@ -4,21 +4,19 @@ A full disk fails every push and every round close until space comes back: the c
 logged once when it starts and once when it ends, not for every call, and each request it
 turns down is refused with RESOURCE_EXHAUSTED (disk or quota full) or UNAVAILABLE (any other
 I/O error) naming the state folder, so that learners retry later. What the journal wrote
-before stays valid (syncer/core.py Journal: a failed call changes nothing).
+before stays valid (syncer/journal.py Journal: a failed call changes nothing).
 """
 from __future__ import annotations
 
 import errno
 import logging
 import threading
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import Callable, TypeVar
 
+from diloco.services.contract.wire import pb
+from diloco.syncer.journal import Journal, LoggedClose, LoggedContribution, Manifest, Spool
 from diloco.syncer.refusal import Refusal
-
-if TYPE_CHECKING:  # the core imports this module
-    from diloco.services.contract.wire import pb
-    from diloco.syncer.core import Journal, LoggedClose, LoggedContribution, Manifest, Spool
-    from diloco.syncer.fragment_state import FragmentSnapshot
+from diloco.syncer.snapshot import FragmentSnapshot
 
 Result = TypeVar("Result")
 

@@ -87,7 +87,8 @@ class CallGuard:
                     raise  # the push's own error
             self._counted(pace.cut_off_if_late())
 
-    def _check_push_header(self, context: grpc.ServicerContext, header: pb.PushHeader) -> None:
+    def check_push_header(self, context: grpc.ServicerContext, header: pb.PushHeader) -> None:
+        """A push's header against the caller's identity and the limits on a push's size."""
         refusal = self._learner_refusal(context, header.learner_id)
         if refusal:
             raise refusal
@@ -157,7 +158,7 @@ class _PushPace:
         if first is None:
             return
         if first.WhichOneof("item") == "header":
-            self._guard._check_push_header(self._context, first.header)
+            self._guard.check_push_header(self._context, first.header)
             self._size = first.header.payload.payload_bytes
         self._allowed = stream_deadline(self._guard.rpc, self._size)
         with self._lock:

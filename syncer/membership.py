@@ -1,9 +1,9 @@
 """Who is training: learners, their incarnations and leases, as one shard sees them.
 
-Each shard keeps its own table (DESIGN.md §2.5), so no shard depends on another for liveness.
-A learner joins with a fresh incarnation per process start, renews its lease with every
-heartbeat or push, and is dead once the lease expires: it stops counting towards "every live
-learner has contributed". It must then join again, which is also where it learns what it
+Each shard keeps its own table (docs/protocol.md, Leases), so no shard depends on another for
+liveness. A learner joins with a fresh incarnation per process start, renews its lease with
+every heartbeat or push, and is dead once the lease expires: it stops counting towards "every
+live learner has contributed". It must then join again, which is also where it learns what it
 missed.
 
 The table is deliberately not persisted. After a shard restart every learner's next heartbeat

@@ -7,14 +7,14 @@ learner's own claims: w is capped (syncer/claims.py), computed in float64, and t
 weights are normalised to sum to 1 before they touch a float32 tensor, so no claim can
 overflow the merge or drown the other contributions in rounding.
 
-Two merges (DESIGN.md §2.2):
+Two merges (config syncer.merge):
 - "rda", radial-directional averaging (the default): the norm is the weighted mean of the
   norms, the direction the normalised weighted mean of the unit vectors. Nearly orthogonal
   outer gradients keep their size; a plain mean of M of them shrinks by about sqrt(M).
 - "mean": the weighted mean.
 
 Both are running sums over the round's contributions, folded in when the round closes
-(fragment_state.OpenRound keeps them encoded until then).
+(open_round.OpenRound keeps them encoded until then).
 """
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ SYNCER_COUNTER_HELP = {
 
 class SyncerMetrics:
     """A shard's metrics: its decision counters and state read from `status()` at scrape time
-    (a syncer.core.ShardStatus), plus what `round_closed` observes as rounds close."""
+    (a syncer.views.ShardStatus), plus what `round_closed` observes as rounds close."""
 
     def __init__(self, status: Callable[[], object]):
         self.registry = r = new_registry()
@@ -55,7 +55,7 @@ class SyncerMetrics:
         Collector(self._collect, r)
 
     def round_closed(self, fragment_id: int, closed_round) -> None:
-        """Called by the core for every round it closes (a syncer.fragment_state.ClosedRound)."""
+        """Called by the core for every round it closes (a syncer.snapshot.ClosedRound)."""
         with self._lock:
             self._outer_steps[fragment_id] = self._outer_steps.get(fragment_id, 0) + 1
         self.round_duration.labels(closed_round.close_reason).observe(closed_round.duration_seconds)

@@ -16,9 +16,9 @@ import inspect
 import logging
 import math
 import os
-import pathlib
 import threading
 from dataclasses import dataclass
+from typing import Iterator
 
 import grpc
 
@@ -28,12 +28,14 @@ from diloco.services.contract.payload import iter_chunks
 from diloco.services.contract.rpc import Server
 from diloco.services.contract.tls import load_identity, shard_name
 from diloco.services.contract.wire import pb, pb_grpc
+from diloco.syncer.admission import PushOutcome
+from diloco.syncer.core import ShardCore
 from diloco.syncer.counters import Counters
-from diloco.syncer.core import FragmentView, ShardCore
 from diloco.syncer.guard import CallGuard
 from diloco.syncer.memory import release_freed_memory
 from diloco.syncer.refusal import Refusal
 from diloco.syncer.store import ShardStore, shard_state_dir
+from diloco.syncer.views import FragmentView
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +105,17 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     @_answer_refusals
     def PushFragment(self, request_iterator, context):
         self.guard.open_stream(context)
-        outcome = self.guard.run_push(self.core.push, request_iterator, context)
+        outcome = self.guard.run_push(self.push_stream, request_iterator, context)
         if outcome.committed:
             self.versions_changed()
         return pb.PushResponse(result=outcome.result, current_version=outcome.current_version,
                                staleness=outcome.staleness, round=outcome.round)
+
+    def push_stream(self, requests: Iterator[pb.PushRequest]) -> PushOutcome:
+        """The core's push of the stream's header and the chunks after it."""
+        with self.core.counters.counting_refusals():
+            header = _push_header(requests)
+        return self.core.push(header, _push_chunks(requests))
 
     @_answer_refusals
     def PullFragment(self, request, context):
@@ -156,6 +164,21 @@ class SyncerServicer(pb_grpc.SyncerServicer):
             counters=wire_counters(status.counters),
             manifest=pb.ParameterManifest(tensors=[pb.TensorSpec(name=name, shape=list(shape))
                                                    for name, shape in self.core.manifest or ()]))
+
+
+def _push_header(requests: Iterator[pb.PushRequest]) -> pb.PushHeader:
+    first = next(requests, None)
+    if first is None or first.WhichOneof("item") != "header":
+        raise Refusal("bad_stream", "INVALID_ARGUMENT", "a push starts with a PushHeader")
+    return first.header
+
+
+def _push_chunks(requests: Iterator[pb.PushRequest]) -> Iterator[pb.Chunk]:
+    """The chunks after a push's header, read as the core asks for them."""
+    for request in requests:
+        if request.WhichOneof("item") != "chunk":
+            raise Refusal("bad_stream", "INVALID_ARGUMENT", "a push has one PushHeader, then only chunks")
+        yield request.chunk
 
 
 def wire_counters(counters: dict[str, float]) -> dict[str, int]:

@@ -77,9 +77,9 @@ import torch
 from isal.isal_zlib import crc32, crc32_combine
 
 from diloco.services.contract.wire import pb
-from diloco.syncer.core import LoggedClose, LoggedContribution, Manifest, Restored, Spool
+from diloco.syncer.journal import LoggedClose, LoggedContribution, Manifest, Restored, Spool
 from diloco.syncer.counters import Counters
-from diloco.syncer.fragment_state import ClosedRound, ContributionKey, Encoded, FragmentSnapshot
+from diloco.syncer.snapshot import ClosedRound, ContributionKey, Encoded, FragmentSnapshot
 
 _FRAME = struct.Struct("<QI")  # body length, crc32 of body
 _LENGTH = struct.Struct("<I")  # of an embedded message

@@ -11,9 +11,10 @@ import torch
 from diloco.services.contract.state import apply_update, state_hash
 from diloco.services.contract.codecs import get_codec
 from diloco.services.contract.config import ConfigError, parse_config
-from diloco.services.contract.payload import decode_payload, describe, push_requests
+from diloco.services.contract.payload import decode_payload, describe, iter_chunks
 from diloco.services.contract.wire import pb
-from diloco.syncer.core import NullJournal, Restored, ShardCore
+from diloco.syncer.core import ShardCore
+from diloco.syncer.journal import NullJournal, Restored
 from diloco.syncer.grace import GraceWindow
 from diloco.syncer.merge import RoundAccumulator, contribution_weight
 from diloco.syncer.refusal import Refusal
@@ -63,11 +64,11 @@ class Shard:
         return self.core.fragments[fid].fragment.numel
 
     def push(self, learner, fid, values, **push):
-        return self.core.push(self.requests(learner, fid, values, **push))
+        return self.core.push(*self.push_parts(learner, fid, values, **push))
 
-    def requests(self, learner, fid, values, *, base=0, c_steps=10, c_tokens=1000, step_seconds=0.5,
+    def push_parts(self, learner, fid, values, *, base=0, c_steps=10, c_tokens=1000, step_seconds=0.5,
                  kind=pb.PUSH_KIND_OUTER_GRADIENT, incarnation=1, chunk_bytes=1 << 20):
-        """The PushFragment stream a learner sends."""
+        """The header and chunks of the push a learner sends."""
         codec = get_codec("fp32" if kind == pb.PUSH_KIND_SEED else self.cfg.sync.codec)
         block = self.cfg.sync.codec_block_size
         payload = codec.encode(values, block)
@@ -75,7 +76,7 @@ class Shard:
                                base_version=base, c_steps=c_steps, c_tokens=c_tokens,
                                step_seconds=step_seconds,
                                payload=describe(codec, values.numel(), payload, block, chunk_bytes))
-        return push_requests(header, payload, chunk_bytes)
+        return header, iter_chunks(payload, chunk_bytes)
 
     def value(self, fid=0):
         return self.core.fragments[fid].committed.value
@@ -407,7 +408,7 @@ def test_the_first_seed_wins_and_unseeded_fragments_take_no_gradients():
     header = pb.PushHeader(learner_id="a", incarnation=1, fragment_id=0, kind=pb.PUSH_KIND_SEED,
                            payload=describe(bf16, n, payload, 128))
     with refused("INVALID_ARGUMENT", "wrong_codec"):  # seeds are fp32: every learner starts from the same bits
-        shard.core.push(push_requests(header, payload))
+        shard.core.push(header, iter_chunks(payload))
     first, second = delta(1, n, scale=1.0), delta(2, n, scale=1.0)
     assert shard.push("b", 0, first, kind=pb.PUSH_KIND_SEED).result == pb.PUSH_RESULT_SEEDED
     with refused("ALREADY_EXISTS", "already_seeded"):
@@ -574,7 +575,7 @@ def test_a_logged_contribution_out_of_range_is_merged_with_its_claims_clamped_on
     header = pb.PushHeader(learner_id="b", incarnation=1, fragment_id=0, kind=pb.PUSH_KIND_OUTER_GRADIENT,
                            c_steps=4, c_tokens=4 * T, step_seconds=0.5,
                            payload=describe(get_codec("fp32"), n, get_codec("fp32").encode(y, 128), 128))
-    assert restarted.push(push_requests(header, get_codec("fp32").encode(y, 128))).committed
+    assert restarted.push(header, iter_chunks(get_codec("fp32").encode(y, 128))).committed
     state = restarted.fragments[0].committed
     assert torch.allclose(state.value - shard.seeds[0], -(x + y) / 2, atol=1e-6)  # a's weight: one period
     assert state.merged_tokens == 4 * T + 4 * T
@@ -597,7 +598,7 @@ def restore(shard, learner, fid, values, version, *, hash_of=None):
     header = pb.PushHeader(learner_id=learner, incarnation=1, fragment_id=fid, kind=pb.PUSH_KIND_RESTORE,
                            base_version=version, state_hash=state_hash(values if hash_of is None else hash_of),
                            payload=describe(get_codec("fp32"), values.numel(), payload, 128))
-    return shard.core.push(push_requests(header, payload))
+    return shard.core.push(header, iter_chunks(payload))
 
 
 def test_an_empty_shard_takes_a_restore_and_continues_from_it():

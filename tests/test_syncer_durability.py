@@ -14,7 +14,8 @@ from diloco.services.contract.state import apply_update, state_hash
 from diloco.services.contract.payload import decode_payload
 from diloco.services.contract.wire import pb
 
-from diloco.syncer.core import NullSpool, ShardCore
+from diloco.syncer.core import ShardCore
+from diloco.syncer.journal import NullSpool
 from diloco.syncer.refusal import Refusal
 from diloco.syncer import store
 from diloco.syncer.store import ShardStore, StoreError
@@ -111,14 +112,15 @@ def test_a_push_that_streams_in_across_a_snapshot_is_logged_whole_with_its_paylo
     shard.push("b", 0, delta(2, n))
     values = delta(3, n)
 
-    def with_a_snapshot_midway(requests):
-        for index, request in enumerate(requests):
-            if index == 10:
+    def with_a_snapshot_midway(chunks):
+        for index, chunk in enumerate(chunks):
+            if index == 9:
                 shard.clock.advance(2.0)  # past the grace window
                 assert shard.core.tick() == [0] and shard.core.counters.snapshot()["snapshots"] == 1
-            yield request
+            yield chunk
 
-    reply = shard.core.push(with_a_snapshot_midway(shard.requests("c", 0, values, chunk_bytes=3)))
+    header, chunks = shard.push_parts("c", 0, values, chunk_bytes=3)
+    reply = shard.core.push(header, with_a_snapshot_midway(chunks))
     assert (reply.result, reply.round) == (pb.PUSH_RESULT_STALE_MERGED, 2)
     assert [kind for _, _, kind in log_frames(tmp_path / "fragment-0")] == [store._CONTRIBUTION]
     core = restarted(shard, tmp_path, rejoin=LEARNERS)
@@ -135,9 +137,9 @@ def test_a_space_no_record_names_is_stepped_over_by_the_restart(tmp_path, how):
     n = shard.numel()
     shard.push("a", 0, delta(1, n))
     if how == "cut off":
-        requests = shard.requests("b", 0, delta(2, n), chunk_bytes=64)
+        header, chunks = shard.push_parts("b", 0, delta(2, n), chunk_bytes=64)
         with pytest.raises(ConnectionResetError):
-            shard.core.push(request if index < 3 else _reset() for index, request in enumerate(requests))
+            shard.core.push(header, (chunk if index < 2 else _reset() for index, chunk in enumerate(chunks)))
     else:
         with pytest.raises(Refusal, match="norm"):
             shard.push("b", 0, delta(2, n, scale=10.0))
@@ -157,10 +159,10 @@ def test_a_push_whose_payload_header_does_not_add_up_writes_nothing_to_the_log(t
     shard.push("a", 0, delta(1, shard.numel()))
     log = tmp_path / "fragment-0" / "round.log"
     before = log.read_bytes()
-    header, *chunks = shard.requests("b", 0, delta(2, shard.numel()))
-    header.header.payload.payload_bytes = 1 << 40
+    header, chunks = shard.push_parts("b", 0, delta(2, shard.numel()))
+    header.payload.payload_bytes = 1 << 40
     with pytest.raises(Refusal, match="payload_bytes=1099511627776") as refused:
-        shard.core.push([header, *chunks])
+        shard.core.push(header, chunks)
     assert (refused.value.status, refused.value.reason) == ("INVALID_ARGUMENT", "bad_payload_header")
     assert log.read_bytes() == before
     shard.push("b", 0, delta(2, shard.numel()))
@@ -173,9 +175,9 @@ def test_a_crash_while_a_push_streams_in_ends_the_log_at_its_space(tmp_path):
     shard = Shard(make_config(quorum=3), journal=ShardStore(tmp_path))
     n = shard.numel()
     shard.push("a", 0, delta(1, n))
-    requests = shard.requests("b", 0, delta(2, n), chunk_bytes=64)
+    header, chunks = shard.push_parts("b", 0, delta(2, n), chunk_bytes=64)
     with pytest.raises(ConnectionResetError):
-        shard.core.push(request if index < 3 else _reset() for index, request in enumerate(requests))
+        shard.core.push(header, (chunk if index < 2 else _reset() for index, chunk in enumerate(chunks)))
     log = tmp_path / "fragment-0" / "round.log"
     space, _, _ = log_frames(log.parent)[2]
     assert space < log.stat().st_size < space + 4 * n  # the process died here
@@ -195,17 +197,18 @@ def test_a_streaming_pushs_bytes_are_synced_while_it_streams_and_close_stops_the
     shard = Shard(make_config(quorum=3), journal=journal)
     synced_while_streaming = []
 
-    def wait_for_the_flusher(requests):
-        for index, request in enumerate(requests):
-            if index == 3:
+    def wait_for_the_flusher(chunks):
+        for index, chunk in enumerate(chunks):
+            if index == 2:
                 files = journal._fragments[0]
                 deadline = time.monotonic() + 10
                 while files.durable < files.appended and time.monotonic() < deadline:
                     time.sleep(0.01)
                 synced_while_streaming.append(files.durable == files.appended)
-            yield request
+            yield chunk
 
-    shard.core.push(wait_for_the_flusher(shard.requests("a", 0, delta(1, shard.numel()), chunk_bytes=16)))
+    header, chunks = shard.push_parts("a", 0, delta(1, shard.numel()), chunk_bytes=16)
+    shard.core.push(header, wait_for_the_flusher(chunks))
     assert synced_while_streaming == [True]
     journal.close()
     assert not [thread for thread in set(threading.enumerate()) - threads_before if thread.name == "log-flusher"]

@@ -24,7 +24,7 @@ from diloco.services.client import ShardClient
 from diloco.services.contract.codecs import get_codec
 from diloco.services.contract.rpc import open_channel
 from diloco.services.contract.config import RpcConfig, load_config, parse_config
-from diloco.services.contract.payload import describe, iter_chunks, push_requests
+from diloco.services.contract.payload import describe, iter_chunks
 from diloco.services.contract.state import state_hash
 from diloco.services.cli.certs import issue_cluster_certs
 from diloco.services.contract.tls import OPERATOR, certs_dir, learner_name, load_identity
@@ -583,7 +583,7 @@ def test_kill_9_at_random_points_of_rounds_and_snapshots_restores_an_uninterrupt
         for fid, numel in fragments.items():
             seed = torch.randn(numel, generator=torch.Generator().manual_seed(fid))
             delivered("a", lambda c: c.push(fid, seed, codec="fp32", block_size=BLOCK, kind=pb.PUSH_KIND_SEED))
-            twin.push(push_requests_for(cfg, "a", fid, seed, kind=pb.PUSH_KIND_SEED))
+            twin.push(*push_parts_for(cfg, "a", fid, seed, kind=pb.PUSH_KIND_SEED))
         pushes = list(itertools.product(range(1, rounds + 1), LEARNERS, fragments.items()))
         kill_at, killers = sorted(rng.sample(range(len(pushes)), 4)), []
         for index, (round_, learner, (fid, numel)) in enumerate(pushes):
@@ -593,7 +593,7 @@ def test_kill_9_at_random_points_of_rounds_and_snapshots_restores_an_uninterrupt
             outer = torch.randn(numel, generator=torch.Generator().manual_seed(1000 * round_ + 10 * fid + ord(learner)))
             claims = dict(base_version=round_ - 1, c_steps=8, c_tokens=8 * 64, step_seconds=0.1)
             delivered(learner, lambda c: c.push(fid, outer * 0.01, codec="int4", block_size=BLOCK, **claims))
-            twin.push(push_requests_for(cfg, learner, fid, outer * 0.01, **claims))
+            twin.push(*push_parts_for(cfg, learner, fid, outer * 0.01, **claims))
             if killers:
                 killers[-1].join(60)  # one kill at a time: the next push waits for the restart
         status = clients["a"].status()
@@ -610,13 +610,13 @@ def test_kill_9_at_random_points_of_rounds_and_snapshots_restores_an_uninterrupt
             client.close()
 
 
-def push_requests_for(cfg, learner, fid, values, *, kind=pb.PUSH_KIND_OUTER_GRADIENT, **claims):
-    """The PushFragment stream a ShardClient sends, for a core in this process."""
+def push_parts_for(cfg, learner, fid, values, *, kind=pb.PUSH_KIND_OUTER_GRADIENT, **claims):
+    """The header and chunks of the push a ShardClient sends, for a core in this process."""
     codec = get_codec("fp32" if kind == pb.PUSH_KIND_SEED else cfg.sync.codec)
     payload = codec.encode(values, BLOCK)
     header = pb.PushHeader(learner_id=learner, incarnation=1, fragment_id=fid, kind=kind,
                            payload=describe(codec, values.numel(), payload, BLOCK), **claims)
-    return push_requests(header, payload)
+    return header, iter_chunks(payload)
 
 
 # ---- a full disk, a port in use, a state folder that cannot be written ---------------------

@@ -1,0 +1,102 @@
+"""A fragment's open round: the contributions admitted since the last version, kept encoded
+until the round closes, and the bookkeeping that decides when it closes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from diloco.services.contract.config import SyncerConfig
+from diloco.services.contract.payload import decode_payload
+from diloco.services.contract.wire import pb
+from diloco.syncer.merge import RoundAccumulator
+from diloco.syncer.snapshot import ClosedRound, ContributionKey
+
+
+@dataclass(frozen=True)
+class PendingContribution:
+    """An admitted outer gradient as it arrived: decoded only when its round closes."""
+    header: pb.PayloadHeader
+    chunks: tuple[bytes, ...]  # the payload as received
+    weight: float
+    tokens: int  # c_tokens
+
+
+class OpenRound:
+    """What arrived since the last version. Contributions are kept encoded (an eighth of their
+    fp32 size in int4) and merged when the round closes, so a push is acknowledged without
+    decoding it."""
+
+    def __init__(self, number: int, numel: int, rules: SyncerConfig):
+        self.number = number  # closing it produces version `number`
+        self.numel, self.merge, self.quorum = numel, rules.merge, rules.quorum
+        self.contributions: dict[ContributionKey, PendingContribution] = {}
+        self.contributors: set[str] = set()
+        self.first_at: float | None = None
+        self.quorum_at: float | None = None  # when the K-th distinct learner contributed
+        self.transfer_seconds = 0.0  # summed over contributions
+
+    @property
+    def count(self) -> int:
+        return len(self.contributions)
+
+    @property
+    def quorum_seconds(self) -> float:
+        return self.quorum_at - self.first_at if self.quorum_at is not None else 0.0
+
+    @property
+    def mean_transfer_seconds(self) -> float:
+        return self.transfer_seconds / self.count if self.count else 0.0
+
+    def admit(self, key: ContributionKey, contribution: PendingContribution, now: float,
+              transfer_seconds: float) -> None:
+        self.contributions[key] = contribution
+        self.contributors.add(key.learner_id)
+        self.transfer_seconds += transfer_seconds
+        if self.first_at is None:
+            self.first_at = now
+        if self.quorum_at is None and len(self.contributors) >= self.quorum:
+            self.quorum_at = now
+
+    def close_reason(self, live_ids: frozenset[str], now: float, grace_seconds: float) -> str | None:
+        """"all" once every live learner has contributed; "quorum_grace" once at least K
+        have and the grace window has passed since the K-th. With nobody live (say, just
+        after a shard restart, before learners rejoin) only quorum and grace can close."""
+        if self.count == 0:
+            return None
+        if live_ids and live_ids <= self.contributors:
+            return "all"
+        if self.quorum_at is not None and now - self.quorum_at >= grace_seconds:
+            return "quorum_grace"
+        return None
+
+    def synchronous_close_reason(self, member_ids: frozenset[str], departed_ids: frozenset[str]) -> str | None:
+        """wait_for_all (synchronous data parallel): "all" once every learner still in the run,
+        down or not, has contributed and, counting those that already left, at least K have
+        (so the first round waits for learners that have not joined yet)."""
+        contributors = self.contributors
+        if member_ids <= contributors and len(contributors | departed_ids) >= self.quorum and self.count > 0:
+            return "all"
+        return None
+
+    def closing(self, reason: str, live_ids: frozenset[str], now: float, unix_now: float) -> ClosedRound:
+        """The decision to close this round for `reason`: with the round's logged
+        contributions, all FragmentState.close needs. Changes nothing."""
+        return ClosedRound(self.number, reason, len(self.contributors), unix_now, now - self.first_at,
+                           share=len(self.contributors) / len(live_ids | self.contributors))
+
+    def merged(self) -> torch.Tensor:
+        """The merged outer gradient. Contributions are folded in key order, not arrival
+        order, so a round rebuilt from the journal after a restart merges to the same bits."""
+        accumulator = RoundAccumulator(self.numel, self.merge)
+        total = math.fsum(c.weight for c in self.contributions.values())
+        if total == 0:  # every weight decayed to nothing
+            return torch.zeros(self.numel)
+        delta = torch.empty(self.numel)  # every contribution is decoded into this one buffer
+        for key in sorted(self.contributions):
+            contribution = self.contributions[key]
+            decode_payload(contribution.header, b"".join(contribution.chunks), out=delta)
+            accumulator.add(delta, contribution.weight / total, float(torch.linalg.vector_norm(delta)))
+        return accumulator.merged()
