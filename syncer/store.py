@@ -77,6 +77,7 @@ import torch
 from isal.isal_zlib import crc32, crc32_combine
 
 from diloco.services.contract.wire import pb
+from diloco.services.files import atomic_write
 from diloco.syncer.core import LoggedClose, LoggedContribution, Manifest, Restored, Spool
 from diloco.syncer.counters import Counters
 from diloco.syncer.fragment_state import ClosedRound, ContributionKey, Encoded, FragmentSnapshot
@@ -582,12 +583,9 @@ def _write_file(path: pathlib.Path, parts: list) -> int:
 
 def _write_atomically(path: pathlib.Path, parts: list) -> int:
     """Readers see the old file or the new one, whole, whenever the machine stops. Returns
-    its size."""
-    temporary = path.with_name(path.name + ".tmp")
-    size = _write_file(temporary, parts)
-    os.replace(temporary, path)
-    _fsync_dir(path.parent)
-    return size
+    its size. The temporary file has a fixed name: a crash's leftover is overwritten by the next
+    write, and load() removes a snapshot's."""
+    return atomic_write(path, *parts, temporary=path.with_name(path.name + ".tmp"))
 
 
 _sync_data = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
