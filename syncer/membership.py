@@ -1,7 +1,7 @@
 """Who is training: learners, their incarnations and leases, as one shard sees them.
 
-Each shard keeps its own table (DESIGN.md §2.5), so no shard depends on another for liveness.
-A learner joins with a fresh incarnation per process start, renews its lease with every
+Each shard keeps its own table (docs/protocol.md, Leases), so no shard depends on another for
+liveness. A learner joins with a fresh incarnation per process start, renews its lease with every
 heartbeat or push, and is dead once the lease expires: it stops counting towards "every live
 learner has contributed". It must then join again, which is also where it learns what it
 missed.

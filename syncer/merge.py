@@ -7,7 +7,7 @@ learner's own claims: w is capped (syncer/claims.py), computed in float64, and t
 weights are normalised to sum to 1 before they touch a float32 tensor, so no claim can
 overflow the merge or drown the other contributions in rounding.
 
-Two merges (DESIGN.md §2.2):
+Two merges:
 - "rda", radial-directional averaging (the default): the norm is the weighted mean of the
   norms, the direction the normalised weighted mean of the unit vectors. Nearly orthogonal
   outer gradients keep their size; a plain mean of M of them shrinks by about sqrt(M).
