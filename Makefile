@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DILOCO := $(VENV)/bin/diloco
 
-.PHONY: demo test bench benchmarks gpu-check install clean
+.PHONY: demo test test-fast bench benchmarks gpu-check install clean
 
 install: $(VENV)/.installed
 
@@ -25,6 +25,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt scripts/install-helm.sh
 test: install
 	scripts/install-debian-packages.sh
 	$(PY) -m pytest
+
+# The suite without the tests that start clusters of real processes (marked slow): under 3
+# minutes on 2 cores, for between edits. `make test` is the whole suite, what CI runs.
+test-fast: install
+	scripts/install-debian-packages.sh
+	$(PY) -m pytest -m "not slow"
 
 # 2 shards and 4 learners in four regions as local processes; prints a summary and
 # writes .diloco/sim/report.json and .diloco/sim/demo.png.

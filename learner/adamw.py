@@ -3,9 +3,8 @@ torch.optim.AdamW makes on CPU tensors, in a page.
 
 Why not torch.optim.AdamW itself: torch.optim wraps Optimizer methods so that torch.compile
 leaves them alone, and the first call of any of them imports torch._dynamo. That import is
-0.9 s on a quiet machine and about twice that while other learners train, paid by every
-learner start, and every restart after a failure is start-up badput. This learner never
-compiles anything.
+paid by every learner start (bench/history.md has what it took), and every restart after a
+failure is start-up badput. This learner never compiles anything.
 
     optimizer = AdamW([{"params": matrices, "weight_decay": 0.1},
                        {"params": vectors, "weight_decay": 0.0}], lr=1e-3, betas=(0.9, 0.95))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
-import tempfile
 import threading
 import zipfile
 
@@ -25,6 +24,7 @@ from torch import nn
 
 from diloco.learner.adamw import AdamW
 from diloco.learner.host_copy import to_host
+from diloco.services.files import atomic_write_with
 
 log = logging.getLogger(__name__)
 
@@ -75,21 +75,8 @@ def write_checkpoint(path: str | os.PathLike, state: dict) -> None:
     """Atomically replace the checkpoint at `path` with `state` (checkpoint_state's copy)."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as f:
-        try:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        except BaseException:
-            os.unlink(f.name)
-            raise
-    os.replace(f.name, path)
-    # The rename itself is durable only once the directory entry is on disk.
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    # 0600: the model's weights are not for other users of the machine to read.
+    atomic_write_with(path, lambda temporary: torch.save(state, temporary), mode=0o600)
 
 
 def save_checkpoint(path: str | os.PathLike, **state) -> None:

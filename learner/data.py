@@ -22,7 +22,6 @@ import os
 import pathlib
 import sys
 import sysconfig
-import tempfile
 import zlib
 from typing import Protocol, runtime_checkable
 
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 from diloco.services.contract.config import Config, CorpusConfig, resolve_factory
+from diloco.services.files import atomic_write_with
 
 # Between files, so no window reads one file's end as if it ran on into the next one's start.
 # Source files never contain a NUL byte.
@@ -128,15 +128,11 @@ def _save_atomically(path: pathlib.Path, array: np.ndarray) -> None:
     # Learners starting together may all build the corpus: each writes a private temporary
     # file and renames it into place, so a reader sees either no file or a whole one (and
     # every writer's bytes are the same).
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as f:
-        try:
-            np.save(f, array)
-            f.flush()
-            os.fsync(f.fileno())
-        except BaseException:
-            os.unlink(f.name)
-            raise
-    os.replace(f.name, path)
+    def save(temporary: pathlib.Path) -> None:
+        with open(temporary, "wb") as file:  # np.save given a path would add ".npy" to its name
+            np.save(file, array)
+
+    atomic_write_with(path, save)
 
 
 class CorpusShard:

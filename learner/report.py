@@ -12,6 +12,7 @@ import pathlib
 import time
 
 from diloco.learner.sync import StreamingSync
+from diloco.services.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +81,7 @@ class Report:
         if sync:
             body["fragments"] = {str(fid): {"version": v, "state_hash": h}
                                  for fid, (v, h) in sync.fragment_hashes().items()}
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(body, indent=1))
-        os.replace(tmp, self.path)
+        atomic_write(self.path, json.dumps(body, indent=1).encode())
 
 
 def process_started() -> float:

@@ -22,9 +22,9 @@ from diloco.learner.pulled import value_after
 from diloco.learner.shard_errors import Remedy, reason, remedy, with_retries
 from diloco.learner.sync_stats import SyncStats
 from diloco.services.client import PullResult, ShardClient
-from diloco.services.contract.codecs import get_codec
 from diloco.services.contract.config import Config
 from diloco.services.contract.fragments import Fragment, FragmentPlan
+from diloco.services.contract.settings import settings_differences
 from diloco.services.contract.state import StateHashMismatch, state_hash
 from diloco.services.contract.wire import pb
 
@@ -36,32 +36,6 @@ T = TypeVar("T")
 class JoinRefused(RuntimeError):
     """A shard this learner cannot train with: other sync settings, another model, or a
     refusal of the learner itself. Retrying cannot help: the learner stops."""
-
-
-def settings_differences(shard_index: int, settings: pb.ClusterSettings, cfg: Config) -> list[str]:
-    """'key: shard i uses X, this learner Y' for each setting of a shard's JoinResponse that
-    differs from this learner's config."""
-    def codec_name(key: str | int) -> str:
-        try:
-            return get_codec(key).name
-        except ValueError:
-            return f"codec {key}"
-
-    pairs = {
-        "sync.fragments": (settings.fragments, cfg.sync.fragments),
-        "sync.interval_steps": (settings.sync_interval_steps, cfg.sync.interval_steps),
-        "sync.overlap_steps": (settings.overlap_steps, cfg.sync.overlap_steps),
-        "sync.mix_alpha": (settings.mix_alpha, cfg.sync.mix_alpha),
-        "sync.codec": (codec_name(settings.codec), codec_name(cfg.sync.codec)),
-        "sync.codec_block_size": (settings.codec_block_size, cfg.sync.codec_block_size),
-        "sync.fragmentation": (settings.fragmentation, cfg.sync.fragmentation),
-        "syncer.max_staleness": (settings.max_staleness, cfg.syncer.max_staleness),
-        "syncer.lease_seconds": (settings.lease_seconds, cfg.syncer.lease_seconds),
-        "trainer.heartbeat_seconds": (settings.heartbeat_interval_seconds, cfg.trainer.heartbeat_seconds),
-        "shards (count)": (settings.shards, len(cfg.shards)),
-    }
-    return [f"{key}: shard {shard_index} uses {theirs}, this learner {ours}"
-            for key, (theirs, ours) in pairs.items() if theirs != ours]
 
 
 @dataclass(frozen=True)

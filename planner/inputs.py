@@ -69,7 +69,7 @@ class PlanInputs:
     history_versions: PositiveInt = 32
     # The model and its traffic: bytes per sync from the codec; links per region (learner i is
     # in region i mod the number of regions); the syncer closes a round at this many
-    # parameters per second (BENCHMARKS.md §5: 41 M/s, one shard on 2 cores).
+    # parameters per second (by default what one shard measured: bench/history.md).
     model_parameters: PositiveInt = 12_000_000_000
     codec: str = "int4"
     codec_block_size: PositiveInt = 128

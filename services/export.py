@@ -16,10 +16,8 @@ a temporary name and renamed, so a failed export leaves DIR as it was.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import grpc
 import torch
@@ -31,6 +29,7 @@ from diloco.services.contract.fragments import assemble, plan_for_config
 from diloco.services.contract.state import StateHashMismatch, check_pulled
 from diloco.services.contract.tls import Identity
 from diloco.services.contract.wire import pb
+from diloco.services.files import atomic_write, atomic_write_with
 
 MODEL_FILE = "model.safetensors"
 INFO_FILE = "export.json"
@@ -123,16 +122,6 @@ def _pull_fragment(client: ShardClient, fragment_id: int, shard: int) -> tuple[t
 
 def write_export(model: GlobalModel, out: pathlib.Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    _replace(out / MODEL_FILE, lambda path: save_file(model.tensors, str(path), metadata={
+    atomic_write_with(out / MODEL_FILE, lambda path: save_file(model.tensors, str(path), metadata={
         "run": model.run, "plan_digest": model.plan_digest}))
-    _replace(out / INFO_FILE, lambda path: path.write_text(json.dumps(model.info(), indent=2) + "\n"))
-
-
-def _replace(path: pathlib.Path, write: Callable[[pathlib.Path], object]) -> None:
-    """Writes through `write(temporary path)`, then renames over `path`."""
-    temporary = path.with_name(f".{path.name}.tmp")
-    try:
-        write(temporary)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+    atomic_write(out / INFO_FILE, (json.dumps(model.info(), indent=2) + "\n").encode())

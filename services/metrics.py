@@ -21,6 +21,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, ProcessCollector, disable_created_metrics, start_http_server
 
 from diloco.services.contract.config import Config
+from diloco.services.files import atomic_write
 
 # Counter reset times are not needed (rate() detects resets) and would double the series.
 disable_created_metrics()
@@ -76,6 +77,4 @@ def write_file_sd(cfg: Config, path: str | os.PathLike) -> None:
     """Writes the target groups atomically: Prometheus may read the file at any moment."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(file_sd_target_groups(cfg), indent=1))
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(file_sd_target_groups(cfg), indent=1).encode())

@@ -1,5 +1,5 @@
 """One syncer shard: merges the learners' outer gradients of the fragments it owns and applies
-the outer optimizer (docs/protocol.md, Rounds). Start it with `diloco syncer --config C
+the outer optimizer (docs/protocol.md: Rounds, Leases). Start it with `diloco syncer --config C
 --shard-index I`.
 
     core.py            ShardCore: every decision, no I/O, injectable clock: the service, tests

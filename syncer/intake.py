@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from diloco.services.contract.codecs import get_codec
+from diloco.services.contract.codecs import codec_name
 from diloco.services.contract.config import Config
 from diloco.services.contract.payload import ChecksumMismatch, PayloadError, Reassembler, decode_payload, leading_bytes
 from diloco.services.contract.wire import pb
@@ -112,7 +112,7 @@ def _check_payload(state: FragmentState, header: pb.PushHeader) -> None:
     if payload.codec != expected.wire:
         raise Refusal("wrong_codec", "INVALID_ARGUMENT",
                       f"fragment {state.id}: a {_KIND_NAMES[header.kind]} must be "
-                      f"{expected.name}, got {_codec_name(payload.codec)}")
+                      f"{expected.name}, got {codec_name(payload.codec)}")
     if not value and payload.block_size != state.block_size:
         raise Refusal("wrong_block_size", "INVALID_ARGUMENT",
                       f"fragment {state.id}: codec block size must be {state.block_size}, "
@@ -121,13 +121,6 @@ def _check_payload(state: FragmentState, header: pb.PushHeader) -> None:
         raise Refusal("wrong_numel", "INVALID_ARGUMENT",
                       f"fragment {state.id} has {state.fragment.numel} elements, "
                       f"the push has {payload.numel}")
-
-
-def _codec_name(wire: int) -> str:
-    try:
-        return get_codec(wire).name
-    except ValueError:
-        return f"unknown codec {wire}"
 
 
 def _finite_norm(state: FragmentState, values: torch.Tensor) -> float:

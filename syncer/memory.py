@@ -26,9 +26,8 @@ def _glibc() -> ctypes.CDLL | None:
 def keep_freed_memory() -> None:
     """Pushes are received on many threads, each allocating from a heap of its own arena; the
     trim threshold does not stop glibc from unmapping such a heap once it is all free, only
-    the top pad does. Without it each push faulted its megabytes in afresh: in
-    bench/syncer_push.py, 55 to 77 thousand page faults per round's push window against 8 to
-    12 thousand with it (after the first round), and a third less CPU. One arena for every
+    the top pad does. Without it each push faulted its megabytes in afresh (bench/history.md
+    has the page faults bench/syncer_push.py counted either way). One arena for every
     thread: a round is closed on whichever thread brings its last push, and memory one
     thread's arena kept could not serve the next close on another."""
     libc = _glibc()

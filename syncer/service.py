@@ -22,10 +22,10 @@ from typing import Iterator
 
 import grpc
 
-from diloco.services.contract.codecs import get_codec
 from diloco.services.contract.config import Config, check_state_folder
 from diloco.services.contract.payload import iter_chunks
 from diloco.services.contract.rpc import Server
+from diloco.services.contract.settings import cluster_settings
 from diloco.services.contract.tls import load_identity, shard_name
 from diloco.services.contract.wire import pb, pb_grpc
 from diloco.syncer.admission import PushOutcome
@@ -68,7 +68,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
     def __init__(self, core: ShardCore):
         self.core = core
         self.guard = CallGuard(core.cfg, core.counters)
-        self.settings = _cluster_settings(core.cfg)
+        self.settings = cluster_settings(core.cfg)
         self._new_version = threading.Condition()
         # Pulls wake as each fragment's round closes, not once the ticker has closed them all:
         # learners then receive one fragment's update while the shard closes and commits the next.
@@ -203,15 +203,6 @@ def _fragment_info(f: FragmentView) -> pb.FragmentInfo:
     return pb.FragmentInfo(fragment_id=f.id, numel=f.numel, offset_step=f.offset_step,
                            tensor_names=f.tensor_names, initialized=f.initialized, version=f.version,
                            state_hash=f.state_hash)
-
-
-def _cluster_settings(cfg: Config) -> pb.ClusterSettings:
-    sync = cfg.sync
-    return pb.ClusterSettings(
-        fragments=sync.fragments, sync_interval_steps=sync.interval_steps, overlap_steps=sync.overlap_steps,
-        mix_alpha=sync.mix_alpha, codec=get_codec(sync.codec).wire, codec_block_size=sync.codec_block_size,
-        max_staleness=cfg.syncer.max_staleness, fragmentation=sync.fragmentation, shards=len(cfg.shards),
-        heartbeat_interval_seconds=cfg.trainer.heartbeat_seconds, lease_seconds=cfg.syncer.lease_seconds)
 
 
 class Ticker:

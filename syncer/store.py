@@ -77,6 +77,7 @@ import torch
 from isal.isal_zlib import crc32, crc32_combine
 
 from diloco.services.contract.wire import pb
+from diloco.services.files import atomic_write, fsync_path
 from diloco.syncer.journal import LoggedClose, LoggedContribution, Manifest, Restored, Spool
 from diloco.syncer.counters import Counters
 from diloco.syncer.snapshot import ClosedRound, ContributionKey, Encoded, FragmentSnapshot
@@ -272,7 +273,7 @@ class _FragmentFiles:
         self.folder = directory / f"fragment-{fragment_id}"
         if not self.folder.exists():
             self.folder.mkdir()
-            _fsync_dir(directory)
+            fsync_path(directory)
         self.lock = threading.Lock()
         self.committed_updates: dict[int, str] = {}  # version: sha256, as the committed snapshot names them
         self.closed = False
@@ -319,7 +320,7 @@ class _FragmentFiles:
         """The fd of round.log, opened on first use."""
         if self._log_fd is None:
             self._log_fd = os.open(self.folder / "round.log", os.O_WRONLY | os.O_CREAT, 0o644)
-            _fsync_dir(self.folder)
+            fsync_path(self.folder)
         return self._log_fd
 
     def close(self) -> None:
@@ -582,20 +583,10 @@ def _write_file(path: pathlib.Path, parts: list) -> int:
 
 def _write_atomically(path: pathlib.Path, parts: list) -> int:
     """Readers see the old file or the new one, whole, whenever the machine stops. Returns
-    its size."""
-    temporary = path.with_name(path.name + ".tmp")
-    size = _write_file(temporary, parts)
-    os.replace(temporary, path)
-    _fsync_dir(path.parent)
-    return size
+    its size. The temporary file has a fixed name: a crash's leftover is overwritten by the next
+    write, and load() removes a snapshot's."""
+    return atomic_write(path, *parts, temporary=path.with_name(path.name + ".tmp"))
 
 
 _sync_data = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
 
-
-def _fsync_dir(folder: pathlib.Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -15,7 +15,7 @@ from diloco.learner.model import build_model
 from diloco.learner.train import Trainer
 from diloco.localcluster.data_parallel import DataParallelJob
 from tests.cluster_config import tiny_cluster
-from tests.test_learner_cluster import wait_until
+from tests.cluster_watch import wait_until
 
 pytestmark = pytest.mark.slow
 

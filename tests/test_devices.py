@@ -26,8 +26,7 @@ from diloco.learner.train import Trainer, make_optimizer, manifest, named_parame
 from diloco.services.contract.config import GPTConfig, InnerOptimizerConfig, dump_config
 from diloco.services.contract.fragments import plan_fragments, scatter
 from tests.cluster_config import running_shards, tiny_cluster
-from tests.test_learner_cluster import (cluster_factory, held_fragments, shard_fragments,  # noqa: F401 (fixture)
-                                        wait_for_learners_to_finish)
+from tests.cluster_watch import held_fragments, shard_fragments, wait_for_learners_to_finish
 
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
@@ -100,7 +99,7 @@ def test_syncs_keep_each_parameter_on_its_device_in_its_dtype_and_anchors_fp32_o
 
 @pytest.mark.slow
 def test_the_builtin_learner_trains_under_bf16_with_accumulation_and_ends_with_the_shards_bits(
-        tmp_path, cluster_factory):  # noqa: F811 (fixture)
+        tmp_path, cluster_factory):
     # One cluster for both settings: a run of its own each would double the file's time.
     steps = 60
     cfg = tiny_cluster(tmp_path / "state", shards=1, learners=2, steps=steps,

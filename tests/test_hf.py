@@ -19,8 +19,8 @@ from diloco import DecoupledDiLoCo, JoinRefused  # noqa: E402
 from diloco.integrations.hf import DecoupledDiLoCoCallback  # noqa: E402
 from diloco.localcluster.cluster import LocalCluster  # noqa: E402
 from tests.cluster_config import tiny_cluster  # noqa: E402
-from tests.test_own_loop import OwnLoopRun, assert_every_script_holds_the_shards_bits, own_loop_config  # noqa: E402
-from tests.test_sim import run_sim  # noqa: E402
+from tests.own_loop_run import OwnLoopRun, assert_every_script_holds_the_shards_bits, own_loop_config  # noqa: E402
+from tests.sim_command import run_sim  # noqa: E402
 
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "hf"
 sys.path.insert(0, str(EXAMPLE))

@@ -3,7 +3,6 @@ shards' exact bits, a SIGKILLed learner rejoins while the others go on, and an i
 two processes stays identical across ranks."""
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -15,72 +14,11 @@ import time
 import pytest
 
 from diloco.services.client import ShardClient
-from diloco.localcluster.cluster import LocalCluster
-from diloco.services.contract.tls import OPERATOR, load_identity
 from tests.cluster_config import tiny_cluster
+from tests.cluster_watch import (TIMEOUT, held_fragments, operator, read_report, shard_fragments,
+                                 wait_for_learners_to_finish, wait_until)
 
 pytestmark = pytest.mark.slow
-
-TIMEOUT = 240  # seconds any one cluster may run before the test gives up
-
-
-def wait_until(condition, timeout: float, what: str, poll: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-def read_report(cluster: LocalCluster, learner_id: str) -> dict:
-    try:
-        return json.loads(cluster.learner_report_path(learner_id).read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def operator(cfg):
-    return load_identity(cfg, OPERATOR)
-
-
-def shard_fragments(cfg) -> dict[str, tuple[int, str]]:
-    state = {}
-    for shard in cfg.shards:
-        with ShardClient(shard.address, cfg.rpc, identity=operator(cfg)) as client:
-            for fragment in client.status(timeout=5).fragments:
-                state[str(fragment.fragment_id)] = (fragment.version, fragment.state_hash)
-    return state
-
-
-def held_fragments(report: dict) -> dict[str, tuple[int, str]]:
-    return {fid: (f["version"], f["state_hash"]) for fid, f in report["fragments"].items()}
-
-
-def wait_for_learners_to_finish(cluster: LocalCluster) -> dict[str, dict]:
-    """Budget spent, then SIGTERM ends their catch-up with a final pull, as `diloco sim` does."""
-    wait_until(lambda: all(read_report(cluster, p.name).get("phase") in ("catching_up", "done")
-                           for p in cluster.learners), TIMEOUT, "learners to spend their budget")
-    time.sleep(1.0)  # rounds in their grace window close
-    cluster.stop_learners()
-    for proc in cluster.learners:
-        assert proc.returncode == 0, f"{proc.name} exited with {proc.returncode}: see {proc.log_path}"
-    return {p.name: read_report(cluster, p.name) for p in cluster.learners}
-
-
-@pytest.fixture
-def cluster_factory(tmp_path):
-    started = []
-
-    def make(cfg) -> LocalCluster:
-        cluster = LocalCluster(cfg, tmp_path / f"run-{len(started)}")
-        started.append(cluster)
-        return cluster
-
-    yield make
-    for cluster in started:
-        cluster.stop(timeout=10)
 
 
 def test_cluster_trains_and_every_learner_holds_the_shards_bits(tmp_path, cluster_factory):

@@ -23,7 +23,7 @@ from diloco.services.contract.state import state_hash
 from diloco.services.contract.wire import pb
 from diloco.syncer.store import shard_state_dir
 from tests.cluster_config import tiny_cluster
-from tests.test_learner_cluster import wait_until
+from tests.cluster_watch import wait_until
 
 pytestmark = pytest.mark.slow
 

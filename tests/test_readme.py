@@ -12,8 +12,8 @@ import pytest
 
 from diloco.localcluster.cluster import LocalCluster
 from diloco.services.contract.config import dump_config
-from tests.test_learner_cluster import held_fragments, shard_fragments
-from tests.test_own_loop import own_loop_config
+from tests.cluster_watch import held_fragments, shard_fragments
+from tests.own_loop_run import own_loop_config
 
 pytestmark = pytest.mark.slow
 

@@ -15,9 +15,10 @@ import time
 
 import pytest
 
-from diloco.services.contract.config import ConfigError, dump_config
+from diloco.services.contract.config import ConfigError
 from tests.cluster_config import tiny_cluster
-from tests.test_learner_cluster import wait_until
+from tests.cluster_watch import wait_until
+from tests.sim_command import run_sim, sim_command
 
 pytestmark = pytest.mark.slow
 
@@ -26,20 +27,6 @@ REPORT_KEYS = {
     "contributions", "goodput", "badput_seconds", "initial_eval_loss", "final_eval_loss",
     "bytes_up", "bytes_down", "dp_equivalent_bytes", "restarts", "state_hashes_agree", "links",
 }
-
-
-def sim_command(tmp_path, *flags: str) -> list[str]:
-    base = tmp_path / "base.yaml"
-    base.write_text(dump_config(tiny_cluster(tmp_path / "unused", shards=2, learners=3)))
-    return [sys.executable, "-m", "diloco.services.cli", "sim", "--config", str(base), "--quiet",
-            "--run-dir", str(tmp_path / "run"), "--report", str(tmp_path / "report.json"), *flags]
-
-
-def run_sim(tmp_path, *flags: str) -> dict:
-    result = subprocess.run(sim_command(tmp_path, *flags), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "state hashes agree" in result.stdout  # the summary table
-    return json.loads((tmp_path / "report.json").read_text())
 
 
 def test_sim_with_learner_and_shard_chaos_keeps_training_and_agrees(tmp_path):

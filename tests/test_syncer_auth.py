@@ -14,7 +14,7 @@ from diloco.services.cli.certs import issue_cluster_certs
 from diloco.services.contract.tls import learner_name, load_identity
 from diloco.services.contract.wire import pb
 from diloco.syncer.service import start_shard
-from tests.test_syncer_service import MANIFEST, _outer_gradient, identity, write_config
+from tests.shard_over_grpc import MANIFEST, identity, outer_gradient, write_config
 
 IDLE_SECONDS = 0.5
 LIMITS = {"push_idle_seconds": IDLE_SECONDS, "max_streams_per_peer": 2, "max_chunks_per_push": 64,
@@ -64,7 +64,7 @@ def _refused(call, code, words, handle, reason):
 
 
 def _push(client, fragment, numel, **kwargs):
-    header, chunks = _outer_gradient(fragment, numel, base=0, **kwargs)
+    header, chunks = outer_gradient(fragment, numel, base=0, **kwargs)
     return client.stub.PushFragment(iter([pb.PushRequest(header=header)] + chunks), timeout=10)
 
 
@@ -100,7 +100,7 @@ def test_declared_sizes_beyond_the_limits_are_refused_before_any_payload(shard):
     a = client("a")
     for field, value, reason, words in (("chunk_count", 65, "too_many_chunks", "limits.max_chunks_per_push=64"),
                                         ("payload_bytes", 5000, "push_too_large", "limits.max_push_bytes=4096")):
-        header, _ = _outer_gradient(fragment, numel, base=0)
+        header, _ = outer_gradient(fragment, numel, base=0)
         setattr(header.payload, field, value)
         _refused(lambda: a.stub.PushFragment(iter([pb.PushRequest(header=header)]), timeout=10),
                  grpc.StatusCode.RESOURCE_EXHAUSTED, words, handle, reason)
@@ -125,7 +125,7 @@ class Trickle:
     seconds (forever, with gap None) until released; its call runs in the background."""
 
     def __init__(self, client, fragment, numel, gap=None):
-        header, chunks = _outer_gradient(fragment, numel, base=0, chunk_bytes=8)
+        header, chunks = outer_gradient(fragment, numel, base=0, chunk_bytes=8)
         self.requests = [pb.PushRequest(header=header)] + chunks
         self.gap, self.released = gap, threading.Event()
         self.future = client.stub.PushFragment.future(self._stream(), timeout=30)

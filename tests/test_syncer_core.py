@@ -18,71 +18,7 @@ from diloco.syncer.journal import NullJournal, Restored
 from diloco.syncer.grace import GraceWindow
 from diloco.syncer.merge import RoundAccumulator, contribution_weight
 from diloco.syncer.refusal import Refusal
-
-MANIFEST = [("blocks.0.w", (64,)), ("blocks.1.w", (48,)), ("head.w", (40,)), ("embed.w", (32,))]
-LEARNERS = ("a", "b", "c")
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def make_config(**syncer):
-    """One shard, three learners, two fragments, fp32 unless a test asks for a codec."""
-    codec = syncer.pop("codec", "fp32")
-    syncer.setdefault("grace", {"mode": "fixed", "seconds": 1.0})
-    return parse_config({
-        "shards": [{"address": "127.0.0.1:1"}],
-        "learners": [{"id": learner, "region": "r"} for learner in LEARNERS],
-        "sync": {"fragments": 2, "interval_steps": 4, "overlap_steps": 1, "codec": codec},
-        "syncer": syncer,
-    })
-
-
-class Shard:
-    """A core with its clock, plus the calls a learner makes."""
-
-    def __init__(self, cfg, journal=None, joined=LEARNERS, seed=True):
-        self.cfg, self.clock = cfg, FakeClock()
-        self.core = ShardCore(cfg, 0, clock=self.clock, journal=journal)
-        for learner in joined:
-            self.core.join(learner, 1, "r", MANIFEST)
-        self.seeds = {}
-        if seed:
-            for fid, state in self.core.fragments.items():
-                self.seeds[fid] = torch.randn(state.fragment.numel, generator=torch.Generator().manual_seed(fid))
-                self.push(joined[0], fid, self.seeds[fid], kind=pb.PUSH_KIND_SEED)
-
-    def numel(self, fid=0):
-        return self.core.fragments[fid].fragment.numel
-
-    def push(self, learner, fid, values, **push):
-        return self.core.push(*self.push_parts(learner, fid, values, **push))
-
-    def push_parts(self, learner, fid, values, *, base=0, c_steps=10, c_tokens=1000, step_seconds=0.5,
-                 kind=pb.PUSH_KIND_OUTER_GRADIENT, incarnation=1, chunk_bytes=1 << 20):
-        """The header and chunks of the push a learner sends."""
-        codec = get_codec("fp32" if kind == pb.PUSH_KIND_SEED else self.cfg.sync.codec)
-        block = self.cfg.sync.codec_block_size
-        payload = codec.encode(values, block)
-        header = pb.PushHeader(learner_id=learner, incarnation=incarnation, fragment_id=fid, kind=kind,
-                               base_version=base, c_steps=c_steps, c_tokens=c_tokens,
-                               step_seconds=step_seconds,
-                               payload=describe(codec, values.numel(), payload, block, chunk_bytes))
-        return header, iter_chunks(payload, chunk_bytes)
-
-    def value(self, fid=0):
-        return self.core.fragments[fid].committed.value
-
-    def version(self, fid=0):
-        return self.core.fragments[fid].version
+from tests.shard_harness import LEARNERS, MANIFEST, Shard, delta, make_config
 
 
 @contextlib.contextmanager
@@ -91,10 +27,6 @@ def refused(status, reason):
     with pytest.raises(Refusal) as info:
         yield info
     assert (info.value.status, info.value.reason) == (status, reason), info.value
-
-
-def delta(seed, numel, scale=0.01):
-    return torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * scale
 
 
 # ---- closing rounds ---------------------------------------------------------------------

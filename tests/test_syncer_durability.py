@@ -19,7 +19,7 @@ from diloco.syncer.journal import NullSpool
 from diloco.syncer.refusal import Refusal
 from diloco.syncer import store
 from diloco.syncer.store import ShardStore, StoreError
-from tests.test_syncer_core import LEARNERS, MANIFEST, Shard, delta, make_config
+from tests.shard_harness import LEARNERS, MANIFEST, Shard, delta, make_config
 
 
 def restarted(shard: Shard, directory, rejoin=()) -> ShardCore:

@@ -35,7 +35,7 @@ from diloco.services.contract.payload import describe, iter_chunks
 from diloco.services.contract.rpc import open_channel
 from diloco.services.contract.wire import pb
 from diloco.syncer.service import start_shard
-from tests.test_syncer_service import BLOCK, MANIFEST, identity, write_config
+from tests.shard_over_grpc import BLOCK, MANIFEST, identity, write_config
 
 CASES = 400
 HEARTBEAT_CASES = 250

@@ -16,60 +16,21 @@ import time
 import grpc
 import pytest
 import torch
-import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diloco.learner.pulled import value_after
 from diloco.services.client import ShardClient
 from diloco.services.contract.codecs import get_codec
 from diloco.services.contract.rpc import open_channel
-from diloco.services.contract.config import RpcConfig, load_config, parse_config
+from diloco.services.contract.config import RpcConfig
 from diloco.services.contract.payload import describe, iter_chunks
 from diloco.services.contract.state import state_hash
-from diloco.services.cli.certs import issue_cluster_certs
-from diloco.services.contract.tls import OPERATOR, certs_dir, learner_name, load_identity
 from diloco.services.contract.wire import pb
 from diloco.syncer.core import ShardCore
 from diloco.syncer.service import start_shard
+from tests.shard_over_grpc import BLOCK, LEARNERS, MANIFEST, identity, outer_gradient, write_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-MANIFEST = [(f"blocks.{i}.w", (100 + 37 * i,)) for i in range(6)] + [("embed.w", (256,)), ("head.w", (128,))]
-LEARNERS = ("a", "b", "c")
-BLOCK = 32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def write_config(tmp_path, limits=None, rpc=None, **syncer):
-    """A 2-shard config (shards not started) with certificates for its processes; `limits`
-    and `rpc` are those sections of the config."""
-    syncer.setdefault("grace", {"mode": "fixed", "seconds": 0.2})
-    path = tmp_path / "cluster.yaml"
-    path.write_text(yaml.safe_dump({
-        "run": {"state_dir": str(tmp_path / "state")},
-        "shards": [{"address": f"127.0.0.1:{free_port()}", "metrics_port": 0} for _ in range(2)],
-        "learners": [{"id": learner, "region": "r"} for learner in LEARNERS],
-        "sync": {"fragments": 4, "interval_steps": 8, "overlap_steps": 1, "codec": "int4", "codec_block_size": BLOCK},
-        "syncer": syncer,
-        "trainer": {"heartbeat_seconds": 0.2},
-        "rpc": rpc or {"deadline_seconds": 10.0},
-        "limits": limits or {},
-    }))
-    cfg = load_config(path)
-    # Certificates for the config's processes, and for "mallory": a learner certificate of the
-    # run's CA whose id the config does not list (a learner removed from the run).
-    extra = cfg.model_dump(mode="json")
-    extra["learners"].append({"id": "mallory", "region": "r"})
-    issue_cluster_certs(parse_config(extra), certs_dir(cfg))
-    return path, cfg
-
-
-def identity(cfg, learner):
-    return load_identity(cfg, learner_name(learner) if learner else OPERATOR)
 
 
 # ---- bad input: one in-process shard, each request refused without a trace ----------------
@@ -106,19 +67,6 @@ def bad_input_shard(tmp_path_factory):
         handle.stop()
 
 
-def _outer_gradient(fragment, numel, values=None, *, learner="a", incarnation=1, base=3, codec="int4",
-                    block=BLOCK, chunk_bytes=None, kind=pb.PUSH_KIND_OUTER_GRADIENT, c_steps=4):
-    """A push stream (header, chunks) that is valid unless the arguments make it otherwise."""
-    codec = get_codec(codec)
-    values = torch.full((numel,), 0.02) if values is None else values
-    payload = codec.encode(values, block)
-    chunk_bytes = chunk_bytes or len(payload)
-    header = pb.PushHeader(learner_id=learner, incarnation=incarnation, fragment_id=fragment, kind=kind,
-                           base_version=base, c_steps=c_steps, c_tokens=64, step_seconds=0.1,
-                           payload=describe(codec, numel, payload, block, chunk_bytes))
-    return header, [pb.PushRequest(chunk=c) for c in iter_chunks(payload, chunk_bytes)]
-
-
 def _nan_scale(payload: bytes) -> bytes:
     """int4 layout (services/contract/codecs.py): fp32 block scales first; a NaN scale decodes to NaN."""
     return torch.tensor([float("nan")]).numpy().tobytes() + payload[4:]
@@ -133,10 +81,10 @@ def _bad_pushes(seeded, unseeded, other_shard, numel):
 
     def case(name, reason, code, words, **kwargs):
         fragment = kwargs.pop("fragment", seeded)
-        return name, reason, code, words, stream(*_outer_gradient(fragment, numel.get(fragment, n), **kwargs))
+        return name, reason, code, words, stream(*outer_gradient(fragment, numel.get(fragment, n), **kwargs))
 
     def edited(name, reason, code, words, edit, **kwargs):
-        header, chunks = _outer_gradient(seeded, n, **kwargs)
+        header, chunks = outer_gradient(seeded, n, **kwargs)
         chunks = edit(header, chunks)
         return name, reason, code, words, stream(header, chunks)
 
@@ -172,7 +120,7 @@ def _bad_pushes(seeded, unseeded, other_shard, numel):
                chunk_bytes=16),
         edited("second header", "bad_stream", I, "one PushHeader", lambda h, c: [pb.PushRequest(header=h)] + c),
         ("chunk before the header", "bad_stream", I, "starts with a PushHeader",
-         _outer_gradient(seeded, n)[1]),
+         outer_gradient(seeded, n)[1]),
         edited("NaN after decoding", "non_finite", I, "NaN or Inf", nan_payload),
         case("norm above the bound", "norm_too_large", I, "max_update_norm", values=torch.full((n,), 50.0)),
         case("no steps", "zero_steps", I, "c_steps=0", c_steps=0),
@@ -218,7 +166,7 @@ def test_too_stale_is_an_answer_not_an_error(bad_input_shard):
     handle, cfg, client, seeded, unseeded, numel = bad_input_shard
     a = client("a")
     before = _fragments(a)
-    header, chunks = _outer_gradient(seeded, numel[seeded], base=1)  # version 3, max_staleness 1
+    header, chunks = outer_gradient(seeded, numel[seeded], base=1)  # version 3, max_staleness 1
     reply = a.stub.PushFragment(iter([pb.PushRequest(header=header)] + chunks), timeout=10)
     assert (reply.result, reply.current_version, reply.staleness) == (pb.PUSH_RESULT_REFUSED_STALE, 3, 2)
     assert _fragments(a) == before

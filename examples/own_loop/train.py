@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from diloco import DecoupledDiLoCo
+from diloco.services.files import atomic_write_with
 
 SEQ_LEN, BATCH_SIZE, VOCAB = 64, 8, 256  # bytes as tokens: syncer.max_tokens_per_step = 8 x 64
 TRAIN_BYTES, VALIDATION_BYTES = 400_000, 40_000  # read so much of the stdlib: start-up stays fast
@@ -141,8 +142,8 @@ def main():
                     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                              "position": position, "losses": losses, "validation": validation,
                              "diloco": sync.state_dict()}  # DiLoCo
-                    torch.save(state, args.checkpoint + ".tmp")
-                    os.replace(args.checkpoint + ".tmp", args.checkpoint)  # never a half-written checkpoint
+                    # never a half-written checkpoint
+                    atomic_write_with(args.checkpoint, lambda path: torch.save(state, path))
 
     validation["end"] = validation_loss(model, validation_data)
     print(f"{text_of}: validation loss {validation['start']:.3f} -> {validation['end']:.3f}", flush=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import ipaddress
-import os
 import pathlib
 import sys
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from diloco.services.contract.config import Config, ConfigError, load_config
 from diloco.services.contract.tls import (CA_FILE, CA_FOLDER, CERT_FILE, KEY_FILE, LOOPBACK_HOSTS, OPERATOR,
                                           certs_dir, learner_name, shard_name, spiffe_id)
+from diloco.services.files import atomic_write
 
 
 @dataclass(frozen=True)
@@ -34,11 +34,7 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 def _write(path: pathlib.Path, data: bytes, private: bool = False) -> None:
     """Atomically, so a process reading the folder never sees half a file; keys 0600."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    atomic_write(path, data, mode=0o600 if private else 0o644)
 
 
 def _authority(folder: pathlib.Path, days: int) -> _Authority:

@@ -1,9 +1,9 @@
 """`diloco status --syncer ADDR[,ADDR...]` (or `--config C`): the cluster as its shards see it.
 
 Every shard answers the Status RPC for the fragments it owns and for the learners it tracks;
-each shard holds every learner's lease itself (DESIGN.md §2.5), so a learner is listed once with
-the shards' views merged: alive on how many shards, staleness summed over the shards'
-fragments, the latest step any shard heard of. Exit status 1 when a shard does not answer.
+each shard holds every learner's lease itself (docs/protocol.md, Leases), so a learner is
+listed once with the shards' views merged: alive on how many shards, staleness summed over the
+shards' fragments, the latest step any shard heard of. Exit status 1 when a shard does not answer.
 
 Status is read-only: a shard answers any client certificate of the run's CA. By default this
 presents the operator's (`<tls.dir>/operator`, made by `diloco certs`); --tls-dir names another

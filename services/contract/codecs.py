@@ -373,6 +373,13 @@ def get_codec(key: str | int) -> Codec:
     return codec
 
 
+def codec_name(key: str | int) -> str:
+    """The codec's config name, for messages: also of a pb.Codec value a peer sent that names
+    no codec of this version."""
+    codec = _BY_KEY.get(key)
+    return codec.name if codec else f"unknown codec {key}"
+
+
 class ErrorFeedback:
     """Sender-side error feedback: keeps what quantisation dropped and adds it to the next push.
 

@@ -9,7 +9,7 @@ The plan is a pure function of (ordered parameter names and shapes, P, H, S, met
 learner and every shard computes it on its own, and the digest proves they agree. Nothing
 here depends on dict/set iteration order, hash seeds or the process.
 
-Two ways to split (DESIGN.md §2.3):
+Two ways to split:
 - "balanced" (default, Decoupled DiLoCo): greedy bin-packing of whole tensors, largest first,
   onto the lightest fragment. Fragments come out nearly equal in size, which is what keeps
   peak bandwidth low.

@@ -1,5 +1,5 @@
-"""Goodput and badput: the one definition (DESIGN.md §5) that `diloco sim`'s report, the
-learners' metrics, the recording rules (docs/monitoring.md) and `diloco plan` all use.
+"""Goodput and badput: the one definition that `diloco sim`'s report, the learners' metrics,
+the recording rules and `diloco plan` all use (docs/monitoring.md, Goodput and badput).
 
 Goodput is the share of provisioned learner time that became training progress that was kept:
 

@@ -1,7 +1,7 @@
 """gRPC plumbing both services share: channel and server options, the standard
 health and reflection services, and graceful shutdown on SIGTERM.
 
-Conventions (DESIGN.md §4): message limits and keepalive are set on both ends,
+Conventions: message limits and keepalive are set on both ends,
 every call carries a deadline, and nothing is gzipped (payloads are already
 quantised; compressing them again costs CPU and saves nothing).
 
