@@ -13,6 +13,7 @@
                              synced before the push is acknowledged, and every round close
                              (ClosedRound and the state hash it closed on), synced before the new
                              version shows
+    fragment-<p>/log-size    the size round.log was grown to (see below)
 
 A write-ahead log, so that a round costs its contributions and a small record rather than the
 fragment's whole state (16 bytes per parameter): the core writes a snapshot only once the log
@@ -57,6 +58,17 @@ file. A space no record names (a push refused, cut off, or still streaming at a 
 nothing of the state. A snapshot starts the log over under the spaces of pushes still
 streaming: those pushes' records carry their payload in full instead.
 
+A log that lost bytes must not pass for a log whose tail a crash tore: the first drops what
+was never acknowledged, the second may have lost acknowledged contributions and closed rounds,
+and the shard would then serve their version numbers again for other values. So the log file
+is grown ahead of its records, never written past its end: before a record would cross it, the
+file is extended (by at least 1 MiB or an eighth), the new size made durable, and then noted in
+log-size. A crash therefore never leaves the file shorter than log-size says; a file that is
+stops the restart with StoreError naming both sizes. (A state folder from before log-size gets
+one at its first restart.) The bytes past the log's records are zeros or leftovers; a push
+streaming in at a crash leaves its space at the end of the log, and the next record is written
+over it.
+
 Every file is framed as  u64 length | u32 crc32 | body,  so a torn or corrupted file is
 detected, never loaded. A snapshot that fails its check stops the shard with StoreError rather
 than let it restart from an older state that learners have already moved past.
@@ -90,6 +102,7 @@ _TAG_BYTES = 16  # the log's tag: random, so nothing else carries it by chance
 # A log record's kind, right after the tag: a contribution with its payload, one whose payload
 # is in a space, a space, a round close.
 _CONTRIBUTION, _SPOOLED, _SPACE, _CLOSE = b"c", b"p", b"s", b"r"
+_LOG_GROWTH = 1 << 20  # the least the log file grows by; also an eighth of its size
 _SNAPSHOT_FORMAT = "diloco.syncer-snapshot/6"
 _READABLE_FORMATS = ("diloco.syncer-snapshot/5", _SNAPSHOT_FORMAT)  # /5 logs have no spaces
 
@@ -261,6 +274,17 @@ class ShardStore:
 
     def _load_log(self, fragment_id: int, path: pathlib.Path) -> list[LoggedContribution | LoggedClose]:
         with self._files(fragment_id) as files:
+            grown_to = files.grown_to()
+            size = path.stat().st_size if path.exists() else 0
+            if size < grown_to:
+                raise StoreError(
+                    f"{path}: {size} bytes, but the log was grown to {grown_to} ({path.parent / 'log-size'}): "
+                    f"it lost bytes that may hold acknowledged contributions and closed rounds, whose "
+                    f"versions learners hold. The shard will not start and serve those versions again. "
+                    f"Restore the shard's state folder from a copy, or move {path.parent} away: the "
+                    f"learners then give the fragment back at the version they hold (docs/reliability.md)")
+            if grown_to == 0:  # a state folder from before log-size: protected from now on
+                files.note_size(size)
             entries, end = _read_log(path, files.log_tag) if path.exists() else ([], 0)
             # New records go right after the log's, over a record the crash tore (it was never
             # acknowledged) and over leftovers of logs before the snapshot.
@@ -283,12 +307,15 @@ class _FragmentFiles:
         self.appended = self.durable = 0
         self.sync_lock = threading.Lock()  # one fdatasync of the log at a time
         self.log_tag = os.urandom(_TAG_BYTES)  # the log's; the committed snapshot names it
+        self.allocated = 0  # the log file's size: records are written only below it
         self._log_fd: int | None = None
 
     def write_record(self, record: list, then_leave: int = 0) -> int:
         """Writes the framed record at the log's end, and leaves `then_leave` bytes after it
         for what goes there later (a space's payload); returns the record's size. Called with
         self.lock held."""
+        length, _ = _FRAME.unpack(record[0])
+        self._reserve(self.log_end + _FRAME.size + length + then_leave)
         written = _write_parts_at(self.log(), record, self.log_end)
         self.log_end += written + then_leave
         self.appended += written
@@ -312,6 +339,30 @@ class _FragmentFiles:
         finally:
             os.close(fd)
 
+    def _reserve(self, end: int) -> None:
+        """Grows the log file to hold `end` bytes: extended, the size made durable, then noted
+        in log-size, so that the file is never shorter than log-size says."""
+        fd = self.log()
+        if end <= self.allocated:
+            return
+        size = max(end, self.allocated + max(_LOG_GROWTH, self.allocated // 8))
+        os.ftruncate(fd, size)
+        _sync_data(fd)
+        self.note_size(size)
+        self.allocated = size
+
+    def grown_to(self) -> int:
+        """The size log-size notes (0: none noted)."""
+        try:
+            return int((self.folder / "log-size").read_text())
+        except FileNotFoundError:
+            return 0
+        except ValueError as error:
+            raise StoreError(f"{self.folder / 'log-size'}: unreadable: {error}") from None
+
+    def note_size(self, size: int) -> None:
+        atomic_write(self.folder / "log-size", str(size).encode())
+
     def check_open(self) -> None:
         if self.closed:
             raise StoreError(f"{self.folder}: the store is closed (the shard is stopping)")
@@ -321,6 +372,7 @@ class _FragmentFiles:
         if self._log_fd is None:
             self._log_fd = os.open(self.folder / "round.log", os.O_WRONLY | os.O_CREAT, 0o644)
             fsync_path(self.folder)
+            self.allocated = os.fstat(self._log_fd).st_size
         return self._log_fd
 
     def close(self) -> None:
@@ -526,16 +578,19 @@ def _read_log(path: pathlib.Path, tag: bytes) -> tuple[list[LoggedContribution |
     follows the end of that run (see the module docstring)."""
     data = _read(path)
     view, entries, spaces, offset = memoryview(data), [], {}, 0
+    trailing_spaces = None  # where the spaces after the last record start: no record names them
     while (body := _intact_body(view, offset)) is not None and body[:_TAG_BYTES] == tag:
         end = offset + _FRAME.size + len(body)
         if bytes(body[_TAG_BYTES:_TAG_BYTES + 1]) == _SPACE:
             (size,) = _OFFSET.unpack_from(body, _TAG_BYTES + 1)
-            if end + size > len(data):  # a push streaming in at the crash: the log ends with it
+            trailing_spaces = offset if trailing_spaces is None else trailing_spaces
+            if end + size > len(data):  # a push streaming in at the crash (a log from before log-size)
                 break
             spaces[offset] = view[end:end + size]
             end += size
         else:
             entries.append(_log_entry(path, offset, body, spaces))
+            trailing_spaces = None
         offset = end
     # A record torn at `offset` may hold the tag right after its frame header: look past that.
     found = data.find(tag, offset + _FRAME.size + 1)
@@ -546,10 +601,12 @@ def _read_log(path: pathlib.Path, tag: bytes) -> tuple[list[LoggedContribution |
                 f"{path}: the record at offset {offset} is damaged, and an intact record of the log "
                 f"follows at offset {later}: the contributions from offset {offset} on may have "
                 f"been acknowledged, so the shard will not drop them. If the machine lost power (nothing "
-                f"after a torn record was acknowledged then), truncate the file to {offset} bytes to "
-                f"drop them; otherwise restore the shard's state folder from a copy")
+                f"after a torn record was acknowledged then), truncate the file to {offset} bytes and "
+                f"delete {path.parent / 'log-size'} to drop them; otherwise restore the shard's state "
+                f"folder from a copy")
         found = data.find(tag, found + 1)
-    return entries, offset
+    # Pushes streaming in at the crash: the next record goes over their spaces.
+    return entries, offset if trailing_spaces is None else trailing_spaces
 
 
 def _has_a_record(path: pathlib.Path) -> bool:

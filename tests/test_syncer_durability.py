@@ -2,6 +2,7 @@
 and torn or damaged files are detected instead of loaded. (The kill -9 of a real shard
 process is in test_syncer_service.py.)"""
 import errno
+import os
 import threading
 import time
 import zlib
@@ -89,8 +90,11 @@ def test_a_torn_log_record_is_dropped_and_the_log_stays_appendable(tmp_path):
     n = shard.numel()
     shard.push("a", 0, delta(1, n))
     log = tmp_path / "fragment-0" / "round.log"
-    intact = log.read_bytes()
-    log.write_bytes(intact + intact[: len(intact) // 2])  # the crash cut the second record short
+    data = bytearray(log.read_bytes())
+    end = log_end(log.parent)
+    intact = bytes(data[:end])
+    data[end:end + end // 2] = intact[:end // 2]  # the crash cut the second record short
+    log.write_bytes(bytes(data))
 
     core = restarted(shard, tmp_path, rejoin=LEARNERS)
     assert core.status().fragments[0].pending_contributions == 1
@@ -170,8 +174,8 @@ def test_a_push_whose_payload_header_does_not_add_up_writes_nothing_to_the_log(t
 
 
 def test_a_crash_while_a_push_streams_in_ends_the_log_at_its_space(tmp_path):
-    """The space runs past the end of the file: the log ends where it starts, and the next
-    record is written there."""
+    """The push's space holds part of its payload and no record names it: the log ends where
+    the space starts, and the next record is written there."""
     shard = Shard(make_config(quorum=3), journal=ShardStore(tmp_path))
     n = shard.numel()
     shard.push("a", 0, delta(1, n))
@@ -179,8 +183,8 @@ def test_a_crash_while_a_push_streams_in_ends_the_log_at_its_space(tmp_path):
     with pytest.raises(ConnectionResetError):
         shard.core.push(header, (chunk if index < 2 else _reset() for index, chunk in enumerate(chunks)))
     log = tmp_path / "fragment-0" / "round.log"
-    space, _, _ = log_frames(log.parent)[2]
-    assert space < log.stat().st_size < space + 4 * n  # the process died here
+    space, length, _ = log_frames(log.parent)[2]
+    assert log.read_bytes()[space + length - 64:space + length] == bytes(64)  # the process died here
 
     core = restarted(shard, tmp_path, rejoin=LEARNERS)
     assert [key.learner_id for key in core.fragments[0].round.contributions] == ["a"]
@@ -310,6 +314,12 @@ def test_an_update_file_no_snapshot_names_is_never_reused(tmp_path):
     assert torch.equal(value, shard.value()) and state_hash(value) == plan.state_hash
 
 
+def log_end(folder) -> int:
+    """Where the fragment's log, as written, ends (the rest of the file is zeros or leftovers)."""
+    offset, length, _ = log_frames(folder)[-1]
+    return offset + length
+
+
 def log_frames(folder) -> list[tuple[int, int, bytes]]:
     """(offset, length, kind) of each frame of the fragment's log as written, up to the first
     of an earlier log; a space's length counts the payload bytes after its frame."""
@@ -420,3 +430,34 @@ def test_an_update_file_that_is_not_the_one_the_snapshot_names_is_never_served(t
     assert [u.version for u in core.fragments[0].committed.history] == []
     assert core.pull(0, 1).snapshot  # a learner at version 1 gets the whole value, not update-1's bytes
     assert not (folder / "update-1").exists() and not (folder / "update-2").exists()
+
+
+@pytest.mark.parametrize("cut", ["inside a record", "at a record's end"])
+def test_a_log_that_lost_bytes_stops_the_restart_instead_of_serving_its_versions_again(tmp_path, cut):
+    """Three rounds closed in the log (no snapshot since the seed). A crash can only tear what
+    was never acknowledged; a file cut short lost closed rounds whose versions learners hold."""
+    shard = Shard(make_config(snapshot_log_ratio=1000.0), journal=ShardStore(tmp_path))
+    n = shard.numel()
+    for version in range(3):
+        for i, learner in enumerate(LEARNERS):
+            shard.push(learner, 0, delta(10 * version + i, n), base=version)
+    assert shard.version() == 3
+    log = tmp_path / "fragment-0" / "round.log"
+    frames = log_frames(log.parent)
+    offset, length, _ = frames[len(frames) // 2]
+    os.truncate(log, offset + length // 2 if cut == "inside a record" else offset + length)
+    with pytest.raises(StoreError, match=rf"{log}: \d+ bytes, but the log was grown to \d+ .*will not start"):
+        ShardStore(tmp_path).load()
+
+
+def test_a_state_folder_from_before_log_size_gets_one_at_its_restart(tmp_path):
+    shard = Shard(make_config(snapshot_log_ratio=1000.0), journal=ShardStore(tmp_path))
+    for i, learner in enumerate(LEARNERS):
+        shard.push(learner, 0, delta(i, shard.numel()))
+    log = tmp_path / "fragment-0" / "round.log"
+    (log.parent / "log-size").unlink()
+    assert restarted(shard, tmp_path).status().fragments[0].version == 1
+    assert int((log.parent / "log-size").read_text()) == log.stat().st_size
+    os.truncate(log, log_end(log.parent))
+    with pytest.raises(StoreError, match="but the log was grown to"):
+        ShardStore(tmp_path).load()

@@ -3,6 +3,7 @@ shard), concurrent learners ending with the shard's exact bits, and kill -9 of a
 losing nothing it acknowledged (real `diloco syncer` processes)."""
 import contextlib
 import itertools
+import os
 import pathlib
 import random
 import re
@@ -431,6 +432,38 @@ def test_concurrent_learners_end_with_the_shards_exact_bits(cluster):
     for shard in shards:  # SIGTERM: drain, exit 0
         assert shard.terminate() == 0, shard.log_path.read_text()
         assert f"shard {shard.index} serving on" in shard.log_path.read_text()
+
+
+def test_a_shard_whose_log_lost_bytes_refuses_to_start_rather_than_serve_its_versions_again(cluster):
+    """Three rounds of one fragment closed on shard 0 and only in its log (no snapshot since
+    the seed); the shard is stopped and its log cut short. Restarted, it must not come back at
+    an older version and reuse the version numbers learners already applied."""
+    cfg, shards = cluster(quorum=3, lease_seconds=3600.0, snapshot_log_ratio=1000.0)
+    shard = shards[0]
+    clients = {learner: ShardClient(shard.address, cfg.rpc, learner, 1, identity=identity(cfg, learner))
+               for learner in LEARNERS}
+    try:
+        fragment = next(f for f in clients["a"].join("r", MANIFEST).fragments)
+        for learner in LEARNERS[1:]:
+            clients[learner].join("r", MANIFEST)
+        clients["a"].push(fragment.fragment_id, torch.zeros(fragment.numel), codec="fp32", block_size=BLOCK,
+                          kind=pb.PUSH_KIND_SEED)
+        for version in range(3):
+            for learner in LEARNERS:
+                clients[learner].push(fragment.fragment_id, torch.full((fragment.numel,), 0.01), codec="int4",
+                                      block_size=BLOCK, base_version=version, c_steps=4, c_tokens=64,
+                                      step_seconds=0.1)
+            assert clients["a"].pull(fragment.fragment_id, version, min_version=version + 1,
+                                     max_wait_seconds=10).version == version + 1
+    finally:
+        for client in clients.values():
+            client.close()
+    assert shard.terminate() == 0
+    log = pathlib.Path(cfg.run.state_dir) / "shard-0" / f"fragment-{fragment.fragment_id}" / "round.log"
+    os.truncate(log, 2000)  # inside the second round's records
+    shard.start()
+    assert shard.process.wait(timeout=60) != 0
+    assert f"{log}: 2000 bytes, but the log was grown to" in shard.log_path.read_text()
 
 
 def test_kill_9_loses_no_acknowledged_contribution(cluster):
