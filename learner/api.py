@@ -193,7 +193,7 @@ class DecoupledDiLoCo:
         if self.learner.metrics_port:
             self.metrics = LearnerMetrics()
             try:
-                self._metrics_server = serve(self.metrics.registry, self.learner.metrics_port)
+                self._metrics_server = serve(self.metrics.registry, self.learner.metrics_port, self.cfg.run.listen_host)
             except OSError as error:
                 raise OSError(error.errno, f"learner {self.learner.id}: cannot serve metrics on port "
                               f"{self.learner.metrics_port} (learners[].metrics_port): {error.strerror}") from None

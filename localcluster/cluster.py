@@ -146,6 +146,8 @@ class LocalCluster:
 
     def __init__(self, cfg: Config, run_dir: pathlib.Path, learner_env: dict[str, str] | None = None,
                  learner_script: pathlib.Path | None = None):
+        if cfg.run.listen_host is None:  # a local cluster is reached from this machine only
+            cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"listen_host": "127.0.0.1"})})
         self.cfg = cfg
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)

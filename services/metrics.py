@@ -34,12 +34,12 @@ WAN_TRANSFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                 30.0, 60.0)
 
-def serve(registry: CollectorRegistry, port: int) -> WSGIServer | None:
-    """Serves `registry` at http://0.0.0.0:<port>/metrics from a daemon thread until the
-    returned server is shut down; port 0: not at all (None)."""
+def serve(registry: CollectorRegistry, port: int, host: str | None = None) -> WSGIServer | None:
+    """Serves `registry` at http://<host>:<port>/metrics (None: every interface) from a daemon
+    thread until the returned server is shut down; port 0: not at all (None)."""
     if not port:
         return None
-    server, _ = start_http_server(port, registry=registry)
+    server, _ = start_http_server(port, addr=host or "0.0.0.0", registry=registry)
     return server
 
 

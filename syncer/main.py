@@ -23,7 +23,7 @@ log = logging.getLogger("syncer")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="path to the cluster YAML file")
     parser.add_argument("--shard-index", type=int, required=True, help="which of the config's shards this is")
-    parser.add_argument("--listen", help="host:port to bind (default: [::]:<port of the shard's address>)")
+    parser.add_argument("--listen", help="host:port to bind (default: run.listen_host, else every interface, on the port of the shard's address)")
     parser.add_argument("--state-dir", help="folder holding shard-<I>/ (default: run.state_dir of the config)")
     parser.add_argument("--tls-dir", help="folder with this shard's ca.crt, tls.crt and tls.key "
                         "(default: <tls.dir>/shard-<I> of the config)")
@@ -38,12 +38,13 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"invalid: {error}", file=sys.stderr)
         return 2
-    listen = args.listen or f"[::]:{address.rsplit(':', 1)[1]}"
+    host = _bracketed(cfg.run.listen_host or "::")
+    listen = args.listen or f"{host}:{address.rsplit(':', 1)[1]}"
     health_port = cfg.shard(args.shard_index).health_port
     keep_freed_memory()
     try:
         handle = start_shard(cfg, args.shard_index, listen, args.state_dir, tls_dir=args.tls_dir,
-                             health_listen=f"[::]:{health_port}" if health_port else None)
+                             health_listen=f"{host}:{health_port}" if health_port else None)
     except ConfigError as error:  # no certificate where the config says
         print(f"invalid: {error}", file=sys.stderr)
         return 2
@@ -54,9 +55,14 @@ def run(args: argparse.Namespace) -> int:
     if metrics_port:
         metrics = SyncerMetrics(handle.core.status)
         handle.core.round_listeners.append(metrics.round_closed)
-        serve(metrics.registry, metrics_port)
+        serve(metrics.registry, metrics_port, cfg.run.listen_host)
     log.info("shard %d serving on %d", args.shard_index, handle.port)
     handle.server.serve_until_signal(args.drain_seconds)
     handle.stop()
     log.info("shard %d stopped", args.shard_index)
     return 0
+
+
+def _bracketed(host: str) -> str:
+    """An IPv6 address as gRPC takes it in host:port."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -287,7 +287,7 @@ def test_schema_knows_exactly_the_keys_of_the_projects_config():
 
     s = schema["properties"]
     assert keys(schema) == fields(c.Config, "shards", "learners", "tls")  # tls: from the chart's tls.mode
-    assert keys(s["run"]) == fields(c.RunConfig, "state_dir")
+    assert keys(s["run"]) == fields(c.RunConfig, "state_dir", "listen_host")  # pods listen on their own interfaces
     assert keys(s["sync"]) == fields(c.SyncConfig)
     assert keys(s["syncer"]) == fields(c.SyncerConfig)
     assert keys(s["syncer"]["properties"]["grace"]) == fields(c.GraceConfig)

@@ -3,16 +3,20 @@ shards' exact bits, a SIGKILLed learner rejoins while the others go on, and an i
 two processes stays identical across ranks."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import pathlib
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from diloco.localcluster.cluster import free_ports
 from diloco.services.client import ShardClient
 from tests.cluster_config import tiny_cluster
 from tests.cluster_watch import (TIMEOUT, held_fragments, operator, read_report, shard_fragments,
@@ -162,3 +166,39 @@ def test_island_of_two_processes_stays_identical_after_every_applied_fragment(tm
     # Each rank read its own batches: an island trains on twice the tokens of one process.
     assert report["tokens"] == 2 * 80 * cfg.trainer.batch_size * cfg.model.seq_len
     assert held_fragments(report) == shard_fragments(cfg)
+
+
+def listening_hosts(pid: int) -> set[str]:
+    """The local addresses of the TCP sockets process `pid` listens on, from /proc: "127.0.0.1",
+    "0.0.0.0", or "::" / "::1" / "ipv6" for IPv6 ones."""
+    sockets = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                sockets.add(target[8:-1])
+    hosts = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in pathlib.Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in sockets:  # 0A: LISTEN
+                continue
+            address = fields[1].split(":")[0]
+            if len(address) == 8 or address.startswith("0000000000000000FFFF0000"):  # IPv4, or mapped
+                hosts.add(socket.inet_ntoa(bytes.fromhex(address[-8:])[::-1]))
+            else:
+                hosts.add({"0" * 32: "::", "0" * 24 + "01000000": "::1"}.get(address, "ipv6"))
+    return hosts
+
+
+def test_a_local_cluster_listens_on_loopback_only(tmp_path, cluster_factory):
+    """gRPC, the plaintext health port and /metrics of a shard of a local cluster (what
+    `diloco sim` starts) are not reachable from other machines."""
+    cfg = tiny_cluster(tmp_path / "state", shards=1, learners=1)
+    metrics_port, health_port = free_ports(2)
+    cfg = cfg.model_copy(update={"shards": [cfg.shards[0].model_copy(
+        update={"metrics_port": metrics_port, "health_port": health_port})]})
+    cluster = cluster_factory(cfg)
+    cluster.start_shards()
+    wait_until(lambda: len(listening_hosts(cluster.shards[0].popen.pid)) > 0, 30, "the shard to listen")
+    assert listening_hosts(cluster.shards[0].popen.pid) == {"127.0.0.1"}

@@ -43,6 +43,11 @@ class RunConfig(_Section):
     name: Identifier = "diloco"
     seed: NonNegativeInt = 0
     state_dir: str = ".diloco"  # shards and learners keep their state below this folder
+    # The host every server of the run binds: shards' gRPC and health ports, /metrics of shards
+    # and learners. None: every interface ([::] for gRPC, 0.0.0.0 for /metrics), which shards
+    # reached from other regions need; gRPC is mutual TLS, health and /metrics are plaintext
+    # (docs/security.md). The local cluster and `diloco sim` set 127.0.0.1.
+    listen_host: str | None = None
 
 
 class ShardConfig(_Section):
