@@ -8,7 +8,10 @@ The file is exactly what torch.save writes, so a user opens it with
 damaged; the zip archive torch.save writes holds a CRC-32 of every record, and checking
 those (zipfile's testzip) is what refuses a torn or corrupted checkpoint. A checkpoint is
 written to a temporary file beside the target, synced, and renamed over it: a crash leaves the
-previous checkpoint or the new one, never half of one.
+previous checkpoint or the new one, never half of one. The one it replaces is kept beside it
+(`<name>.previous`): a checkpoint damaged later (a disk, a copy) falls back to that one, both
+named in the log; when neither can be read the learner refuses to start from step 0 unless
+told to (`start_fresh`), since that would train its whole budget again.
 """
 
 from __future__ import annotations
@@ -71,10 +74,25 @@ def restore_rng(checkpoint: dict, model: nn.Module) -> None:
         torch.cuda.set_rng_state(state, device)
 
 
+class CheckpointError(RuntimeError):
+    """No checkpoint of the state folder can be read: the message names each file and why."""
+
+
+def previous_checkpoint(path: pathlib.Path) -> pathlib.Path:
+    return path.with_name(path.name + ".previous")
+
+
 def write_checkpoint(path: str | os.PathLike, state: dict) -> None:
-    """Atomically replace the checkpoint at `path` with `state` (checkpoint_state's copy)."""
+    """Atomically replace the checkpoint at `path` with `state` (checkpoint_state's copy); the
+    one it replaces becomes `<path>.previous` (a hard link: there is always one at `path`)."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        previous = previous_checkpoint(path)
+        link = previous.with_name(previous.name + ".tmp")
+        link.unlink(missing_ok=True)
+        os.link(path, link)
+        os.replace(link, previous)
     # 0600: the model's weights are not for other users of the machine to read.
     atomic_write_with(path, lambda temporary: torch.save(state, temporary), mode=0o600)
 
@@ -116,22 +134,38 @@ class CheckpointWriter:
             self._error = error
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict | None:
-    """The checkpoint at `path` (keys model, optimizer, step, tokens, data, rng, cuda_rng, ranks, extra), or None
-    when there is none or it is damaged; a damaged one is logged as a warning and left in place."""
+def load_checkpoint(path: str | os.PathLike, start_fresh: bool = False) -> dict | None:
+    """The checkpoint at `path` (keys model, optimizer, step, tokens, data, rng, cuda_rng, ranks,
+    extra), else the one before it (`<path>.previous`), else None when there is none at all.
+    Damaged files are left in place. When there are checkpoints but none can be read:
+    CheckpointError, or None with a warning if `start_fresh`."""
     path = pathlib.Path(path)
-    if not path.exists():
+    candidates = [candidate for candidate in (path, previous_checkpoint(path)) if candidate.exists()]
+    problems = []
+    for candidate in candidates:
+        problem = _damage(candidate)
+        if problem is None:
+            if problems:
+                log.warning("%s; resuming from %s, the checkpoint before it", problems[0], candidate)
+            # Onto the CPU: a learner restarted on another machine (or device) loads it the same
+            # way; the model and optimizer copy the values to their own device.
+            return torch.load(candidate, weights_only=True, map_location="cpu")
+        problems.append(f"{candidate}: {problem}")
+    if not candidates:
         return None
+    message = "no checkpoint can be read (" + "; ".join(problems) + ")"
+    if start_fresh:
+        log.warning("%s: starting from step 0 as told (start fresh)", message)
+        return None
+    raise CheckpointError(message + ": starting from step 0 would train the whole budget again. Restore a "
+                          "checkpoint, or start fresh on purpose (`diloco learner --start-fresh`)")
+
+
+def _damage(path: pathlib.Path) -> str | None:
+    """Why the checkpoint file cannot be loaded, or None when it is whole."""
     try:
         with zipfile.ZipFile(path) as archive:
             damaged = archive.testzip()
     except zipfile.BadZipFile:
-        log.warning("ignoring checkpoint %s: not a whole checkpoint (torn, or not one at all; %d bytes)",
-                    path, path.stat().st_size)
-        return None
-    if damaged is not None:
-        log.warning("ignoring checkpoint %s: checksum mismatch in %s (corrupted file)", path, damaged)
-        return None
-    # Onto the CPU: a learner restarted on another machine (or device) loads it the same way;
-    # the model and optimizer copy the values to their own device.
-    return torch.load(path, weights_only=True, map_location="cpu")
+        return f"not a whole checkpoint (torn, or not one at all; {path.stat().st_size} bytes)"
+    return None if damaged is None else f"checksum mismatch in {damaged} (corrupted file)"

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from diloco.learner.api import DecoupledDiLoCo
-from diloco.learner.checkpoint import CheckpointWriter, load_checkpoint
+from diloco.learner.checkpoint import CheckpointError, CheckpointWriter, load_checkpoint
 from diloco.learner.device import DeviceUnavailable, local_rank, resolve_device
 from diloco.learner.sync import JoinRefused
 from diloco.learner.train import Trainer
@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--export", metavar="DIR",
                         help="at the end, write the run's global model as this learner holds it (after its "
                              "catch-up: the shards' final values) to DIR, as `diloco export` does")
+    parser.add_argument("--start-fresh", action="store_true",
+                        help="start from step 0 when the state folder's checkpoints cannot be read (the default "
+                             "refuses: it would train the learner's whole budget again)")
     parser.add_argument("--no-sync", action="store_true",
                         help="train alone, never talking to the syncer (a baseline for benchmarks)")
     parser.add_argument("--data-parallel", action="store_true",
@@ -95,7 +98,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         trainer = Trainer.from_config(cfg, learner.id, rank=rank, cache_dir=cache_dir, device=device)
     checkpoints = CheckpointWriter(state_dir / "checkpoint.pt")
-    checkpoint = load_checkpoint(checkpoints.path)  # every rank: the model, the optimizer and its own data
+    try:  # every rank: the model, the optimizer and its own data
+        checkpoint = load_checkpoint(checkpoints.path, start_fresh=args.start_fresh)
+    except CheckpointError as error:
+        log.error("learner %s: %s", learner.id, error)
+        return FAILED
     if checkpoint:
         trainer.restore(checkpoint, rank)
     sync = DecoupledDiLoCo(trainer.model, cfg, learner.id, state_dir=state_dir, tls_dir=args.tls_dir,

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from diloco.learner.adamw import AdamW
-from diloco.learner.checkpoint import CheckpointWriter, checkpoint_state, load_checkpoint, save_checkpoint
+from diloco.learner.checkpoint import (CheckpointError, CheckpointWriter, checkpoint_state, load_checkpoint,
+                                       save_checkpoint)
 from diloco.learner.data import (FILE_SEPARATOR, CorpusShard, build_data, is_validation, load_corpus,
                           read_corpus)
 from diloco.learner.model import build_model
@@ -316,7 +317,7 @@ def test_damaged_checkpoints_are_refused(state_dir, tmp_path, caplog):
 
     path.write_bytes(blob[: len(blob) // 2])  # torn write
     with caplog.at_level(logging.WARNING, logger="diloco.learner.checkpoint"):
-        assert load_checkpoint(path) is None
+        assert load_checkpoint(path, start_fresh=True) is None
     assert "not a whole checkpoint" in caplog.text
 
     damaged = bytearray(blob)
@@ -324,11 +325,30 @@ def test_damaged_checkpoints_are_refused(state_dir, tmp_path, caplog):
     path.write_bytes(bytes(damaged))
     assert torch.load(path, weights_only=True)["step"] == 1
     with caplog.at_level(logging.WARNING, logger="diloco.learner.checkpoint"):
-        assert load_checkpoint(path) is None
+        assert load_checkpoint(path, start_fresh=True) is None
     assert "checksum mismatch" in caplog.text
 
     path.write_bytes(b"not a checkpoint")
-    assert load_checkpoint(path) is None
+    assert load_checkpoint(path, start_fresh=True) is None
+
+
+def test_a_torn_checkpoint_falls_back_to_the_one_before_and_none_readable_is_refused(tmp_path, caplog):
+    """Starting over from step 0 would train the learner's whole budget again: only on request."""
+    model = build_model(GPTConfig(**TINY_GPT), seed=0)
+    optimizer = AdamW([{"params": model.parameters()}], lr=1e-3)
+    path = tmp_path / "learner.ckpt"
+    for step in (1, 2):
+        save_checkpoint(path, model=model, optimizer=optimizer, step=step, tokens=2 * step, data_state={}, extra={})
+    previous = tmp_path / "learner.ckpt.previous"
+    assert load_checkpoint(previous)["step"] == 1 and load_checkpoint(path)["step"] == 2
+    path.write_bytes(path.read_bytes()[:1000])  # torn
+    with caplog.at_level(logging.WARNING, logger="diloco.learner.checkpoint"):
+        assert load_checkpoint(path)["step"] == 1
+    assert f"{path}: not a whole checkpoint" in caplog.text and f"resuming from {previous}" in caplog.text
+    previous.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match=rf"{path}: not a whole.*{previous}: not a whole.*--start-fresh"):
+        load_checkpoint(path)
+    assert load_checkpoint(path, start_fresh=True) is None
 
 
 # --- user plugins ------------------------------------------------------------------------
