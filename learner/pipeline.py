@@ -71,6 +71,8 @@ class FragmentPipeline:
         # The fragment after the apply step of a result that was not in by then (fp32, on the
         # host): the steps trained since are kept on top of the result (merged_fragment).
         self.local_at_apply: HostCopy | None = None
+        # Why the last push did not get through, and what the shard asked: None once one did.
+        self.undelivered: tuple[Remedy, str] | None = None
         self._on_gpu = any(p.is_cuda for p in context.params.values())
         self._lock = threading.Lock()  # anchor and version are read as a pair by a rejoin
 
@@ -177,30 +179,14 @@ class FragmentPipeline:
     def _push_then_pull(self, anchor: torch.Tensor, local: torch.Tensor, meta: PushMeta) -> SyncOutcome:
         started = time.perf_counter()
         fragment_id, version, session = self.fragment.id, meta.base_version, self.session
-        if not session.joined:
+        delivered = self._push(anchor, local, meta)
+        if delivered is None:
             return SyncOutcome(None, version)
-        residual_before = self.feedback.residual
-        try:
-            payload, _ = self.feedback.compress(anchor - local)
-        except ValueError as exc:  # non-finite values: never send them
-            log.error("fragment %d: not pushing: %s", fragment_id, exc)
-            return SyncOutcome(None, version)
-        try:
-            push_result, round_version = self._deliver(payload, meta)
-        except grpc.RpcError as error:
-            # Lost push: undo the residual update so nothing is counted twice; the next
-            # outer gradient still holds this progress.
-            self.feedback.residual = residual_before
-            if remedy(error) is Remedy.REJOIN:
-                session.forgotten()
-            elif remedy(error) is Remedy.STOP:
-                self.context.stats.count("syncs_refused")
-            log.warning("fragment %d: push to shard %d failed: %s", fragment_id, session.index, reason(error))
-            return SyncOutcome(None, version)
+        push_result, round_version, payload_bytes = delivered
         # Delivered: the shard holds this contribution, so the residual stays as compressed
         # and the round's result is what comes next, however long the shard takes to give it.
         self.pushed.set()
-        outcome = SyncOutcome(None, version, push_result, bytes_up=len(payload))
+        outcome = SyncOutcome(None, version, push_result, bytes_up=payload_bytes)
         try:
             if push_result == pb.PUSH_RESULT_REFUSED_STALE:  # too stale to merge: re-anchor to the current value
                 result, value = session.retry(lambda: session.pull_checked(fragment_id, version, anchor),
@@ -226,6 +212,48 @@ class FragmentPipeline:
         outcome.bytes_down = result.payload_bytes
         outcome.seconds = time.perf_counter() - started
         return outcome
+
+    def deliver_again(self, c_steps: int, c_tokens: int, step_seconds: float) -> bool:
+        """After training, on the training thread once the last sync's push was answered: pushes
+        the fragment's progress since its last applied sync again if that push did not get
+        through and the shard asked to retry. Returns whether it is delivered now."""
+        if self.undelivered is None:
+            return True
+        if self.undelivered[0] is Remedy.STOP:
+            return False
+        return self._push(self.anchor, copy_to_host(self.fragment, self.context.params).wait(),
+                          PushMeta(self.version, c_steps, c_tokens, step_seconds)) is not None
+
+    def _push(self, anchor: torch.Tensor, local: torch.Tensor, meta: PushMeta) -> tuple[int, int, int] | None:
+        """Compresses the outer gradient and pushes it: (the shard's answer, the version of the
+        round that holds it, payload bytes), or None when it did not get through (`undelivered`
+        says why; the residual is as before, so the next push carries this progress)."""
+        session = self.session
+        if not session.joined:
+            self.undelivered = (Remedy.REJOIN, f"shard {session.index} is being rejoined")
+            return None
+        residual_before = self.feedback.residual
+        try:
+            payload, _ = self.feedback.compress(anchor - local)
+        except ValueError as exc:  # non-finite values: never send them
+            log.error("fragment %d: not pushing: %s", self.fragment.id, exc)
+            self.undelivered = (Remedy.STOP, str(exc))
+            return None
+        try:
+            push_result, round_version = self._deliver(payload, meta)
+        except grpc.RpcError as error:
+            # Lost push: undo the residual update so nothing is counted twice; the next
+            # outer gradient still holds this progress.
+            self.feedback.residual = residual_before
+            if remedy(error) is Remedy.REJOIN:
+                session.forgotten()
+            elif remedy(error) is Remedy.STOP:
+                self.context.stats.count("syncs_refused")
+            log.warning("fragment %d: push to shard %d failed: %s", self.fragment.id, session.index, reason(error))
+            self.undelivered = (remedy(error), f"shard {session.index}: {reason(error)}")
+            return None
+        self.undelivered = None
+        return push_result, round_version, len(payload)
 
     def _deliver(self, payload: bytes, meta: PushMeta) -> tuple[int, int]:
         """Pushes an outer gradient: (the shard's answer, the version of the round that holds

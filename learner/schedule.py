@@ -209,6 +209,12 @@ class LearnerSchedule:
         due = tuple(DueResult(fid, f.wait_limit()) for fid, f in self.fragments.items() if f.due_for_apply(step))
         return StepActions(held, starting, due)
 
+    def since_last_sync(self, fragment_id: int) -> SyncStart:
+        """A push now of the fragment: the steps and tokens trained since its last applied sync
+        (a push that did not get through, pushed again, carries them all)."""
+        fragment = self.fragments[fragment_id]
+        return SyncStart(fragment_id, fragment.steps_since_sync, fragment.tokens_since_sync)
+
     def join_in_phase(self, learners: Iterable[pb.LearnerStatus], learner_id: str, step: int) -> None:
         """(Re)joining at `step`: the schedule starts in phase with the others of a Status reply."""
         self.sync_offset = phase_of_the_others(learners, learner_id, step, self._interval_steps)

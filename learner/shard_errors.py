@@ -1,7 +1,8 @@
 """What a learner does about a shard's error: one rule for every call it makes.
 
-    RETRY_LATER        the shard is down or restarting (UNAVAILABLE, DEADLINE_EXCEEDED,
-                       CANCELLED): try again with backoff; a sync skips, training goes on
+    RETRY_LATER        the shard is down, restarting or cannot take it now (UNAVAILABLE,
+                       DEADLINE_EXCEEDED, CANCELLED; RESOURCE_EXHAUSTED: its disk is full, or
+                       too many calls): try again with backoff; a sync skips, training goes on
     REJOIN             the shard forgot this learner or the version it holds (a restart:
                        FAILED_PRECONDITION, NOT_FOUND): rejoin, which restores or re-anchors
     ALREADY_DELIVERED  an earlier attempt got through (its reply was lost; ALREADY_EXISTS)
@@ -40,6 +41,7 @@ _REMEDIES = {
     grpc.StatusCode.UNAVAILABLE: Remedy.RETRY_LATER,
     grpc.StatusCode.DEADLINE_EXCEEDED: Remedy.RETRY_LATER,
     grpc.StatusCode.CANCELLED: Remedy.RETRY_LATER,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Remedy.RETRY_LATER,
     grpc.StatusCode.FAILED_PRECONDITION: Remedy.REJOIN,
     grpc.StatusCode.NOT_FOUND: Remedy.REJOIN,
     grpc.StatusCode.ALREADY_EXISTS: Remedy.ALREADY_DELIVERED,

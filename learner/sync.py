@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import astuple
 from typing import Callable, Mapping
 
 import grpc
@@ -35,7 +36,7 @@ import torch
 from diloco.learner.pipeline import FragmentPipeline, SyncContext
 from diloco.learner.schedule import LearnerSchedule
 from diloco.learner.session import JoinRefused, Progress, ReanchorDue, ShardSession
-from diloco.learner.shard_errors import RETRY_INITIAL_SECONDS, Remedy, remedy
+from diloco.learner.shard_errors import RETRY_INITIAL_SECONDS, RETRY_MAX_SECONDS, Remedy, remedy
 from diloco.learner.sync_stats import SyncStats
 from diloco.services.client import ShardClient, TransferObserver
 from diloco.services.contract.codecs import ErrorFeedback, get_codec
@@ -241,13 +242,33 @@ class StreamingSync:
             if pipeline.in_flight is not None:
                 self._finish(pipeline, wait_limit=None)
 
-    def deliver(self) -> None:
+    def deliver(self) -> dict[int, str]:
         """Budget spent: waits until every in-flight push has been answered, but not for the
         rounds to close. The shards hold this learner's last contributions durably, the rounds
-        close without it once it has left, and catch_up pulls what they made."""
+        close without it once it has left, and catch_up pulls what they made. A push the shard
+        asked to retry (down, restarting, its disk full) is pushed again, with all the fragment
+        trained since its last applied sync, for up to trainer.final_delivery_seconds. Returns
+        why each fragment still undelivered is ({fragment: reason}), which it also logs."""
         for pipeline in self.fragments.values():
             if pipeline.in_flight is not None:
                 pipeline.pushed.wait()
+        deadline = time.monotonic() + self.cfg.trainer.final_delivery_seconds
+        pending = [p for p in self.fragments.values() if p.undelivered is not None]
+        delay = RETRY_INITIAL_SECONDS
+        while pending and time.monotonic() < deadline and not self._should_stop():
+            pending = [p for p in pending
+                       if not p.deliver_again(*astuple(self.schedule.since_last_sync(p.fragment.id))[1:],
+                                              self.step_seconds)]
+            if pending:
+                self._stop.wait(min(delay, max(0.0, deadline - time.monotonic())))
+                delay = min(delay * 2, RETRY_MAX_SECONDS)
+        undelivered = {p.fragment.id: p.undelivered[1] for p in pending}
+        if undelivered:
+            log.error("learner %s: its last contributions to fragments %s were not delivered (%s): the "
+                      "steps they carry are lost to the run", self.learner_id, sorted(undelivered),
+                      "; ".join(f"fragment {fid}: {why}" for fid, why in sorted(undelivered.items())))
+        self.stats.undelivered = undelivered
+        return undelivered
 
     # ---- leave, the final pulls, the state held ----------------------------------------
 

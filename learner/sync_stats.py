@@ -44,6 +44,7 @@ class SyncStats:
     reanchored: int = 0  # fragments taken from a shard that served them below our version
     hash_mismatches: int = 0  # pulls whose result did not have the shard's hash: pulled again whole
     push_results: dict[str, int] = field(default_factory=dict)
+    undelivered: dict[int, str] = field(default_factory=dict)  # fragment: why its last push never got through
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def count(self, name: str) -> None:

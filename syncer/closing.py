@@ -55,7 +55,8 @@ class RoundCloser:
             reason = state.round.synchronous_close_reason(live_ids, self.membership.departed_ids())
         else:
             live_ids = self.membership.live_ids(started)
-            reason = state.round.close_reason(live_ids, started, state.grace.seconds())
+            reason = state.round.close_reason(live_ids, started, state.grace.seconds(),
+                                              self.membership.member_ids(), self.membership.departed_ids())
         if reason is None:
             return False
         round_ = state.round

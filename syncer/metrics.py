@@ -15,7 +15,7 @@ from diloco.services.metrics import WAN_TRANSFER_BUCKETS, Collector, new_registr
 SYNCER_COUNTER_FAMILIES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "contributions": ("result", ("accepted", "stale_merged", "refused_stale", "refused", "restored")),
     "refusals": ("reason", ()),
-    "rounds": ("reason", ("all", "quorum_grace")),
+    "rounds": ("reason", ("all", "quorum_grace", "all_left")),
     "learners": ("event", ("joined", "rejoined", "left", "expired")),
     "seeds": (None, ()),
     "kept_compute_seconds": (None, ()),
@@ -26,7 +26,8 @@ SYNCER_COUNTER_FAMILIES: dict[str, tuple[str | None, tuple[str, ...]]] = {
 SYNCER_COUNTER_HELP = {
     "contributions": "Outer-gradient pushes by what the shard did with them.",
     "refusals": "Requests the shard refused, by reason.",
-    "rounds": "Rounds closed, by why they closed (all live learners, or quorum then grace).",
+    "rounds": "Rounds closed, by why they closed (all live learners, quorum then grace, or every "
+              "contributor left the run).",
     "learners": "Membership events.",
     "seeds": "Fragments seeded with a learner's initial values.",
     "kept_compute_seconds": "Learner compute embodied in merged contributions: "

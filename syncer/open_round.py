@@ -60,16 +60,22 @@ class OpenRound:
         if self.quorum_at is None and len(self.contributors) >= self.quorum:
             self.quorum_at = now
 
-    def close_reason(self, live_ids: frozenset[str], now: float, grace_seconds: float) -> str | None:
+    def close_reason(self, live_ids: frozenset[str], now: float, grace_seconds: float,
+                     member_ids: frozenset[str] = frozenset(), departed_ids: frozenset[str] = frozenset()
+                     ) -> str | None:
         """"all" once every live learner has contributed; "quorum_grace" once at least K
-        have and the grace window has passed since the K-th. With nobody live (say, just
-        after a shard restart, before learners rejoin) only quorum and grace can close."""
+        have and the grace window has passed since the K-th; "all_left" once every learner
+        that joined has left the run and the contributors with them (nobody is left to add to
+        the round: its contributions would never be merged). With nobody live (say, just
+        after a shard restart, before learners rejoin) only these two can close."""
         if self.count == 0:
             return None
         if live_ids and live_ids <= self.contributors:
             return "all"
         if self.quorum_at is not None and now - self.quorum_at >= grace_seconds:
             return "quorum_grace"
+        if not member_ids and departed_ids and self.contributors <= departed_ids:
+            return "all_left"
         return None
 
     def synchronous_close_reason(self, member_ids: frozenset[str], departed_ids: frozenset[str]) -> str | None:

@@ -29,7 +29,7 @@ class ShardError(grpc.RpcError):
     (grpc.StatusCode.ALREADY_EXISTS, Remedy.ALREADY_DELIVERED),
     (grpc.StatusCode.INVALID_ARGUMENT, Remedy.STOP),
     (grpc.StatusCode.PERMISSION_DENIED, Remedy.STOP),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, Remedy.STOP),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, Remedy.RETRY_LATER),
 ])
 def test_each_status_code_has_one_remedy(code, expected):
     assert remedy(ShardError(code)) is expected

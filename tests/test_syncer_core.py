@@ -118,6 +118,20 @@ def test_wait_for_all_waits_for_a_learner_that_is_down_but_not_for_one_that_left
     assert shard.push("b", 0, delta(5, shard.numel()), base=1, incarnation=2).committed
 
 
+def test_a_round_whose_contributors_all_left_the_run_closes_once_nobody_is_left_in_it():
+    """a's last contribution is short of the quorum; a and then b, c leave (their budgets
+    spent): nobody will add to the round, so it closes rather than keep a's steps unmerged."""
+    shard = Shard(make_config(quorum=2, grace={"mode": "fixed", "seconds": 0.0}))
+    shard.push("a", 0, delta(1, shard.numel()))
+    shard.core.leave("a", 1)
+    shard.clock.advance(1.0)
+    assert shard.core.tick() == [] and shard.version() == 0  # b and c are still in the run
+    shard.core.leave("b", 1)
+    shard.core.leave("c", 1)
+    assert shard.core.tick() == [0] and shard.version() == 1
+    assert shard.core.counters_snapshot()["rounds.all_left"] == 1
+
+
 def test_wait_for_all_does_not_start_before_k_learners_joined():
     shard = Shard(make_config(quorum=3, wait_for_all=True, grace={"mode": "fixed", "seconds": 0.0}),
                   joined=("a", "b"))

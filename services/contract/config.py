@@ -154,6 +154,9 @@ class TrainerConfig(_Section):
     max_run_tokens: PositiveInt | None = None
     inner_optimizer: InnerOptimizerConfig = InnerOptimizerConfig()
     heartbeat_seconds: PositiveFloat = 0.5
+    # Budget spent: how long a learner keeps pushing its last contribution to a shard that
+    # asks it to retry (down, restarting, its disk full) before it reports it undelivered.
+    final_delivery_seconds: PositiveFloat = 60.0
     eval_every: PositiveInt = 100
     eval_batches: PositiveInt = 8
     checkpoint_every: PositiveInt = 200
