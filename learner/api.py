@@ -78,12 +78,15 @@ class DecoupledDiLoCo:
                 budgets, report and metrics
     stop_signals  signals that set should_stop (handlers installed while inside the block, from
                 the main thread only)
+    finish_signals  signals that end the run for this learner as if its budget were spent:
+                should_stop, and leaving delivers, leaves and pulls until a stop signal
     """
 
     def __init__(self, model: nn.Module, config: str | os.PathLike | Config, learner_id: str, *,
                  region: str | None = None, state_dir: str | os.PathLike | None = None,
                  tls_dir: str | os.PathLike | None = None, catch_up_seconds: float = 3.0,
-                 enabled: bool = True, stop_signals: tuple[signal.Signals, ...] = (signal.SIGTERM,)):
+                 enabled: bool = True, stop_signals: tuple[signal.Signals, ...] = (signal.SIGTERM,),
+                 finish_signals: tuple[signal.Signals, ...] = (signal.SIGUSR1,)):
         self._process_started = process_started()
         if not isinstance(model, nn.Module):
             raise TypeError(f"DecoupledDiLoCo: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -105,7 +108,7 @@ class DecoupledDiLoCo:
         self.island = Island()
         self.state_dir = pathlib.Path(state_dir or pathlib.Path(self.cfg.run.state_dir) / f"learner-{learner_id}")
         self._tls_dir = tls_dir
-        self._stop_signals = StopSignals(stop_signals)
+        self._stop_signals = StopSignals(stop_signals, finish_signals)
         self._restored: dict = {}
         self._max_tokens_per_step = self.cfg.max_tokens_per_step()
         self.steps = 0  # inner steps trained, over every incarnation
@@ -344,12 +347,12 @@ class DecoupledDiLoCo:
 
     @property
     def budget_spent(self) -> bool:
-        """trainer.max_steps, trainer.max_tokens or the run's trainer.max_run_tokens is spent
-        (should_stop without a stop signal)."""
+        """trainer.max_steps, trainer.max_tokens or the run's trainer.max_run_tokens is spent, or
+        a finish signal ended the run here (should_stop without a stop signal)."""
         budget = self.cfg.trainer
         run_over = self.sync is not None and self.sync.schedule.run_over(self.sync.tokens)
         return self.steps >= budget.max_steps or (budget.max_tokens is not None and self.tokens >= budget.max_tokens) \
-            or run_over
+            or run_over or self._stop_signals.finish.is_set()
 
     def _write_report(self, phase: str) -> None:
         self.report.write(phase, self.steps, self.tokens, self.island.world_size, self.sync)

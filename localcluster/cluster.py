@@ -190,6 +190,12 @@ class LocalCluster:
     def learner_report_path(self, learner_id: str) -> pathlib.Path:
         return pathlib.Path(self.cfg.run.state_dir) / f"learner-{learner_id}" / "report.json"
 
+    def finish_learners(self) -> None:
+        """SIGUSR1 to every learner: each ends the run here as if its budget were spent
+        (delivers, leaves, keeps pulling the global model until stopped)."""
+        for proc in self.learners:
+            proc.send(signal.SIGUSR1)
+
     def stop_learners(self, timeout: float = 60) -> None:
         """SIGTERM to every learner at once; they checkpoint, pull, report and leave."""
         for proc in self.learners:

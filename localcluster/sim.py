@@ -337,14 +337,16 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
     for downtime in list(shard_chaos.down.values()):  # every shard serves the final pulls
         cluster.restart_shard(downtime.proc_index)
         shard_chaos.restarted(downtime, time.time())
-    # Rounds still in their grace window close, then every learner pulls the final values
-    # (SIGTERM ends a learner's catch-up with one last pull) and writes its report.
-    time.sleep(cfg.syncer.grace.seconds + 1.0)
     # A learner that has not finished (a --duration run) trains, or is down, until it is
-    # told to stop, and then waits for its syncs in flight: its provisioned time ends when it
+    # told to finish, and then delivers its syncs in flight: its provisioned time ends when it
     # has (as it recorded), not at the wall time, or the steps it trains meanwhile would count
     # as goodput, and the waits as badput, outside any provisioned time.
     stopping = time.time()
+    cluster.finish_learners()
+    # Only once every learner has left and the last rounds have closed does each pull the
+    # final values (SIGTERM ends its catch-up with one last pull) and write its report: a
+    # learner stopped while a slower one still delivers would end a version behind.
+    wait_until_settled(cfg, cluster, observer)
     learner_chaos.end(stopping)
     cluster.stop_learners()
     observer.poll(require_all=True)
@@ -358,6 +360,29 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
     observer.close()
     report["final_eval_loss"] = evaluate_global_model(cluster)
     return report
+
+
+def wait_until_settled(cfg: Config, cluster: LocalCluster, observer: Observer) -> bool:
+    """Waits until every running learner has finished training (its report says so) and no
+    fragment of any shard changed (version, contributions pending) for the grace window and a
+    second more; gives up, saying so, after the final delivery's time and a lease."""
+    deadline = time.monotonic() + cfg.trainer.final_delivery_seconds + cfg.syncer.lease_seconds + 30.0
+    quiet_for = cfg.syncer.grace.seconds + 1.0
+    last, since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        observer.poll()
+        finished = all(_read_json(cluster.learner_report_path(proc.name)).get("phase") in ("catching_up", "done")
+                       for proc in cluster.learners if proc.running)
+        fragments = tuple((f.fragment_id, f.version, f.pending_contributions)
+                          for status in observer.last_status if status is not None for f in status.fragments)
+        now = time.monotonic()
+        if not finished or fragments != last:
+            last, since = fragments, now
+        elif now - since >= quiet_for:
+            return True
+        time.sleep(0.2)
+    log.warning("the learners and shards did not settle in time: learners may end holding different versions")
+    return False
 
 
 def evaluate_global_model(cluster: LocalCluster) -> float | None:

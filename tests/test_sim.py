@@ -153,6 +153,20 @@ def test_a_learner_whose_seeding_and_pulling_outlast_a_lease_keeps_it_with_heart
     assert report["contributions"]["accepted"] > 0 and report["state_hashes_agree"] is True
 
 
+def test_learners_end_holding_the_shards_bits_however_far_apart_they_stop(tmp_path):
+    """Three learners and two shards on two cores, one learner's step twenty times its
+    compute, shards killed every 5 s on average, the run cut by --duration: the slow learner
+    delivers and leaves long after the others would have taken their last pull. Agreement at
+    the end must not depend on who stops when (it failed both seeds before the sim let the
+    learners finish and the shards settle before their last pull)."""
+    for seed in ("1", "2"):
+        (tmp_path / seed).mkdir()
+        report = run_sim(tmp_path / seed, "--learners", "3", "--shards", "2", "--steps", "100000",
+                         "--duration", "15", "--slow-learner", "20", "--chaos-shards", "5", "--restart-delay", "1",
+                         "--seed", seed)
+        assert report["state_hashes_agree"] is True, (seed, report["restarts"])
+
+
 def test_sim_duration_run_keeps_the_steps_after_the_time_is_up_inside_provisioned_time(tmp_path):
     # When --duration is up the learners still train until they are told to stop (after the
     # last rounds' grace), then wait for their syncs in flight: those steps are goodput and
