@@ -216,11 +216,9 @@ class FragmentPipeline:
     def deliver_again(self, c_steps: int, c_tokens: int, step_seconds: float) -> bool:
         """After training, on the training thread once the last sync's push was answered: pushes
         the fragment's progress since its last applied sync again if that push did not get
-        through and the shard asked to retry. Returns whether it is delivered now."""
+        through. Returns whether it is delivered now."""
         if self.undelivered is None:
             return True
-        if self.undelivered[0] is Remedy.STOP:
-            return False
         return self._push(self.anchor, copy_to_host(self.fragment, self.context.params).wait(),
                           PushMeta(self.version, c_steps, c_tokens, step_seconds)) is not None
 

@@ -248,17 +248,19 @@ class StreamingSync:
         close without it once it has left, and catch_up pulls what they made. A push the shard
         asked to retry (down, restarting, its disk full) is pushed again, with all the fragment
         trained since its last applied sync, for up to trainer.final_delivery_seconds. Returns
-        why each fragment still undelivered is ({fragment: reason}), which it also logs."""
+        why each of those is still undelivered then ({fragment: reason}), which it also logs."""
         for pipeline in self.fragments.values():
             if pipeline.in_flight is not None:
                 pipeline.pushed.wait()
         deadline = time.monotonic() + self.cfg.trainer.final_delivery_seconds
-        pending = [p for p in self.fragments.values() if p.undelivered is not None]
+        # Refused for good (counted, warned about) is not retried: only what the shard asked to retry.
+        retry = lambda p: p.undelivered is not None and p.undelivered[0] is not Remedy.STOP  # noqa: E731
+        pending = [p for p in self.fragments.values() if retry(p)]
         delay = RETRY_INITIAL_SECONDS
         while pending and time.monotonic() < deadline and not self._should_stop():
-            pending = [p for p in pending
-                       if not p.deliver_again(*astuple(self.schedule.since_last_sync(p.fragment.id))[1:],
-                                              self.step_seconds)]
+            for p in pending:
+                p.deliver_again(*astuple(self.schedule.since_last_sync(p.fragment.id))[1:], self.step_seconds)
+            pending = [p for p in pending if retry(p)]
             if pending:
                 self._stop.wait(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, RETRY_MAX_SECONDS)
