@@ -355,7 +355,7 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
         lives = reports[proc.name].get("incarnations") or [{}]
         finished_at.setdefault(proc.name, max(stopping, lives[-1].get("training_ended_at", stopping)))
     report = summarise(cfg, args, reports, observer, learner_chaos, shard_chaos,
-                       {name: at - started for name, at in finished_at.items()}, wall, timeline)
+                       {name: at - started for name, at in finished_at.items()}, wall, timeline, started)
     report.update(outcome)
     observer.close()
     report["final_eval_loss"] = evaluate_global_model(cluster)
@@ -426,14 +426,35 @@ def _read_json(path: pathlib.Path) -> dict:
         return {}
 
 
+def killed_lives(events: list[dict], index: int, run_started: float, lives: list[dict]) -> tuple[float, int]:
+    """What learner `index`'s kills cost besides its down time: (seconds of lives killed before
+    they recorded anything, all start-up; steps lost: what a killed life trained past the
+    checkpoint the next recorded life restored). `lives`: its report's incarnations, each with
+    the time it began training."""
+    starts = [run_started] + [e["time"] for e in events if e["event"] == "restart" and e["index"] == index]
+    starting, lost_steps, counted_to = 0.0, 0, 0
+    for kill in (e for e in events if e["event"] == "kill" and e["index"] == index):
+        began = max((start for start in starts if start <= kill["time"]), default=run_started)
+        if not any(began <= life["started"] <= kill["time"] for life in lives):
+            starting += kill["time"] - began  # it never got to train
+            continue
+        successor = next((life for life in lives if life["started"] > kill["time"]), None)
+        if successor is not None:
+            # A kill's step is the last one the shards heard of: a life killed before its first
+            # step still shows its predecessor's, whose loss is counted already.
+            lost_steps += max(0, kill["step"] - max(successor.get("restored_step", 0), counted_to))
+        counted_to = max(counted_to, kill["step"])
+    return starting, lost_steps
+
+
 def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], observer: Observer,
               learner_chaos: Chaos, shard_chaos: Chaos, provisioned: dict[str, float], wall: float,
-              timeline: list[dict]) -> dict:
+              timeline: list[dict], run_started: float) -> dict:
     """The run's figures. Goodput (services/contract/goodput.py) = kept training compute / provisioned
     learner time: a learner is provisioned from the start of the run until its budget is
     spent, and its kept compute is its final step count times its mean step time (steps redone
-    after a crash, waits, start-up, down time, evaluations and checkpoint copies are the
-    badput; `other` is the rest of the provisioned time: the loop's own bookkeeping, starting
+    after a crash, waits, start-up (a life killed before it recorded anything: all of it),
+    down time, evaluations and checkpoint copies are the badput; `other` is the rest of the provisioned time: the loop's own bookkeeping, starting
     and applying syncs)."""
     statuses = [s for s in observer.last_status if s is not None]
     model_numel = sum(f.numel for s in statuses for f in s.fragments)
@@ -459,10 +480,9 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         badput["down"] += learner_chaos.down_seconds[index]
         badput["evaluation"] += total("evaluation_seconds")
         badput["checkpoint"] += total("checkpoint_seconds")
-        # Work lost: steps a killed process ran past the checkpoint its successor restored.
-        kills = [e for e in learner_chaos.events if e["event"] == "kill" and e["index"] == index]
-        for kill, successor in zip(kills, lives[1:]):
-            badput["lost"] += max(0, kill["step"] - successor.get("restored_step", 0)) * step_seconds
+        starting, lost_steps = killed_lives(learner_chaos.events, index, run_started, lives)
+        badput["startup"] += starting
+        badput["lost"] += lost_steps * step_seconds
         moved = total("bytes_up") + total("bytes_down")
         totals["tokens"] += report.get("tokens", 0)
         totals["inner_steps"] += kept_steps
