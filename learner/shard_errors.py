@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import grpc
 
@@ -57,12 +57,19 @@ def reason(error: grpc.RpcError) -> str:
     return f"{error.code().name} {error.details()}"
 
 
+def backoff_delays() -> Iterator[float]:
+    """The waits between tries: RETRY_INITIAL_SECONDS, doubling up to RETRY_MAX_SECONDS."""
+    delay = RETRY_INITIAL_SECONDS
+    while True:
+        yield delay
+        delay = min(delay * 2, RETRY_MAX_SECONDS)
+
+
 def with_retries(call: Callable[[], T], shard_index: int, give_up: Callable[[], bool],
                  stop: threading.Event) -> T:
     """call(), again with backoff while the shard is down, until `give_up()` says to stop
     trying (then, and for any other error, the error is raised). `stop` cuts a backoff short."""
-    delay = RETRY_INITIAL_SECONDS
-    while True:
+    for delay in backoff_delays():
         try:
             return call()
         except grpc.RpcError as error:
@@ -70,4 +77,3 @@ def with_retries(call: Callable[[], T], shard_index: int, give_up: Callable[[], 
                 raise
             log.warning("shard %d unreachable (%s); retrying in %.1fs", shard_index, error.code().name, delay)
         stop.wait(delay)
-        delay = min(delay * 2, RETRY_MAX_SECONDS)

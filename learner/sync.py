@@ -27,7 +27,6 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import astuple
 from typing import Callable, Mapping
 
 import grpc
@@ -36,7 +35,7 @@ import torch
 from diloco.learner.pipeline import FragmentPipeline, SyncContext
 from diloco.learner.schedule import LearnerSchedule
 from diloco.learner.session import JoinRefused, Progress, ReanchorDue, ShardSession
-from diloco.learner.shard_errors import RETRY_INITIAL_SECONDS, RETRY_MAX_SECONDS, Remedy, remedy
+from diloco.learner.shard_errors import RETRY_INITIAL_SECONDS, Remedy, backoff_delays, remedy
 from diloco.learner.sync_stats import SyncStats
 from diloco.services.client import ShardClient, TransferObserver
 from diloco.services.contract.codecs import ErrorFeedback, get_codec
@@ -256,14 +255,14 @@ class StreamingSync:
         # Refused for good (counted, warned about) is not retried: only what the shard asked to retry.
         retry = lambda p: p.undelivered is not None and p.undelivered[0] is not Remedy.STOP  # noqa: E731
         pending = [p for p in self.fragments.values() if retry(p)]
-        delay = RETRY_INITIAL_SECONDS
+        delays = backoff_delays()
         while pending and time.monotonic() < deadline and not self._should_stop():
             for p in pending:
-                p.deliver_again(*astuple(self.schedule.since_last_sync(p.fragment.id))[1:], self.step_seconds)
+                since = self.schedule.since_last_sync(p.fragment.id)
+                p.deliver_again(since.c_steps, since.c_tokens, self.step_seconds)
             pending = [p for p in pending if retry(p)]
             if pending:
-                self._stop.wait(min(delay, max(0.0, deadline - time.monotonic())))
-                delay = min(delay * 2, RETRY_MAX_SECONDS)
+                self._stop.wait(min(next(delays), max(0.0, deadline - time.monotonic())))
         undelivered = {p.fragment.id: p.undelivered[1] for p in pending}
         if undelivered:
             log.error("learner %s: its last contributions to fragments %s were not delivered (%s): the "
