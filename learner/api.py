@@ -136,6 +136,7 @@ class DecoupledDiLoCo:
         if self.sync is not None:
             state["sync"] = self.sync.state_dict()
         if self.report is not None:
+            self.report.update(self.sync)  # the checkpoint's record of this life is as of now
             state["report"] = self.report.persistent()
         return state
 

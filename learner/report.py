@@ -12,6 +12,7 @@ import pathlib
 import time
 
 from diloco.learner.sync import StreamingSync
+from diloco.services.cli import LIFE_STARTED_ENV
 from diloco.services.files import atomic_write
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,8 @@ class Report:
 
     def begin_incarnation(self, incarnation: int, restored_step: int, startup: float, restore: float,
                           behind: int) -> None:
-        self.current = {"incarnation": incarnation, "started": time.time(), "restored_step": restored_step,
+        now = time.time()
+        self.current = {"incarnation": incarnation, "started": now, "recorded_at": now, "restored_step": restored_step,
                         "startup_seconds": startup, "restore_seconds": restore,
                         "versions_behind_at_join": behind, "steps": 0, "compute_seconds": 0.0,
                         "loop_seconds": 0.0, "evaluation_seconds": 0.0, "checkpoint_seconds": 0.0}
@@ -59,7 +61,9 @@ class Report:
         log.info("learner %s step %d: validation loss %.4f", self.learner_id, step, loss)
 
     def update(self, sync: StreamingSync | None) -> None:
-        """Copies the sync counters of this incarnation into its record."""
+        """Copies the sync counters of this incarnation into its record. `recorded_at`: what a
+        kill after this write destroys is from then on (diloco sim counts it as lost)."""
+        self.current["recorded_at"] = time.time()
         if sync:
             stats = sync.stats
             self.current.update(
@@ -86,9 +90,12 @@ class Report:
 
 
 def process_started() -> float:
-    """When this process started, on time.monotonic's clock. /proc/self/stat's start time is in
-    clock ticks since boot, the clock CLOCK_BOOTTIME reads. (psutil's create_time adds the boot
-    time of /proc/stat, which is whole seconds: a start-up measured with it was up to 1 s long.)"""
+    """When this process started (or, in a warm standby, this life), on time.monotonic's clock.
+    /proc/self/stat's start time is in clock ticks since boot, the clock CLOCK_BOOTTIME reads.
+    (psutil's create_time adds the boot time of /proc/stat, which is whole seconds: a start-up
+    measured with it was up to 1 s long.)"""
+    if LIFE_STARTED_ENV in os.environ:
+        return float(os.environ[LIFE_STARTED_ENV])
     fields = pathlib.Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
     start_ticks = int(fields[19])  # field 22, starttime; the split began at field 3
     age = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")

@@ -27,6 +27,7 @@ from diloco.services.contract.config import Config, RpcConfig, dump_config
 from diloco.services.contract.rpc import open_channel
 from diloco.services.cli.certs import issue_cluster_certs
 from diloco.services.contract.tls import OPERATOR, Identity, certs_dir, load_identity
+from diloco.localcluster.standby import go_line
 
 SYNCER_SERVICE = "diloco.v1.Syncer"
 
@@ -81,19 +82,48 @@ class Proc:
     starts: int = 0
     kills: int = 0
     started_at: float = 0.0  # time.time() of the last start
+    warm_restarts: bool = False  # after a kill, prepare the next life as a standby (localcluster/standby.py)
+    standby: subprocess.Popen | None = None
+    warm_starts: int = 0
 
     def start(self) -> None:
+        """Starts its next life: the standby's, if one is waiting, else a new process."""
         self.starts += 1
         self.started_at = time.time()
-        log = open(self.log_path, "ab")
-        log.write(f"\n=== start {self.starts} at {time.time():.3f}: {' '.join(self.argv)}\n".encode())
-        log.flush()
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n=== start {self.starts} at {time.time():.3f}: {' '.join(self.argv)}\n".encode())
+        standby, self.standby = self.standby, None
+        if standby is not None and standby.poll() is None:
+            try:
+                standby.stdin.write(go_line(time.monotonic()))
+                standby.stdin.close()
+                self.popen = standby
+                self.warm_starts += 1
+                return
+            except BrokenPipeError:  # it died meanwhile: start cold
+                standby.wait()
+        self.popen = self._spawn(self.argv)
+
+    def _spawn(self, argv: list[str], stdin: int | None = None) -> subprocess.Popen:
         # Its own session (a Ctrl-C meant for the harness reaches it only through the harness),
         # but it dies with the harness, which may be SIGKILLed (services.cli.die_with_parent).
         env = {**os.environ, **self.env, DIE_WITH_PARENT_ENV: str(os.getpid())}
-        self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                      start_new_session=True)
-        log.close()
+        with open(self.log_path, "ab") as log:
+            return subprocess.Popen(argv, stdin=stdin, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+
+    def prepare_standby(self) -> None:
+        """With warm restarts: a standby for the next life, importing while this one is down."""
+        if self.warm_restarts and self.standby is None:
+            self.standby = self._spawn([self.argv[0], "-m", "diloco.localcluster.standby", *self.argv[1:]],
+                                       stdin=subprocess.PIPE)
+
+    def discard_standby(self) -> None:
+        standby, self.standby = self.standby, None
+        if standby is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(standby.pid, signal.SIGKILL)
+            standby.wait()
 
     @property
     def running(self) -> bool:
@@ -104,11 +134,13 @@ class Proc:
         return None if self.popen is None else self.popen.poll()
 
     def kill(self) -> None:
-        """SIGKILL: no goodbye, no flush — what a machine failure looks like."""
+        """SIGKILL: no goodbye, no flush — what a machine failure looks like. With warm
+        restarts, the next life's standby starts importing."""
         if self.running:
             self.send(signal.SIGKILL)
             self.popen.wait()
             self.kills += 1
+        self.prepare_standby()
 
     def request_stop(self) -> None:
         """SIGTERM once: the process drains and exits by itself."""
@@ -121,7 +153,9 @@ class Proc:
                 os.killpg(self.popen.pid, signum)
 
     def wait_or_kill(self, timeout: float) -> None:
-        """Waits for the exit a request_stop asked for; SIGKILL after `timeout`."""
+        """Waits for the exit a request_stop asked for; SIGKILL after `timeout`. A standby
+        waiting for a next life is ended too."""
+        self.discard_standby()
         if self.popen is None:
             return
         try:
@@ -145,7 +179,7 @@ class LocalCluster:
     """Shards and learners of one config as local processes."""
 
     def __init__(self, cfg: Config, run_dir: pathlib.Path, learner_env: dict[str, str] | None = None,
-                 learner_script: pathlib.Path | None = None):
+                 learner_script: pathlib.Path | None = None, warm_restarts: bool = False):
         if cfg.run.listen_host is None:  # a local cluster is reached from this machine only
             cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"listen_host": "127.0.0.1"})})
         self.cfg = cfg
@@ -170,7 +204,7 @@ class LocalCluster:
         self.learners = [
             Proc(l.id, learner + ["--config", str(self.config_path), "--learner-id", l.id]
                  + ([] if learner_script else ["--region", l.region, "--catch-up-seconds", "86400"]),
-                 run_dir / "logs" / f"{l.id}.log", env=dict(learner_env or {}))
+                 run_dir / "logs" / f"{l.id}.log", env=dict(learner_env or {}), warm_restarts=warm_restarts)
             for l in cfg.learners]
 
     def start_shards(self, timeout: float = 60) -> None:
@@ -214,3 +248,6 @@ class LocalCluster:
         signal handler that interrupted that stop()."""
         for proc in self.learners + self.shards:
             proc.send(signal.SIGKILL)
+            if proc.standby is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.standby.pid, signal.SIGKILL)

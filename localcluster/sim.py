@@ -74,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chaos-mtbf", type=float, help="mean seconds between SIGKILLs of each learner")
     parser.add_argument("--chaos-shards", type=float, help="mean seconds between SIGKILLs of each shard")
     parser.add_argument("--restart-delay", type=float, default=5.0, help="seconds a killed process stays down")
+    parser.add_argument("--cold-restarts", action="store_true",
+                        help="restart a killed learner as a new process (by default its next life is a "
+                             "standby that imported torch and the learner while it was down)")
     parser.add_argument("--wan-mbps", type=float, help="cap each learner's link to the syncer (Mbit/s, each way)")
     parser.add_argument("--slow-learner", type=float, default=1.0, metavar="FACTOR",
                         help="the first learner's steps take FACTOR times as long (mixed hardware)")
@@ -205,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
         progress = None if args.quiet else _progress_bar(cfg.trainer.max_steps * len(cfg.learners))
         run_processes = lambda: data_parallel.simulate(processes, args, progress)  # noqa: E731
     else:
-        processes = LocalCluster(cfg, run_dir, learner_script=args.learner_script)
+        processes = LocalCluster(cfg, run_dir, learner_script=args.learner_script,
+                                 warm_restarts=not args.cold_restarts)
         write_file_sd(cfg, args.prometheus_targets or run_dir / "prometheus-targets.json")
         run_processes = lambda: simulate(cfg, processes, args)  # noqa: E731
     stop_signals = StopSignals(processes)
@@ -304,6 +308,7 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
                         startup_failures.exited(proc)
                         log.warning("learner %s exited with %s; restarting", proc.name, proc.returncode)
                         learner_chaos.killed(i, now, observer.steps.get(proc.name, 0))
+                        proc.prepare_standby()
                 for i in learner_chaos.due_kills(now):
                     proc = cluster.learners[i]
                     proc.kill()
@@ -426,25 +431,26 @@ def _read_json(path: pathlib.Path) -> dict:
         return {}
 
 
-def killed_lives(events: list[dict], index: int, run_started: float, lives: list[dict]) -> tuple[float, int]:
+def killed_lives(events: list[dict], index: int, run_started: float, lives: list[dict],
+                 step_seconds: float) -> tuple[float, float]:
     """What learner `index`'s kills cost besides its down time: (seconds of lives killed before
-    they recorded anything, all start-up; steps lost: what a killed life trained past the
-    checkpoint the next recorded life restored). `lives`: its report's incarnations, each with
-    the time it began training."""
+    they recorded anything, all start-up; seconds lost: each killed life's time after its last
+    record, which the kill destroyed, plus the recorded steps past the checkpoint the next life
+    restored). `lives`: its report's incarnations."""
     starts = [run_started] + [e["time"] for e in events if e["event"] == "restart" and e["index"] == index]
-    starting, lost_steps, counted_to = 0.0, 0, 0
+    starting = lost = 0.0
     for kill in (e for e in events if e["event"] == "kill" and e["index"] == index):
         began = max((start for start in starts if start <= kill["time"]), default=run_started)
-        if not any(began <= life["started"] <= kill["time"] for life in lives):
+        life = next((life for life in lives if began <= life["started"] <= kill["time"]), None)
+        if life is None:
             starting += kill["time"] - began  # it never got to train
             continue
-        successor = next((life for life in lives if life["started"] > kill["time"]), None)
+        lost += max(0.0, kill["time"] - life["recorded_at"])
+        successor = next((later for later in lives if later["started"] > kill["time"]), None)
         if successor is not None:
-            # A kill's step is the last one the shards heard of: a life killed before its first
-            # step still shows its predecessor's, whose loss is counted already.
-            lost_steps += max(0, kill["step"] - max(successor.get("restored_step", 0), counted_to))
-        counted_to = max(counted_to, kill["step"])
-    return starting, lost_steps
+            recorded_step = life["restored_step"] + life["steps"]
+            lost += max(0, recorded_step - successor["restored_step"]) * step_seconds
+    return starting, lost
 
 
 def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], observer: Observer,
@@ -452,10 +458,11 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
               timeline: list[dict], run_started: float) -> dict:
     """The run's figures. Goodput (services/contract/goodput.py) = kept training compute / provisioned
     learner time: a learner is provisioned from the start of the run until its budget is
-    spent, and its kept compute is its final step count times its mean step time (steps redone
-    after a crash, waits, start-up (a life killed before it recorded anything: all of it),
-    down time, evaluations and checkpoint copies are the badput; `other` is the rest of the provisioned time: the loop's own bookkeeping, starting
-    and applying syncs)."""
+    spent, and its kept compute is its final step count times its mean step time. The badput:
+    start-up (a life killed before it recorded anything: all of it), restore, waits, down
+    time, lost (what a kill destroyed: a life's time after its last record, and steps past the
+    checkpoint its successor restored), evaluations and checkpoint copies; `other` is the rest of
+    the provisioned time: the loop's own bookkeeping, starting and applying syncs."""
     statuses = [s for s in observer.last_status if s is not None]
     model_numel = sum(f.numel for s in statuses for f in s.fragments)
     badput = no_badput()
@@ -480,9 +487,9 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         badput["down"] += learner_chaos.down_seconds[index]
         badput["evaluation"] += total("evaluation_seconds")
         badput["checkpoint"] += total("checkpoint_seconds")
-        starting, lost_steps = killed_lives(learner_chaos.events, index, run_started, lives)
+        starting, lost = killed_lives(learner_chaos.events, index, run_started, lives, step_seconds)
         badput["startup"] += starting
-        badput["lost"] += lost_steps * step_seconds
+        badput["lost"] += lost
         moved = total("bytes_up") + total("bytes_down")
         totals["tokens"] += report.get("tokens", 0)
         totals["inner_steps"] += kept_steps
@@ -539,6 +546,7 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         "config": {"model": cfg.model if isinstance(cfg.model, str) else cfg.model.family, "H": cfg.sync.interval_steps, "P": cfg.sync.fragments, "tau": cfg.sync.overlap_steps,
                    "codec": cfg.sync.codec, "K": cfg.syncer.quorum, "wan_mbps": cfg.rpc.wan_mbps,
                    "chaos_mtbf": args.chaos_mtbf, "restart_delay": args.restart_delay,
+                   "warm_restarts": not args.cold_restarts,
                    "slow_learner": args.slow_learner, "max_block_seconds": cfg.sync.max_block_seconds,
                    "learner_script": str(args.learner_script) if args.learner_script else None},
     }

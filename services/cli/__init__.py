@@ -18,6 +18,9 @@ import sys
 # Set by localcluster.cluster to the pid of the process starting this one (the sim, a test's or a
 # benchmark's cluster): this process must not outlive it.
 DIE_WITH_PARENT_ENV = "DILOCO_DIE_WITH_PARENT"
+# Set by a warm standby (localcluster/standby.py) when it becomes a learner's life: the time.monotonic
+# at which that life started, which is not when the standby's process did (learner/report.py).
+LIFE_STARTED_ENV = "DILOCO_LIFE_STARTED"
 _PR_SET_PDEATHSIG = 1
 
 # name -> (module, one-line help)
