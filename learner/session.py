@@ -100,6 +100,7 @@ class ShardSession:
         self.reanchor_due = reanchor_due
         self.failure: JoinRefused | None = None  # a rejoin refused for good: the learner must stop
         self._joined = False
+        self._attendance: grpc.Call | None = None  # the open Attend call (services/client.py)
         self._lock = threading.Lock()
         self._stop = stop
         self._may_rejoin = threading.Event()  # start-up is over: the heartbeat thread rejoins from now on
@@ -151,6 +152,7 @@ class ShardSession:
                               f"{self.plan.digest[:12]}: model or sync settings differ")
         with self._lock:
             self._joined = True  # heartbeats keep the lease while seeding
+            self._attend()
         try:
             for info in reply.fragments:
                 fragment = self.plan.fragments[info.fragment_id]
@@ -264,6 +266,14 @@ class ShardSession:
                                       sync_step=progress.sync_step, tokens=progress.tokens, timeout=deadline)
         self.host.heard_run_tokens(reply, progress)
 
+    def _attend(self) -> None:
+        """Called with self._lock held, once joined: holds an Attend call open, replacing the
+        previous join's, so that the shard stops counting this learner the moment its process
+        dies rather than a lease later."""
+        if self._attendance is not None:
+            self._attendance.cancel()
+        self._attendance = self.client.attend()
+
     def leave(self) -> None:
         """Stop counting towards any round; no more heartbeats, no rejoining."""
         self._left.set()
@@ -274,6 +284,10 @@ class ShardSession:
                 self.client.leave()
             except grpc.RpcError as error:
                 log.warning("leave shard %d: %s", self.index, error.code().name)
+        with self._lock:
+            if self._attendance is not None:  # after the Leave: its end then changes nothing
+                self._attendance.cancel()
+                self._attendance = None
         self.forgotten()
 
     def stop_heartbeats(self) -> None:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Protocol, Sequence
 
+import grpc
 import torch
 
 from diloco.services.contract.codecs import Codec, get_codec
@@ -111,6 +112,12 @@ class ShardClient:
     def leave(self) -> None:
         self.stub.Leave(pb.LeaveRequest(learner_id=self.learner_id, incarnation=self.incarnation),
                         timeout=self.rpc.deadline_seconds)
+
+    def attend(self) -> grpc.Call:
+        """Opens this learner's Attend call, which the shard holds until the call is cancelled
+        or this process's connection closes (then the shard stops counting the learner at
+        once, unless it left first). Returns at once; cancel() ends it."""
+        return self.stub.Attend(pb.AttendRequest(learner_id=self.learner_id, incarnation=self.incarnation))
 
     def push(self, fragment_id: int, values: torch.Tensor | bytes, *, codec: Codec | str,
              block_size: int, kind: int = pb.PUSH_KIND_OUTER_GRADIENT, base_version: int = 0,

@@ -97,6 +97,16 @@ class ShardCore:
             self.membership.heartbeat(learner_id, incarnation, now, report)
             return {fid: state.version for fid, state in self.fragments.items()}
 
+    def attend(self, learner_id: str, incarnation: int) -> int:
+        """A joined learner holds an Attend call open: the call's number, for `absent`."""
+        with self.counters.counting_refusals():
+            return self.membership.attend(learner_id, incarnation, self.clock())
+
+    def absent(self, learner_id: str, incarnation: int, attendance: int) -> None:
+        """Attend call `attendance` ended without a Leave: the learner stops counting now; the
+        next tick closes the rounds that waited only for it."""
+        self.membership.absent(learner_id, incarnation, attendance, self.clock())
+
     def run_tokens(self) -> tuple[int, float]:
         """(the whole run's tokens, the live learners' tokens per second), for learners to stop
         on trainer.max_run_tokens. Heartbeats give every learner's count, live or gone; a live

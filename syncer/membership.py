@@ -2,8 +2,9 @@
 
 Each shard keeps its own table (docs/protocol.md, Leases), so no shard depends on another for
 liveness. A learner joins with a fresh incarnation per process start, renews its lease with
-every heartbeat or push, and is dead once the lease expires: it stops counting towards "every
-live learner has contributed". It must then join again, which is also where it learns what it
+every heartbeat or push, and is dead once the lease expires, or at once when the Attend call it
+holds open ends without a Leave (its process died): it stops counting towards "every live
+learner has contributed". It must then join again, which is also where it learns what it
 missed.
 
 The table is deliberately not persisted. After a shard restart every learner's next heartbeat
@@ -49,6 +50,7 @@ class Learner:
     tokens: int = 0  # trained, as last reported
     heartbeat_at: float = 0.0  # when step, sync_step and tokens were reported (a push renews last_seen, not this)
     held_versions: dict[int, int] = field(default_factory=dict)  # fragment id -> version held
+    attendance: int = 0  # its Attend call now open (0: none since it joined)
 
     @property
     def alive(self) -> bool:
@@ -61,6 +63,7 @@ class Membership:
         self._lease_seconds = lease_seconds
         self._counters = counters
         self._learners: dict[str, Learner] = {}
+        self._attendances = 0  # Attend calls numbered
         self._lock = threading.Lock()
 
     def check_allowed(self, learner_id: str) -> None:
@@ -102,6 +105,28 @@ class Membership:
             learner.step, learner.step_seconds, learner.sync_step = report.step, report.step_seconds, report.sync_step
             learner.tokens_per_second, learner.tokens, learner.heartbeat_at = report.tokens_per_second, report.tokens, now
             learner.held_versions = dict(report.held_versions)
+
+    def attend(self, learner_id: str, incarnation: int, now: float) -> int:
+        """This live incarnation holds an Attend call open: the call's number, which replaces
+        any earlier one's."""
+        self.authenticate(learner_id, incarnation, now)
+        with self._lock:
+            self._attendances += 1
+            self._learners[learner_id].attendance = self._attendances
+            return self._attendances
+
+    def absent(self, learner_id: str, incarnation: int, attendance: int, now: float) -> None:
+        """Attend call `attendance` ended without a Leave: the learner's process died, or its
+        connection did. Its lease ends now, as if it had expired; a learner still alive joins
+        again. A call replaced by a later one, or from before a join, changes nothing."""
+        with self._lock:
+            learner = self._learners.get(learner_id)
+            if (learner is None or learner.incarnation != incarnation or learner.attendance != attendance
+                    or not learner.alive):
+                return
+            learner.expired = True
+            learner.lease_expires = now
+        self._counters.add("learners.disconnected")
 
     def record(self, learner_id: str, incarnation: int) -> Learner | None:
         """A copy of this incarnation's record as last reported, None if it has not joined;

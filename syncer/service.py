@@ -70,6 +70,10 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         self.guard = CallGuard(core.cfg, core.counters)
         self.settings = cluster_settings(core.cfg)
         self._new_version = threading.Condition()
+        # Each learner's open Attend call, ended by a newer one or by the shard stopping.
+        self._attending: dict[str, threading.Event] = {}
+        self._attending_lock = threading.Lock()
+        self._stopping = False
         # Pulls wake as each fragment's round closes, not once the ticker has closed them all:
         # learners then receive one fragment's update while the shard closes and commits the next.
         core.round_listeners.append(lambda fragment_id, closed_round: self.versions_changed())
@@ -101,6 +105,34 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         self.guard.check_learner(context, request.learner_id)
         self.core.leave(request.learner_id, request.incarnation)
         return pb.LeaveResponse()
+
+    @_answer_refusals
+    def Attend(self, request, context):
+        """Holds the call (and a worker thread: one per learner, worker_threads counts it) until
+        the learner's connection or a newer Attend of the same learner ends it."""
+        self.guard.check_learner(context, request.learner_id)
+        attendance = self.core.attend(request.learner_id, request.incarnation)
+        ended = threading.Event()
+        with self._attending_lock:
+            replaced = self._attending.get(request.learner_id)
+            self._attending[request.learner_id] = ended
+        if replaced is not None:
+            replaced.set()
+        if context.add_callback(ended.set) and not self._stopping:
+            ended.wait()
+        with self._attending_lock:
+            if self._attending.get(request.learner_id) is ended:
+                del self._attending[request.learner_id]
+        if not self._stopping:
+            self.core.absent(request.learner_id, request.incarnation, attendance)
+        yield from ()
+
+    def stop_attending(self) -> None:
+        """The shard is stopping: every Attend call ends without counting its learner absent."""
+        self._stopping = True
+        with self._attending_lock:
+            for ended in self._attending.values():
+                ended.set()
 
     @_answer_refusals
     def PushFragment(self, request_iterator, context):
@@ -236,14 +268,15 @@ class Ticker:
 def worker_threads(cfg: Config) -> int:
     """Enough RPC threads that pulls waiting for rounds never starve the pushes that close
     them: per learner, a push and a waiting pull for each fragment a shard may own, plus a
-    heartbeat, plus a few for Status and health."""
+    heartbeat and its Attend call, plus a few for Status and health."""
     fragments_per_shard = -(-cfg.sync.fragments // len(cfg.shards)) + 1
-    return len(cfg.learners) * (2 * fragments_per_shard + 1) + 8
+    return len(cfg.learners) * (2 * fragments_per_shard + 2) + 8
 
 
 @dataclass
 class ShardHandle:
     core: ShardCore
+    servicer: SyncerServicer
     server: Server
     store: ShardStore
     ticker: Ticker
@@ -252,6 +285,7 @@ class ShardHandle:
     def stop(self, drain_seconds: float = 0.0) -> None:
         """Health NOT_SERVING, in-flight calls drain, then the ticker and the files close.
         Everything acknowledged is already durable: stopping needs no flush."""
+        self.servicer.stop_attending()
         self.server.stop(drain_seconds)
         self.ticker.stop()
         self.store.close()
@@ -278,4 +312,4 @@ def start_shard(cfg: Config, shard_index: int, listen: str = "127.0.0.1:0",
         store.close()
         raise
     ticker = Ticker(core)
-    return ShardHandle(core, server, store, ticker, port)
+    return ShardHandle(core, servicer, server, store, ticker, port)

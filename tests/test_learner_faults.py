@@ -85,6 +85,10 @@ def shard_status(cfg, index: int = 0):
         return client.status(timeout=5)
 
 
+def learner_status(cfg, learner_id: str):
+    return next(l for l in shard_status(cfg).learners if l.learner_id == learner_id)
+
+
 def fragment_status(cfg, index: int = 0):
     return shard_status(cfg, index).fragments[0]
 
@@ -312,3 +316,33 @@ def test_a_learner_with_another_model_than_the_runs_stops_naming_the_refusal(tmp
     hold_rounds_open(cfg)  # the other learner's join fixed the run's model: MANIFEST, not the GPT
     result = run_learner(cfg, tmp_path)
     assert_failed_saying(result, "shard 0 refused this learner: FAILED_PRECONDITION manifest differs")
+
+
+ATTENDING_LEARNER = """
+import sys, time
+from diloco.services.client import ShardClient
+from diloco.services.contract.config import load_config
+cfg = load_config(sys.argv[1])
+client = ShardClient(cfg.shards[0].address, cfg.rpc, "us-west-0", 1, identity=None)
+client.join(cfg.learners[1].region, [("a", (128,)), ("b", (128,))])
+call = client.attend()
+print("attending", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_learner_whose_process_dies_stops_counting_at_once_not_a_lease_later(tmp_path, cluster):
+    cfg = fault_config(tmp_path)  # leases of 30 s
+    shards = cluster(cfg)
+    learner = subprocess.Popen([sys.executable, "-c", ATTENDING_LEARNER, str(shards.config_path)],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert learner.stdout.readline().strip() == "attending"
+        assert learner_status(cfg, "us-west-0").alive
+        learner.kill()  # SIGKILL: the kernel closes its connection
+        learner.wait()
+        wait_until(lambda: not learner_status(cfg, "us-west-0").alive, 10, "the shard to stop counting it")
+        assert shard_status(cfg).counters["learners.disconnected"] == 1
+    finally:
+        learner.kill()
+        learner.wait()

@@ -77,6 +77,7 @@ def test_learner_calls_need_that_learners_certificate(shard):
         _refused(lambda: who.join("r", MANIFEST), code, words, handle, reason)
         _refused(lambda: who.heartbeat(), code, words, handle, reason)
         _refused(lambda: who.leave(), code, words, handle, reason)
+        _refused(lambda: next(who.attend()), code, words, handle, reason)
         _refused(lambda: _push(operator if who is operator else client("a"), fragment, numel,
                                learner=who.learner_id), code, words, handle, reason)
     # Reading needs only a certificate of the run's CA.

@@ -84,6 +84,39 @@ def test_dead_learner_is_not_waited_for():
     assert shard.push("c", 0, delta(2, shard.numel()), base=1).result == pb.PUSH_RESULT_ACCEPTED
 
 
+def test_a_learner_whose_attend_call_ends_is_not_waited_for_from_then_on():
+    shard = Shard(make_config(quorum=3, lease_seconds=60.0, grace={"mode": "fixed", "seconds": 60.0}))
+    attendance = shard.core.attend("c", 1)
+    shard.push("a", 0, delta(1, shard.numel()))
+    shard.push("b", 0, delta(2, shard.numel()))
+    assert shard.core.tick() == []  # c's lease runs for a minute yet
+    shard.core.absent("c", 1, attendance)  # its process died: its connection closed
+    assert shard.core.tick() == [0] and shard.core.fragments[0].committed.last_round.close_reason == "all"
+    assert shard.core.counters.snapshot()["learners.disconnected"] == 1
+    with refused("FAILED_PRECONDITION", "not_live"):
+        shard.core.heartbeat("c", 1)  # alive after all (a connection that dropped): it joins again
+    shard.core.join("c", 1, "r", MANIFEST)
+    shard.core.heartbeat("c", 1)
+
+
+def test_an_attend_call_that_was_replaced_or_outlived_a_leave_or_a_rejoin_changes_nothing():
+    shard = Shard(make_config(lease_seconds=60.0))
+    first = shard.core.attend("a", 1)
+    second = shard.core.attend("a", 1)  # the learner rejoined and opened another
+    shard.core.absent("a", 1, first)  # the first one's end reaches the shard late
+    shard.core.heartbeat("a", 1)
+    shard.core.join("a", 1, "r", MANIFEST)  # a rejoin: no Attend open for it yet
+    shard.core.absent("a", 1, second)
+    shard.core.heartbeat("a", 1)
+    third = shard.core.attend("b", 1)
+    shard.core.leave("b", 1)
+    shard.core.absent("b", 1, third)  # the call a learner ends after its Leave
+    counters = shard.core.counters.snapshot()
+    assert "learners.disconnected" not in counters and counters["learners.left"] == 1
+    with refused("FAILED_PRECONDITION", "not_joined"):
+        shard.core.attend("a", 2)
+
+
 def test_a_round_with_some_of_the_live_learners_counts_for_their_share():
     # Learners out of lockstep: each of one period's three contributions closes its own round.
     sgd = {"lr": 1.0, "momentum": 0.0, "nesterov": False}

@@ -31,5 +31,5 @@ def test_stubs_import_without_path_tricks(tmp_path):
             "print(pb.DESCRIPTOR.package, sorted(pb.DESCRIPTOR.services_by_name['Syncer'].methods_by_name))")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                          text=True, check=True).stdout
-    assert out.strip() == ("diloco.v1 ['Heartbeat', 'Join', 'Leave', 'PullFragment', "
+    assert out.strip() == ("diloco.v1 ['Attend', 'Heartbeat', 'Join', 'Leave', 'PullFragment', "
                            "'PushFragment', 'Status']")

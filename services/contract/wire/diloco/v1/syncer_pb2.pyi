@@ -197,6 +197,18 @@ class LeaveResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class AttendRequest(_message.Message):
+    __slots__ = ("learner_id", "incarnation")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    incarnation: int
+    def __init__(self, learner_id: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class AttendResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class PushHeader(_message.Message):
     __slots__ = ("learner_id", "incarnation", "fragment_id", "kind", "base_version", "c_steps", "c_tokens", "step_seconds", "payload", "state_hash")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -51,6 +51,11 @@ class SyncerStub:
                 request_serializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.LeaveResponse.FromString,
                 _registered_method=True)
+        self.Attend = channel.unary_stream(
+                '/diloco.v1.Syncer/Attend',
+                request_serializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.AttendRequest.SerializeToString,
+                response_deserializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.AttendResponse.FromString,
+                _registered_method=True)
         self.PushFragment = channel.stream_unary(
                 '/diloco.v1.Syncer/PushFragment',
                 request_serializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.PushRequest.SerializeToString,
@@ -96,6 +101,17 @@ class SyncerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attend(self, request, context):
+        """Held open by a joined learner for as long as its process lives; the shard
+        sends nothing on it. When the call ends without a Leave (the learner's
+        process died and its connection closed), the learner stops counting
+        towards quorum at once, as if its lease had expired, instead of a lease
+        later.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PushFragment(self, request_iterator, context):
         """Client stream: one PushHeader, then exactly header.chunk_count chunks.
         """
@@ -136,6 +152,11 @@ def add_SyncerServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.LeaveRequest.FromString,
                     response_serializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.LeaveResponse.SerializeToString,
+            ),
+            'Attend': grpc.unary_stream_rpc_method_handler(
+                    servicer.Attend,
+                    request_deserializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.AttendRequest.FromString,
+                    response_serializer=diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.AttendResponse.SerializeToString,
             ),
             'PushFragment': grpc.stream_unary_rpc_method_handler(
                     servicer.PushFragment,
@@ -236,6 +257,33 @@ class Syncer:
             '/diloco.v1.Syncer/Leave',
             diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.LeaveRequest.SerializeToString,
             diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.LeaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/diloco.v1.Syncer/Attend',
+            diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.AttendRequest.SerializeToString,
+            diloco_dot_services_dot_contract_dot_wire_dot_diloco_dot_v1_dot_syncer__pb2.AttendResponse.FromString,
             options,
             channel_credentials,
             insecure,
