@@ -63,7 +63,9 @@ class DecoupledDiLoCoCallback(TrainerCallback):
     the run and seeds or pulls the global model. on_step_end (after every optimizer step) calls
     `step(tokens=...)` and stops training once `should_stop` (a budget of the config's trainer
     section, or SIGTERM). on_train_end leaves the block: the last contributions are delivered
-    and `self.sync.global_state_dict()` then holds the run's final global model.
+    and, the budget spent, the model is the global model as of this learner's leave (what
+    `trainer.save_model()` after `train()` saves; `self.sync.global_state_dict()` holds it too).
+    The Trainer's checkpoints hold the local model, which the sync state beside them resumes.
 
     Tokens per optimizer step, per process (DecoupledDiLoCo.step multiplies by the island's
     ranks): with `TrainingArguments(include_num_input_tokens_seen=True)`, the Trainer's own

@@ -318,6 +318,12 @@ class StreamingSync:
                 changed = True
         return changed, reached_all
 
+    def take_global_model(self) -> None:
+        """Writes every fragment's global value into the model: a learner that left the run
+        ends holding the global model (each parameter in its own dtype), not its local one."""
+        for pipeline in self.fragments.values():
+            scatter(pipeline.fragment, pipeline.anchor, self.params)
+
     def fragment_hashes(self) -> dict[int, tuple[int, str]]:
         """(version, sha256) of the global value this learner holds, per fragment."""
         return {fid: pipeline.hash() for fid, pipeline in self.fragments.items()}

@@ -10,6 +10,8 @@ import pathlib
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 pytest.importorskip("transformers")
 
@@ -18,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 from diloco import DecoupledDiLoCo, JoinRefused  # noqa: E402
 from diloco.integrations.hf import DecoupledDiLoCoCallback  # noqa: E402
 from diloco.localcluster.cluster import LocalCluster  # noqa: E402
-from tests.cluster_config import tiny_cluster  # noqa: E402
+from tests.cluster_config import running_shards, tiny_cluster  # noqa: E402
 from tests.own_loop_run import OwnLoopRun, assert_every_script_holds_the_shards_bits, own_loop_config  # noqa: E402
 from tests.sim_command import run_sim  # noqa: E402
 
@@ -128,6 +130,21 @@ def test_a_trainer_resumed_from_its_checkpoint_resumes_the_learners_sync_state(c
     # Steps 1-2 came with the checkpoint; step 3 is the config's budget.
     assert resumed.sync.report.incarnations[0]["restored_step"] == 0
     assert resumed.sync.report.incarnations[-1]["restored_step"] == 2 and resumed.sync.steps == 3
+
+
+def test_a_trainer_saves_the_global_model_after_train_and_its_checkpoints_the_local_one(cfg, tmp_path):
+    callback = DecoupledDiLoCoCallback(cfg, "us-east-0", seq_len=SEQ_LEN, catch_up_seconds=0.2)
+    trainer = tiny_trainer(tmp_path, callback, save_strategy="steps", save_steps=3)
+    with running_shards(cfg, tmp_path / "run"):
+        trainer.train()
+    trainer.save_model(str(tmp_path / "saved"))
+
+    global_values = callback.sync.global_state_dict()
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    assert all(torch.equal(saved[name], value) for name, value in global_values.items())
+    # The checkpoint of the last step is the local model that the sync state beside it resumes.
+    checkpoint = load_file(tmp_path / "trainer" / "checkpoint-3" / "model.safetensors")
+    assert not all(torch.equal(checkpoint[name], value) for name, value in global_values.items())
 
 
 def test_a_step_the_shards_would_refuse_ends_training_with_the_error_and_leaves_the_block(cfg, tmp_path):
