@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
+import pathlib
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from torch import nn
 
 from diloco import DecoupledDiLoCo
 from diloco.services.export import fetch_global_model
+from diloco.services.contract.config import parse_config
 from tests.cluster_config import tiny_cluster
 
 TOKENS = 16  # per step: the batch below
@@ -103,3 +106,49 @@ def test_a_resumed_learner_keeps_its_earlier_lives_traffic_in_its_report(cfg, sh
     assert len(lives) == 2
     assert lives[0]["bytes_up"] == first.sync.stats.bytes_up > 0
     assert lives[0]["syncs_started"] == first.sync.stats.syncs_started > 0
+
+
+def test_a_fresh_learner_joining_a_run_with_progress_is_told_the_run_its_versions_and_tokens(cfg, shard, caplog):
+    with DecoupledDiLoCo(model(), cfg, "us-east-0", catch_up_seconds=0.2) as first:
+        train(first)
+    with caplog.at_level(logging.WARNING, logger="diloco.learner.sync"):
+        with DecoupledDiLoCo(model(), cfg, "us-west-0", catch_up_seconds=0.0) as late:
+            assert late.fragment_versions() == first.fragment_versions()
+    versions = ", ".join(f"{fid}: v{version}" for fid, version in sorted(first.fragment_versions().items()))
+    assert (f"learner us-west-0 joined run 'test', which already has progress (fragments {versions}; "
+            f"{first.tokens} tokens trained)") in caplog.text
+    assert "--new-run" in caplog.text
+
+
+def test_a_learner_joining_a_run_whose_token_budget_is_spent_is_told_so_and_trains_nothing(cfg, shard, caplog):
+    data = cfg.model_dump(mode="json")
+    data["trainer"]["max_run_tokens"] = 10 * TOKENS
+    cfg = parse_config(data, source="a run of 10 steps' tokens")
+    with DecoupledDiLoCo(model(), cfg, "us-east-0", catch_up_seconds=0.2) as first:
+        train(first)
+    with caplog.at_level(logging.WARNING, logger="diloco.learner.sync"):
+        with DecoupledDiLoCo(model(), cfg, "us-west-0", catch_up_seconds=0.0) as late:
+            assert late.should_stop
+    assert (f"learner us-west-0 joined run 'test', whose token budget is spent ({first.tokens} tokens trained "
+            f"of trainer.max_run_tokens {10 * TOKENS}): it trains nothing") in caplog.text
+
+
+def test_a_shard_restarted_on_a_run_says_it_resumes_it_and_one_started_with_new_run_starts_afresh(
+        cfg, shard, caplog):
+    with DecoupledDiLoCo(model(), cfg, "us-east-0", catch_up_seconds=0.2) as first:
+        train(first)
+    process = shard.shards[0]
+    process.terminate(10)
+    shard.restart_shard(0)
+    assert "shard 0 resumes run 'test' from its state in" in process.log_tail(40)
+
+    process.terminate(10)
+    process.argv.append("--new-run")
+    shard.restart_shard(0)
+    with caplog.at_level(logging.WARNING, logger="diloco.learner.sync"):
+        with DecoupledDiLoCo(model(), cfg, "us-west-0", catch_up_seconds=0.0) as fresh:
+            assert set(fresh.fragment_versions().values()) == {0}
+    assert "already has progress" not in caplog.text
+    (kept,) = pathlib.Path(cfg.run.state_dir).glob("shard-0.replaced-*")
+    assert any(kept.iterdir())
+    assert "starting a new run: the earlier run's state of shard-0 is kept in" in process.log_tail(40)
