@@ -44,6 +44,7 @@ it left off, make a new one and give it `state_dict()` of the old one (as after 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import pathlib
 import signal
@@ -54,6 +55,7 @@ import grpc
 import torch
 from torch import nn
 
+from diloco.learner.causal_lm import is_transformers_model
 from diloco.learner.island import Island
 from diloco.learner.report import Report, process_started
 from diloco.learner.stop_signals import StopSignals
@@ -351,11 +353,17 @@ class DecoupledDiLoCo:
         return self.sync
 
     def export(self, out: str | os.PathLike) -> None:
-        """Writes the global model as `diloco export` does: model.safetensors and a manifest."""
+        """Writes the global model as `diloco export` does: model.safetensors and a manifest, and
+        for a transformers model its config.json: AutoModelForCausalLM.from_pretrained(out)."""
         global_values = self.global_state_dict()
         fragments = tuple(ExportedFragment(fid, self.plan.fragments[fid].shard, version, digest, None)
                           for fid, (version, digest) in sorted(self.sync.fragment_hashes().items()))
-        write_export(GlobalModel(self.cfg.run.name, self.plan.digest, fragments, global_values), pathlib.Path(out))
+        config = None
+        if is_transformers_model(self.model):
+            config = copy.deepcopy(self.model.config)
+            config.architectures = [type(self.model).__name__]  # as save_pretrained writes it
+        write_export(GlobalModel(self.cfg.run.name, self.plan.digest, fragments, global_values, config),
+                     pathlib.Path(out))
 
     # ---- checks -------------------------------------------------------------------------
 
