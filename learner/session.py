@@ -117,7 +117,7 @@ class ShardSession:
             self._joined = False
 
     def retry(self, call: Callable[[], T], give_up: Callable[[], bool]) -> T:
-        return with_retries(call, self.index, give_up, self._stop)
+        return with_retries(call, f"shard {self.index} ({self.client.address})", give_up, self._stop)
 
     # ---- start-up ---------------------------------------------------------------------
 
