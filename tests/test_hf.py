@@ -44,7 +44,10 @@ class HFExampleRun(OwnLoopRun):
         # model until the last one has finished too (finish_all).
         return [sys.executable, str(EXAMPLE / self.script), "--config", str(self.cluster.config_path),
                 "--learner-id", learner_id, "--losses", str(self.losses_path(learner_id)),
-                "--catch-up-seconds", "600"]
+                "--catch-up-seconds", "600", "--export", str(self.export_folder(learner_id))]
+
+    def export_folder(self, learner_id: str) -> pathlib.Path:
+        return self.folder / f"{learner_id}-export"
 
 
 @pytest.fixture
@@ -61,9 +64,13 @@ def hf_example_run(tmp_path):
 
 
 def finish_learned_and_bit_identical(run: HFExampleRun) -> dict[str, dict]:
-    """Every script spends its budget and exits 0, holds the shards' bits and learned; their reports."""
+    """Every script spends its budget and exits 0, holds the shards' bits and learned (its export,
+    as from_pretrained opens it, validated); their reports."""
     reports = run.finish_all()
     assert_every_script_holds_the_shards_bits(run, reports)
+    for learner_id in run.scripts:
+        _, loading = AutoModelForCausalLM.from_pretrained(run.export_folder(learner_id), output_loading_info=True)
+        assert not loading["missing_keys"] and not loading["unexpected_keys"]
     for learner_id in run.scripts:
         validation = json.loads(run.losses_path(learner_id).read_text())["validation"]
         assert validation["end"] < 0.8 * validation["start"], f"{learner_id} did not learn: {validation}"
