@@ -8,7 +8,8 @@ An HF `Trainer` run becomes a learner with one callback:
 
 and the built-in learner (`diloco learner`, `diloco sim`) trains a transformers Llama with
 `model: "diloco.integrations.hf:llama"` in the cluster config (byte-level, vocab 256, random
-init from a fixed small LlamaConfig: nothing is downloaded).
+init from a fixed small LlamaConfig: nothing is downloaded). Any other transformers causal LM
+it trains as `model: {transformers: <class>, config: {...}, seq_len: N}` (learner/causal_lm.py).
 """
 from __future__ import annotations
 
@@ -17,43 +18,26 @@ import pathlib
 import signal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, TrainerCallback
+from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from diloco.learner.api import DecoupledDiLoCo
 from diloco.services.contract.config import Config
 
 VOCAB_SIZE = 256  # bytes are the tokens, as in the built-in models
-LLAMA_SEQ_LEN = 64
+LLAMA_SEQ_LEN = 64  # the factory's context: its max_position_embeddings
 SYNC_STATE_FILE = "diloco_sync.pt"  # DecoupledDiLoCo.state_dict() in each Trainer checkpoint folder
 
 
-class CausalLM(nn.Module):
-    """A transformers causal LM with the built-in learner's model interface: `forward(idx,
-    targets)` returns `(logits, loss)` for targets already shifted by one token (HF's own
-    `labels` would shift them again), and `seq_len` is the context the data is cut to."""
-
-    def __init__(self, lm: PreTrainedModel, seq_len: int):
-        super().__init__()
-        self.lm = lm
-        self.seq_len = seq_len
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        logits = self.lm(input_ids=idx, use_cache=False).logits
-        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        return logits, loss
-
-
-def llama(seed: int) -> CausalLM:
+def llama(seed: int) -> LlamaForCausalLM:
     """The model factory of `model: "diloco.integrations.hf:llama"`: a 2-layer LlamaForCausalLM
-    of width 64 (about 132k parameters) on bytes. build_model seeds torch before calling it, so
-    every learner starts from the same bits."""
+    of width 64 (about 132k parameters) on bytes, context 64 (its max_position_embeddings).
+    build_model seeds torch before calling it, so every learner starts from the same bits."""
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=LLAMA_SEQ_LEN)
-    return CausalLM(LlamaForCausalLM(config), LLAMA_SEQ_LEN)
+    return LlamaForCausalLM(config)
 
 
 class DecoupledDiLoCoCallback(TrainerCallback):
@@ -63,7 +47,9 @@ class DecoupledDiLoCoCallback(TrainerCallback):
     the run and seeds or pulls the global model. on_step_end (after every optimizer step) calls
     `step(tokens=...)` and stops training once `should_stop` (a budget of the config's trainer
     section, or SIGTERM). on_train_end leaves the block: the last contributions are delivered
-    and `self.sync.global_state_dict()` then holds the run's final global model.
+    and, the budget spent, the model is the global model as of this learner's leave (what
+    `trainer.save_model()` after `train()` saves; `self.sync.global_state_dict()` holds it too).
+    The Trainer's checkpoints hold the local model, which the sync state beside them resumes.
 
     Tokens per optimizer step, per process (DecoupledDiLoCo.step multiplies by the island's
     ranks): with `TrainingArguments(include_num_input_tokens_seen=True)`, the Trainer's own

@@ -15,7 +15,12 @@ it into `model`, starts heartbeats and serves /metrics (learners[].metrics_port)
 after every optimizer step starts each fragment's sync when it is due and applies results
 tau steps later; everything else (pushes, pulls, retries, rejoining a restarted shard)
 happens on background threads. Leaving the block delivers the last contributions, leaves the
-run, pulls its final global values (`global_state_dict()`) and writes the learner report.
+run, pulls the global model until it is quiet for catch_up_seconds (`global_state_dict()`,
+`export()`) and writes the learner report. A learner whose budget is spent then holds that
+global model in `model` too; one that was stopped keeps its local model, whose progress since
+its last syncs its next life pushes. That is the global model as of this learner's leave:
+learners that leave later hold newer versions, and the run's final model is the last one's,
+which `diloco export` pulls from the shards once every learner has left.
 
 Only parameters are synced, by name (a tied tensor once); the optimizer and its state stay
 yours. Put `state_dict()` in your checkpoint and give it back with `load_state_dict()` before
@@ -39,6 +44,7 @@ it left off, make a new one and give it `state_dict()` of the old one (as after 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import pathlib
 import signal
@@ -49,6 +55,7 @@ import grpc
 import torch
 from torch import nn
 
+from diloco.learner.causal_lm import is_transformers_model
 from diloco.learner.island import Island
 from diloco.learner.report import Report, process_started
 from diloco.learner.stop_signals import StopSignals
@@ -136,7 +143,7 @@ class DecoupledDiLoCo:
         if self.sync is not None:
             state["sync"] = self.sync.state_dict()
         if self.report is not None:
-            self.report.update(self.sync)  # the checkpoint's record of this life is as of now
+            self.report.update(self.sync)  # this life's record as of now, or a restart would lose its counters
             state["report"] = self.report.persistent()
         return state
 
@@ -234,7 +241,9 @@ class DecoupledDiLoCo:
         """Ends training (leaving the block does it if you do not): a learner whose budget is
         spent delivers its last contributions and leaves the run; one that was stopped
         (SIGTERM) waits for its syncs in flight. Both then pull until the global model is quiet,
-        so global_state_dict() holds the run's final values."""
+        so global_state_dict() holds the global model as of this leave; the learner whose budget
+        is spent also writes it into `model` (bit for bit in fp32 parameters, rounded in bf16
+        ones). Under torchrun that is rank 0's model: the other ranks keep their local one."""
         self._require_inside("finish")
         if self._finished or not self.island.leader:
             self._finished = True
@@ -252,6 +261,8 @@ class DecoupledDiLoCo:
                 self.sync.leave()
                 self._write_report("catching_up")
             self.sync.catch_up(self.catch_up_seconds, should_stop=self._stop_signals.received.is_set)
+            if spent:  # a stopped learner keeps its local steps: its next life pushes them
+                self.sync.take_global_model()
 
     def _close(self, leave: bool) -> None:
         self._inside = False
@@ -326,18 +337,33 @@ class DecoupledDiLoCo:
 
     def global_state_dict(self) -> dict[str, torch.Tensor]:
         """The run's global model as this learner last pulled it, fp32, by parameter name
-        (after leaving the block: the shards' final values). Rank 0 only."""
+        (after leaving the block: as of its leave; the versions are fragment_versions()). Rank 0
+        only."""
+        return self._holder("global_state_dict").global_state_dict()
+
+    def fragment_versions(self) -> dict[int, int]:
+        """The version of each fragment in global_state_dict(), by fragment id."""
+        return self._holder("fragment_versions").held_versions()
+
+    def _holder(self, call: str) -> StreamingSync:
+        """The sync that holds the global model."""
         if self.sync is None:
-            raise RuntimeError("DecoupledDiLoCo.global_state_dict: only rank 0 of a syncing learner "
+            raise RuntimeError(f"DecoupledDiLoCo.{call}: only rank 0 of a syncing learner "
                                "(enabled=True) holds the global model, once it has entered")
-        return self.sync.global_state_dict()
+        return self.sync
 
     def export(self, out: str | os.PathLike) -> None:
-        """Writes the global model as `diloco export` does: model.safetensors and a manifest."""
+        """Writes the global model as `diloco export` does: model.safetensors and a manifest, and
+        for a transformers model its config.json: AutoModelForCausalLM.from_pretrained(out)."""
         global_values = self.global_state_dict()
         fragments = tuple(ExportedFragment(fid, self.plan.fragments[fid].shard, version, digest, None)
                           for fid, (version, digest) in sorted(self.sync.fragment_hashes().items()))
-        write_export(GlobalModel(self.cfg.run.name, self.plan.digest, fragments, global_values), pathlib.Path(out))
+        config = None
+        if is_transformers_model(self.model):
+            config = copy.deepcopy(self.model.config)
+            config.architectures = [type(self.model).__name__]  # as save_pretrained writes it
+        write_export(GlobalModel(self.cfg.run.name, self.plan.digest, fragments, global_values, config),
+                     pathlib.Path(out))
 
     # ---- checks -------------------------------------------------------------------------
 

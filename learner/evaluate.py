@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     trainer = Trainer.from_config(cfg, cfg.learners[0].id)  # every learner has the same validation set
     try:
-        load_weights(trainer.model, load_file(args.weights))
+        load_weights(trainer.synced_module, load_file(args.weights))
     except (OSError, ValueError, SafetensorError) as error:
         print(f"{args.weights}: {error}", file=sys.stderr)
         return 1

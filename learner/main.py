@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         return FAILED
     if checkpoint:
         trainer.restore(checkpoint, rank)
-    sync = DecoupledDiLoCo(trainer.model, cfg, learner.id, state_dir=state_dir, tls_dir=args.tls_dir,
+    sync = DecoupledDiLoCo(trainer.synced_module, cfg, learner.id, state_dir=state_dir, tls_dir=args.tls_dir,
                            catch_up_seconds=args.catch_up_seconds, enabled=not (args.no_sync or args.data_parallel),
                            stop_signals=(signal.SIGTERM, signal.SIGINT))
     if checkpoint and "diloco" in checkpoint["extra"]:

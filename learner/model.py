@@ -10,7 +10,8 @@ same initial bits, so the fragments they sync start from one common point.
 A user's model comes from `model: "pkg.module:factory"` in the config: `factory(seed=seed)`
 returns an nn.Module whose `forward(idx, targets=None)` returns `(logits, loss)` like GPT's,
 and which has an int attribute `seq_len`, the context length it trains on (the data is cut
-to it).
+to it); or a transformers causal LM as it is (learner/causal_lm.py), which
+`model: {transformers: Class, config: {...}, seq_len: N}` also builds.
 
 Parameter names matter beyond this file: the fragment planner sees them through
 `named_parameters()`, and its strided split reads the first integer path component as the
@@ -25,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diloco.services.contract.config import GPTConfig, resolve_factory
+from diloco.learner.causal_lm import build_transformers_model, is_transformers_model, wrap_factory_model
+from diloco.services.contract.config import GPTConfig, TransformersModelConfig, resolve_factory
 
 VOCAB_SIZE = 256  # bytes are the tokens
 
@@ -128,12 +130,15 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
 
-def build_model(model_cfg: GPTConfig | str, seed: int) -> nn.Module:
-    """The built-in model of a GPTConfig's family (GPT, or Llama-style: learner/llama.py), or the module a "pkg.module:factory" string names.
-    Same seed, same initial weights."""
+def build_model(model_cfg: GPTConfig | TransformersModelConfig | str, seed: int) -> nn.Module:
+    """The built-in model of a GPTConfig's family (GPT, or Llama-style: learner/llama.py), a
+    transformers causal LM (learner/causal_lm.py), or the module a "pkg.module:factory" string
+    names. Same seed, same initial weights."""
     # Seeding here, not only inside the factory, also makes a user factory that ignores its
     # seed argument build the same weights in every process.
     torch.manual_seed(seed)
+    if isinstance(model_cfg, TransformersModelConfig):
+        return build_transformers_model(model_cfg)
     if not isinstance(model_cfg, str):
         if model_cfg.family == "llama":
             from diloco.learner.llama import Llama  # here: learner.llama imports this module
@@ -142,6 +147,8 @@ def build_model(model_cfg: GPTConfig | str, seed: int) -> nn.Module:
     model = resolve_factory(model_cfg, "model")(seed=seed)
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: {model_cfg!r}: returned {type(model).__name__}, not a torch.nn.Module")
+    if is_transformers_model(model):
+        return wrap_factory_model(model, model_cfg)
     if not isinstance(getattr(model, "seq_len", None), int):
         raise ValueError(f"model: {model_cfg!r}: returned a module without an int `seq_len` "
                          f"attribute (the context length the data is cut to)")

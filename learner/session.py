@@ -118,7 +118,7 @@ class ShardSession:
             self._joined = False
 
     def retry(self, call: Callable[[], T], give_up: Callable[[], bool]) -> T:
-        return with_retries(call, self.index, give_up, self._stop)
+        return with_retries(call, f"shard {self.index} ({self.client.address})", give_up, self._stop)
 
     # ---- start-up ---------------------------------------------------------------------
 
@@ -237,10 +237,8 @@ class ShardSession:
     # ---- heartbeats, leave --------------------------------------------------------------
 
     def _heartbeat_loop(self) -> None:
-        """Heartbeats the shard, rejoining it when it forgot this learner. Each call's deadline
-        is half a lease: a shard that hangs is given up on in time to try again."""
+        """Heartbeats the shard, rejoining it when it forgot this learner."""
         interval = self.cfg.trainer.heartbeat_seconds
-        deadline = min(self.cfg.rpc.deadline_seconds, self.cfg.syncer.lease_seconds / 2)
         while not self._stop.wait(interval) and not self._left.is_set():
             try:
                 if not self._joined:
@@ -248,7 +246,7 @@ class ShardSession:
                         continue  # start-up joins it
                     self._join()
                     log.info("rejoined shard %d", self.index)
-                self._heartbeat(deadline)
+                self._heartbeat()
             except grpc.RpcError as error:
                 if remedy(error) is Remedy.REJOIN:
                     self.forgotten()
@@ -258,7 +256,10 @@ class ShardSession:
                 self.failure = refused
                 return
 
-    def _heartbeat(self, deadline: float) -> None:
+    def _heartbeat(self) -> None:
+        """Each call's deadline is half a lease: a shard that hangs is given up on in time to
+        try again."""
+        deadline = min(self.cfg.rpc.deadline_seconds, self.cfg.syncer.lease_seconds / 2)
         progress = self.host.progress()
         held = {fid: version for fid, version in self.host.held_versions().items()
                 if self.plan.fragments[fid].shard == self.index}
@@ -281,6 +282,7 @@ class ShardSession:
             self._heartbeats.join()
         if self._joined:
             try:
+                self._heartbeat()  # its last steps and tokens: the run's count includes them
                 self.client.leave()
             except grpc.RpcError as error:
                 log.warning("leave shard %d: %s", self.index, error.code().name)

@@ -65,15 +65,16 @@ def backoff_delays() -> Iterator[float]:
         delay = min(delay * 2, RETRY_MAX_SECONDS)
 
 
-def with_retries(call: Callable[[], T], shard_index: int, give_up: Callable[[], bool],
+def with_retries(call: Callable[[], T], shard: str, give_up: Callable[[], bool],
                  stop: threading.Event) -> T:
     """call(), again with backoff while the shard is down, until `give_up()` says to stop
-    trying (then, and for any other error, the error is raised). `stop` cuts a backoff short."""
+    trying (then, and for any other error, the error is raised). `stop` cuts a backoff short.
+    `shard` names it in the log: its index and address, which the operator can check."""
     for delay in backoff_delays():
         try:
             return call()
         except grpc.RpcError as error:
             if remedy(error) is not Remedy.RETRY_LATER or give_up():
                 raise
-            log.warning("shard %d unreachable (%s); retrying in %.1fs", shard_index, error.code().name, delay)
+            log.warning("%s unreachable (%s); retrying in %.1fs", shard, error.code().name, delay)
         stop.wait(delay)

@@ -116,8 +116,9 @@ class StreamingSync:
             session.start_heartbeats()
         for session in self.sessions:
             session.join(should_stop)
-        self._join_in_phase()
+        others_tokens = self._join_in_phase()
         behind = sum(self._pull_at_start(fragment, should_stop) for fragment in self.plan.fragments)
+        self._tell_what_it_joined(others_tokens, resumed=bool(self._restored))
         self._restored = {}
         self.stats.versions_behind_at_join = behind
         log.info("learner %s (incarnation %d) joined %d shards; %d versions behind; syncing at step + %d",
@@ -126,16 +127,42 @@ class StreamingSync:
             session.started()
         return behind
 
-    def _join_in_phase(self) -> None:
+    def _join_in_phase(self) -> int:
         """Starts the sync schedule in phase with the learners already training, as the first
-        shard that answers Status sees them (none answers: at this learner's own step)."""
+        shard that answers Status sees them (none answers: at this learner's own step), and
+        counts the run's tokens from there until a heartbeat does. Returns the tokens the other
+        learners trained, as far as that shard knows (0: none answered)."""
         for session in self.sessions:
             try:
-                learners = session.client.status(timeout=self.cfg.rpc.deadline_seconds).learners
+                status = session.client.status(timeout=self.cfg.rpc.deadline_seconds)
             except grpc.RpcError:
                 continue
-            self.schedule.join_in_phase(learners, self.learner_id, self.step)
+            self.schedule.join_in_phase(status.learners, self.learner_id, self.step)
+            # A restarted shard forgot the learners; its fragments' merged tokens it keeps.
+            others = max(sum(l.tokens for l in status.learners if l.learner_id != self.learner_id),
+                         max((f.merged_tokens for f in status.fragments), default=0))
+            self.schedule.heard_run_tokens(others + self.tokens, 0.0, self.tokens, 0.0)
+            return others
+        return 0
+
+    def _tell_what_it_joined(self, others_tokens: int, resumed: bool) -> None:
+        """Says so when the run joined has a spent token budget, or progress this learner did
+        not resume from its own checkpoint: rerunning against an old state folder continues
+        the run that it holds."""
+        run = f"run {self.cfg.run.name!r}"
+        new_run = ("to start a new run instead, start the shards with `diloco syncer --new-run` (or give the "
+                   "config another run.state_dir)")
+        if self.schedule.run_over(self.tokens):
+            log.warning("learner %s joined %s, whose token budget is spent (%d tokens trained of "
+                        "trainer.max_run_tokens %d): it trains nothing; %s", self.learner_id, run,
+                        others_tokens + self.tokens, self.cfg.trainer.max_run_tokens, new_run)
             return
+        versions = self.held_versions()
+        if not resumed and max(versions.values()) > 0:
+            log.warning("learner %s joined %s, which already has progress (fragments %s; %d tokens trained): it "
+                        "trains on from the run's global model, not from its own weights; %s", self.learner_id,
+                        run, ", ".join(f"{fid}: v{v}" for fid, v in sorted(versions.items())), others_tokens,
+                        new_run)
 
     def _pull_at_start(self, fragment: Fragment, should_stop: Callable[[], bool]) -> int:
         """Pulls the fragment (only the updates since a checkpoint's version where there is
@@ -317,6 +344,12 @@ class StreamingSync:
                 self.stats.bytes_down += result.payload_bytes
                 changed = True
         return changed, reached_all
+
+    def take_global_model(self) -> None:
+        """Writes every fragment's global value into the model: a learner that left the run
+        ends holding the global model (each parameter in its own dtype), not its local one."""
+        for pipeline in self.fragments.values():
+            scatter(pipeline.fragment, pipeline.anchor, self.params)
 
     def fragment_hashes(self) -> dict[int, tuple[int, str]]:
         """(version, sha256) of the global value this learner holds, per fragment."""

@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from diloco.learner.adamw import AdamW
+from diloco.learner.causal_lm import synced_module
 from diloco.learner.checkpoint import checkpoint_state, rank_state, restore_rng
 from diloco.learner.data import DataSource, build_data
 from diloco.learner.model import build_model
@@ -98,6 +99,8 @@ class Trainer:
         self.cfg = cfg
         self.slowdown = slowdown  # a step lasts slowdown x its compute time (LearnerConfig.slowdown)
         self.forward_module = forward_module if forward_module is not None else model
+        # What the run syncs and exports: a transformers model under its own parameter names.
+        self.synced_module = synced_module(model)
         self.device = next(model.parameters()).device
         self.optimizer = make_optimizer(model, cfg.inner_optimizer)
         self.step = 0  # inner steps done

@@ -227,7 +227,7 @@ def summarise(cfg: Config, args: argparse.Namespace, report: dict, chaos: Chaos,
                                     "restarts": max(0, len(lives) - 1), "phase": report.get("phase"),
                                     "evaluations": evaluations, "ranks": ranks}},
         "timeline": timeline,
-        "config": {"model": cfg.model if isinstance(cfg.model, str) else cfg.model.family, "H": 1, "P": 1,
+        "config": {"model": cfg.model_name(), "H": 1, "P": 1,
                    "tau": 0, "codec": "fp32", "K": ranks, "wan_mbps": None, "chaos_mtbf": args.chaos_mtbf,
                    "restart_delay": args.restart_delay, "slow_learner": args.slow_learner},
     }

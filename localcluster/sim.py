@@ -543,7 +543,7 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         "links": links,
         "per_learner": per_learner,
         "timeline": timeline,
-        "config": {"model": cfg.model if isinstance(cfg.model, str) else cfg.model.family, "H": cfg.sync.interval_steps, "P": cfg.sync.fragments, "tau": cfg.sync.overlap_steps,
+        "config": {"model": cfg.model_name(), "H": cfg.sync.interval_steps, "P": cfg.sync.fragments, "tau": cfg.sync.overlap_steps,
                    "codec": cfg.sync.codec, "K": cfg.syncer.quorum, "wan_mbps": cfg.rpc.wan_mbps,
                    "chaos_mtbf": args.chaos_mtbf, "restart_delay": args.restart_delay,
                    "warm_restarts": not args.cold_restarts,

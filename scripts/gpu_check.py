@@ -95,7 +95,7 @@ def memory(work: pathlib.Path, steps: int) -> Check:
         cluster.start_shards()
         trainer = Trainer.from_config(cfg, learner, cache_dir=work / "cache", device=device)
         parameters = sum(p.numel() for p in trainer.model.parameters())
-        sync = DecoupledDiLoCo(trainer.model, cfg, learner, catch_up_seconds=0.0)
+        sync = DecoupledDiLoCo(trainer.synced_module, cfg, learner, catch_up_seconds=0.0)
         fragment_bytes = 4 * max(f.numel for f in sync.plan.fragments)
         step_peaks, step_seconds = [], []
         with sync:

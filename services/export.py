@@ -9,6 +9,8 @@ same fragment plan the learners use. DIR receives
     model.safetensors   every parameter by name, fp32 (safetensors: no pickle)
     export.json         run name, plan digest, per fragment its shard, version, state hash and
                         merged tokens
+    config.json         a transformers model's config, where the model is one: the folder then
+                        opens with AutoModelForCausalLM.from_pretrained(DIR)
 
 Everything is fetched and checked before anything is written, and each file is written under
 a temporary name and renamed, so a failed export leaves DIR as it was.
@@ -18,13 +20,14 @@ from __future__ import annotations
 import json
 import pathlib
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import grpc
 import torch
 from safetensors.torch import save_file
 
 from diloco.services.client import ShardClient
-from diloco.services.contract.config import Config
+from diloco.services.contract.config import Config, TransformersModelConfig, transformers_config
 from diloco.services.contract.fragments import assemble, plan_for_config
 from diloco.services.contract.state import StateHashMismatch, check_pulled
 from diloco.services.contract.tls import Identity
@@ -33,6 +36,7 @@ from diloco.services.files import atomic_write, atomic_write_with
 
 MODEL_FILE = "model.safetensors"
 INFO_FILE = "export.json"
+CONFIG_FILE = "config.json"
 
 
 class ExportError(RuntimeError):
@@ -54,6 +58,7 @@ class GlobalModel:
     plan_digest: str
     fragments: tuple[ExportedFragment, ...]
     tensors: dict[str, torch.Tensor]  # by parameter name, in manifest order
+    transformers_config: Any = None  # a transformers PretrainedConfig, for a transformers model
 
     def info(self) -> dict:
         return {"run": self.run, "plan_digest": self.plan_digest,
@@ -63,7 +68,8 @@ class GlobalModel:
 
 
 def fetch_global_model(cfg: Config, identity: Identity | None) -> GlobalModel:
-    """Pulls every fragment's current global value and reassembles the model's parameters."""
+    """Pulls every fragment's current global value and reassembles the model's parameters (and
+    the config of a `model: {transformers: ...}`)."""
     clients = [ShardClient(shard.address, cfg.rpc, identity=identity) for shard in cfg.shards]
     try:
         statuses = [_status(cfg, index, client) for index, client in enumerate(clients)]
@@ -82,7 +88,8 @@ def fetch_global_model(cfg: Config, identity: Identity | None) -> GlobalModel:
             values.append((fragment, value))
             fragments.append(ExportedFragment(fragment.id, fragment.shard, version, value_hash,
                                               merged_tokens.get(fragment.id, 0)))
-        return GlobalModel(cfg.run.name, digest, tuple(fragments), assemble(manifest, values))
+        config = transformers_config(cfg.model) if isinstance(cfg.model, TransformersModelConfig) else None
+        return GlobalModel(cfg.run.name, digest, tuple(fragments), assemble(manifest, values), config)
     finally:
         for client in clients:
             client.close()
@@ -122,6 +129,9 @@ def _pull_fragment(client: ShardClient, fragment_id: int, shard: int) -> tuple[t
 
 def write_export(model: GlobalModel, out: pathlib.Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    # format "pt": what transformers' from_pretrained requires of a safetensors file.
     atomic_write_with(out / MODEL_FILE, lambda path: save_file(model.tensors, str(path), metadata={
-        "run": model.run, "plan_digest": model.plan_digest}))
+        "format": "pt", "run": model.run, "plan_digest": model.plan_digest}))
+    if model.transformers_config is not None:
+        atomic_write(out / CONFIG_FILE, model.transformers_config.to_json_string(use_diff=False).encode())
     atomic_write(out / INFO_FILE, (json.dumps(model.info(), indent=2) + "\n").encode())

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import contextlib
 import pathlib
+import subprocess
+import sys
 from typing import Iterator
 
 from diloco.localcluster.cluster import LocalCluster, free_ports
+from diloco.services.cli import main
 from diloco.services.contract.config import Config, parse_config
 
 
@@ -48,3 +51,17 @@ def running_shards(cfg: Config, run_dir: pathlib.Path) -> Iterator[LocalCluster]
         yield cluster
     finally:
         cluster.stop(timeout=10)
+
+
+def export_both_ways(cfg: Config, folder: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """The config's first learner, a real `diloco learner --export` process, trains its budget
+    against the config's shards; then `diloco export` pulls the shards' model. The two export
+    folders: (by the learner, by the shards)."""
+    by_learner, by_shards = folder / "by-learner", folder / "by-shards"
+    learner = cfg.learners[0]
+    with running_shards(cfg, folder / "run") as cluster:
+        subprocess.run([sys.executable, "-m", "diloco.services.cli", "learner", "--config", str(cluster.config_path),
+                        "--learner-id", learner.id, "--region", learner.region, "--catch-up-seconds", "0.5",
+                        "--export", str(by_learner)], check=True, capture_output=True, timeout=180)
+        assert main(["export", "--config", str(cluster.config_path), "--out", str(by_shards)]) == 0
+    return by_learner, by_shards

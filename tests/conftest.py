@@ -3,6 +3,7 @@ modules are, so that a failing comparison in them shows both sides."""
 import pytest
 
 from diloco.localcluster.cluster import LocalCluster
+from tests.cluster_config import running_shards
 
 pytest.register_assert_rewrite("tests.cluster_watch", "tests.own_loop_run", "tests.sim_command")
 
@@ -21,3 +22,10 @@ def cluster_factory(tmp_path):
     yield make
     for cluster in started:
         cluster.stop(timeout=10)
+
+
+@pytest.fixture
+def shard(cfg, tmp_path):
+    """The shards of the test module's `cfg` fixture, as real processes, for the test."""
+    with running_shards(cfg, tmp_path / "run") as cluster:
+        yield cluster

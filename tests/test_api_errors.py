@@ -12,7 +12,7 @@ from torch import nn
 
 from diloco import ConfigError, DecoupledDiLoCo, JoinRefused
 from diloco.localcluster.cluster import free_ports
-from tests.cluster_config import running_shards, tiny_cluster
+from tests.cluster_config import tiny_cluster
 
 MAX_TOKENS_PER_STEP = 256
 
@@ -23,12 +23,6 @@ def cfg(tmp_path):
     return tiny_cluster(tmp_path / "state", shards=1, learners=2, tls={"mode": "plaintext"},
                         sync={"fragments": 1, "interval_steps": 4, "overlap_steps": 1},
                         syncer={"max_tokens_per_step": MAX_TOKENS_PER_STEP})
-
-
-@pytest.fixture
-def shard(cfg, tmp_path):
-    with running_shards(cfg, tmp_path / "run") as cluster:
-        yield cluster
 
 
 def model(width: int = 8) -> nn.Module:

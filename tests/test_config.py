@@ -188,3 +188,14 @@ def test_a_run_token_budget_that_ends_the_run_first_shortens_the_run_auto_moment
 def test_an_outer_momentum_given_is_the_one_used():
     cfg = parse_config(mutate("syncer.outer_optimizer.momentum", 0.8))
     assert cfg.outer_momentum() == 0.8
+
+
+def test_config_check_says_the_model_is_the_default_when_the_config_names_none(tmp_path, capsys):
+    data = example()
+    del data["model"]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["config", "check", str(path)]) == 0
+    assert "model      gpt 2 layers x 128, context 128 (the default: the config has no model:)" in capsys.readouterr().out
+    assert main(["config", "check", str(EXAMPLE)]) == 0
+    assert "(the default" not in capsys.readouterr().out

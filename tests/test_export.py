@@ -4,8 +4,6 @@ is refused by name, and nothing is written. `diloco evaluate` gives a weights fi
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +12,6 @@ from safetensors.torch import load_file, save_file
 from diloco.learner.train import Trainer, named_parameters
 from diloco.services.cli import main
 from diloco.services.client import ShardClient
-from diloco.localcluster.cluster import LocalCluster
 from diloco.services.contract.config import dump_config
 from diloco.services.contract.fragments import plan_for_config, scatter
 from diloco.services.contract.state import state_hash
@@ -22,7 +19,7 @@ from diloco.services.cli.certs import issue_cluster_certs
 from diloco.services.contract.tls import certs_dir, learner_name, load_identity
 from diloco.services.contract.wire import pb
 from diloco.syncer.service import start_shard
-from tests.cluster_config import tiny_cluster
+from tests.cluster_config import export_both_ways, tiny_cluster
 
 MANIFEST = [("embed", (64, 8)), ("block.w", (32, 8)), ("block.b", (32,)), ("head", (8,))]
 
@@ -127,23 +124,14 @@ def test_evaluate_gives_the_loss_of_the_model_in_a_weights_file(tmp_path, capsys
 
 @pytest.mark.slow
 def test_a_learner_exports_the_global_model_it_ends_with_as_the_shards_hold_it(tmp_path):
-    cfg = tiny_cluster(tmp_path / "state", shards=2, learners=1, steps=30)
-    cluster = LocalCluster(cfg, tmp_path / "run")
-    try:
-        cluster.start_shards()
-        learner = cfg.learners[0]
-        subprocess.run([sys.executable, "-m", "diloco.services.cli", "learner", "--config", str(cluster.config_path),
-                        "--learner-id", learner.id, "--region", learner.region, "--catch-up-seconds", "0.5",
-                        "--export", str(tmp_path / "by-learner")], check=True, capture_output=True, timeout=180)
-        assert main(["export", "--config", str(cluster.config_path), "--out", str(tmp_path / "by-shards")]) == 0
-    finally:
-        cluster.stop()
-    by_learner = load_file(tmp_path / "by-learner" / "model.safetensors")
-    by_shards = load_file(tmp_path / "by-shards" / "model.safetensors")
+    learner_folder, shards_folder = export_both_ways(tiny_cluster(tmp_path / "state", shards=2, learners=1, steps=30),
+                                                     tmp_path)
+    by_learner = load_file(learner_folder / "model.safetensors")
+    by_shards = load_file(shards_folder / "model.safetensors")
     assert by_learner.keys() == by_shards.keys()
     assert all(torch.equal(by_learner[name], by_shards[name]) for name in by_shards)
-    info = json.loads((tmp_path / "by-learner" / "export.json").read_text())
-    shards = json.loads((tmp_path / "by-shards" / "export.json").read_text())
+    info = json.loads((learner_folder / "export.json").read_text())
+    shards = json.loads((shards_folder / "export.json").read_text())
     assert [(f["version"], f["state_hash"]) for f in info["fragments"]] == \
         [(f["version"], f["state_hash"]) for f in shards["fragments"]]
     assert max(f["version"] for f in info["fragments"]) >= 1  # the run synced

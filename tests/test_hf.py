@@ -10,15 +10,20 @@ import pathlib
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 pytest.importorskip("transformers")
 
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer,  # noqa: E402
+                          TrainingArguments)
 
 from diloco import DecoupledDiLoCo, JoinRefused  # noqa: E402
 from diloco.integrations.hf import DecoupledDiLoCoCallback  # noqa: E402
 from diloco.localcluster.cluster import LocalCluster  # noqa: E402
-from tests.cluster_config import tiny_cluster  # noqa: E402
+from diloco.services.cli import main  # noqa: E402
+from diloco.services.contract.config import dump_config, parse_config  # noqa: E402
+from tests.cluster_config import export_both_ways, running_shards, tiny_cluster  # noqa: E402
 from tests.own_loop_run import OwnLoopRun, assert_every_script_holds_the_shards_bits, own_loop_config  # noqa: E402
 from tests.sim_command import run_sim  # noqa: E402
 
@@ -39,7 +44,10 @@ class HFExampleRun(OwnLoopRun):
         # model until the last one has finished too (finish_all).
         return [sys.executable, str(EXAMPLE / self.script), "--config", str(self.cluster.config_path),
                 "--learner-id", learner_id, "--losses", str(self.losses_path(learner_id)),
-                "--catch-up-seconds", "600"]
+                "--catch-up-seconds", "600", "--export", str(self.export_folder(learner_id))]
+
+    def export_folder(self, learner_id: str) -> pathlib.Path:
+        return self.folder / f"{learner_id}-export"
 
 
 @pytest.fixture
@@ -56,9 +64,13 @@ def hf_example_run(tmp_path):
 
 
 def finish_learned_and_bit_identical(run: HFExampleRun) -> dict[str, dict]:
-    """Every script spends its budget and exits 0, holds the shards' bits and learned; their reports."""
+    """Every script spends its budget and exits 0, holds the shards' bits and learned (its export,
+    as from_pretrained opens it, validated); their reports."""
     reports = run.finish_all()
     assert_every_script_holds_the_shards_bits(run, reports)
+    for learner_id in run.scripts:
+        _, loading = AutoModelForCausalLM.from_pretrained(run.export_folder(learner_id), output_loading_info=True)
+        assert not loading["missing_keys"] and not loading["unexpected_keys"]
     for learner_id in run.scripts:
         validation = json.loads(run.losses_path(learner_id).read_text())["validation"]
         assert validation["end"] < 0.8 * validation["start"], f"{learner_id} did not learn: {validation}"
@@ -88,6 +100,47 @@ def test_the_built_in_learner_trains_the_hf_llama_factory_in_sim_and_ends_with_t
     assert report["inner_steps"] == 2 * 30
     assert report["state_hashes_agree"] is True
     assert report["final_eval_loss"] < 0.8 * report["initial_eval_loss"]
+
+
+@pytest.mark.slow
+def test_the_built_in_learner_trains_a_transformers_gpt2_by_class_and_config_and_both_exports_open_with_from_pretrained(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    gpt2 = {"transformers": "GPT2LMHeadModel", "seq_len": 32,
+            "config": {"vocab_size": 256, "n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 32}}
+    data = tiny_cluster(tmp_path / "state", shards=2, learners=1, steps=30, tls={"mode": "plaintext"}).model_dump()
+    cfg = parse_config({**data, "model": gpt2}, source="a GPT-2 of transformers")
+    exports = export_both_ways(cfg, tmp_path)
+    for export in exports:
+        model, loading = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
+        assert type(model).__name__ == "GPT2LMHeadModel"
+        assert not loading["missing_keys"] and not loading["unexpected_keys"]
+        weights = load_file(export / "model.safetensors")  # the model's own names, no adapter's
+        assert "transformer.wte.weight" in weights
+        assert all(torch.equal(param, weights[name]) for name, param in model.named_parameters())
+    assert max(f["version"] for f in json.loads((exports[1] / "export.json").read_text())["fragments"]) >= 1
+
+
+TINY_LLAMA_CONFIG = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                     "num_attention_heads": 2, "max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("model, expected", [
+    ({"transformers": "LlamaForCausalLM", "config": TINY_LLAMA_CONFIG, "seq_len": 32},
+     "model      transformers LlamaForCausalLM, context 32"),
+    ({"transformers": "LlamaForCasualLM", "config": TINY_LLAMA_CONFIG, "seq_len": 32},
+     "invalid: model.transformers: transformers has no model class 'LlamaForCasualLM'"),
+    ({"transformers": "LlamaForCausalLM", "config": {**TINY_LLAMA_CONFIG, "vocab_size": 32}, "seq_len": 32},
+     "invalid: model.config.vocab_size: 32; the learner's tokens are bytes, so it must be at least 256"),
+    ({"transformers": "LlamaForCausalLM", "config": TINY_LLAMA_CONFIG, "seq_len": 64},
+     "invalid: model.seq_len: 64 is longer than model.config.max_position_embeddings (32)"),
+])
+def test_config_check_summarises_a_transformers_model_or_names_what_does_not_fit(tmp_path, capsys, model, expected):
+    data = tiny_cluster(tmp_path / "state", shards=1, learners=1).model_dump()
+    path = tmp_path / "c.yaml"
+    path.write_text(dump_config(parse_config({**data, "model": model})))
+    main(["config", "check", str(path)])
+    assert expected in "".join(capsys.readouterr())
 
 
 @pytest.fixture
@@ -128,6 +181,41 @@ def test_a_trainer_resumed_from_its_checkpoint_resumes_the_learners_sync_state(c
     # Steps 1-2 came with the checkpoint; step 3 is the config's budget.
     assert resumed.sync.report.incarnations[0]["restored_step"] == 0
     assert resumed.sync.report.incarnations[-1]["restored_step"] == 2 and resumed.sync.steps == 3
+
+
+def test_a_trainer_saves_the_global_model_after_train_and_its_checkpoints_the_local_one(cfg, tmp_path):
+    callback = DecoupledDiLoCoCallback(cfg, "us-east-0", seq_len=SEQ_LEN, catch_up_seconds=0.2)
+    trainer = tiny_trainer(tmp_path, callback, save_strategy="steps", save_steps=3)
+    with running_shards(cfg, tmp_path / "run"):
+        trainer.train()
+    trainer.save_model(str(tmp_path / "saved"))
+
+    global_values = callback.sync.global_state_dict()
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    assert all(torch.equal(saved[name], value) for name, value in global_values.items())
+    # The checkpoint of the last step is the local model that the sync state beside it resumes.
+    checkpoint = load_file(tmp_path / "trainer" / "checkpoint-3" / "model.safetensors")
+    assert not all(torch.equal(checkpoint[name], value) for name, value in global_values.items())
+
+
+def test_a_users_own_loop_exports_its_transformers_model_in_a_folder_from_pretrained_opens(cfg, tmp_path):
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    batch = ByteWindows(learner_text(0)[1], SEQ_LEN)[0]
+    with running_shards(cfg, tmp_path / "run"):
+        with DecoupledDiLoCo(model, cfg, "us-east-0", catch_up_seconds=0.2) as sync:
+            while not sync.should_stop:
+                model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                sync.step(tokens=SEQ_LEN)
+    sync.export(tmp_path / "export")
+
+    exported, loading = AutoModelForCausalLM.from_pretrained(tmp_path / "export", output_loading_info=True)
+    assert type(exported).__name__ == "LlamaForCausalLM"
+    assert not loading["missing_keys"] and not loading["unexpected_keys"]
+    global_values = sync.global_state_dict()
+    assert all(torch.equal(param, global_values[name]) for name, param in exported.named_parameters())
 
 
 def test_a_step_the_shards_would_refuse_ends_training_with_the_error_and_leaves_the_block(cfg, tmp_path):

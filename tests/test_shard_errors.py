@@ -35,7 +35,7 @@ def test_each_status_code_has_one_remedy(code, expected):
     assert remedy(ShardError(code)) is expected
 
 
-def test_a_shard_that_is_down_is_retried_until_it_answers():
+def test_a_shard_that_is_down_is_retried_until_it_answers_naming_its_address(caplog):
     answers = [ShardError(grpc.StatusCode.UNAVAILABLE)] * 2 + ["joined"]
 
     def call():
@@ -46,7 +46,9 @@ def test_a_shard_that_is_down_is_retried_until_it_answers():
 
     stop = threading.Event()
     stop.set()  # no backoff sleeps in a test
-    assert with_retries(call, 0, give_up=lambda: False, stop=stop) == "joined" and answers == []
+    assert with_retries(call, "shard 0 (10.0.0.7:50051)", give_up=lambda: False, stop=stop) == "joined"
+    assert answers == []
+    assert "shard 0 (10.0.0.7:50051) unreachable (UNAVAILABLE); retrying in 0.2s" in caplog.text
 
 
 def test_retrying_ends_when_told_to_give_up_and_never_retries_a_refusal():
@@ -59,9 +61,9 @@ def test_retrying_ends_when_told_to_give_up_and_never_retries_a_refusal():
         raise ShardError(code)
 
     with pytest.raises(grpc.RpcError):
-        with_retries(lambda: call(grpc.StatusCode.UNAVAILABLE), 0, give_up=lambda: len(calls) >= 3, stop=stop)
+        with_retries(lambda: call(grpc.StatusCode.UNAVAILABLE), "shard 0", give_up=lambda: len(calls) >= 3, stop=stop)
     assert len(calls) == 3
     calls.clear()
     with pytest.raises(grpc.RpcError):
-        with_retries(lambda: call(grpc.StatusCode.FAILED_PRECONDITION), 0, give_up=lambda: False, stop=stop)
+        with_retries(lambda: call(grpc.StatusCode.FAILED_PRECONDITION), "shard 0", give_up=lambda: False, stop=stop)
     assert len(calls) == 1

@@ -77,6 +77,9 @@ def example_arguments(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--catch-up-seconds", type=float, default=3.0,
                         help="after training, follow the global model until it is quiet this long (or SIGTERM)")
+    parser.add_argument("--export", metavar="DIR",
+                        help="at the end, write the global model as of this learner's leave to DIR as a Hugging Face "
+                             "folder (config.json, model.safetensors) and validate it as from_pretrained loads it")
     return parser
 
 

@@ -7,12 +7,16 @@ is downloaded.
 
 The DiLoCo lines are marked `# DiLoCo`; everything else is what the script would be without it.
 `--no-sync` trains alone with the same budget (DecoupledDiLoCo(enabled=False)): a baseline.
+`--export DIR` writes the global model as of this learner's leave as a Hugging Face folder and
+validates it as `AutoModelForCausalLM.from_pretrained(DIR)` loads it. The run's final model is
+the last learner's to leave; `diloco export --config ... --out DIR` pulls it from the shards.
 """
 import pathlib
 import sys
 
 import torch
 from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM
 
 from diloco import DecoupledDiLoCo
 from diloco.services.contract.config import load_config
@@ -51,6 +55,9 @@ def main():
                 if sync.should_stop:  # DiLoCo
                     break
 
+    if args.export and not args.no_sync:  # the budget spent, `model` is that global model too
+        sync.export(args.export)  # DiLoCo: config.json and model.safetensors
+        model = AutoModelForCausalLM.from_pretrained(args.export)
     validation["end"] = validation_loss(model, validation_data)
     write_losses(args, len(losses), losses, validation)
 

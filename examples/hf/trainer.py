@@ -11,7 +11,7 @@ import sys
 import tempfile
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from diloco.integrations.hf import DecoupledDiLoCoCallback
 from diloco.services.contract.config import load_config
@@ -40,7 +40,10 @@ def main():
             disable_tqdm=True, include_num_input_tokens_seen=True)  # DiLoCo: tokens per step from the Trainer
         trainer = Trainer(model=model, args=training, train_dataset=ByteWindows(train_data, SEQ_LEN),
                           callbacks=[callback])  # DiLoCo
-        trainer.train()
+        trainer.train()  # DiLoCo: after it, `model` is the global model as of this learner's leave
+        if args.export:
+            trainer.save_model(args.export)  # config.json and model.safetensors of that global model
+            model = AutoModelForCausalLM.from_pretrained(args.export)
 
     validation["end"] = validation_loss(model, validation_data)
     train_losses = [(entry["step"], entry["loss"]) for entry in trainer.state.log_history if "loss" in entry]

@@ -6,7 +6,8 @@ import argparse
 import collections
 import sys
 
-from diloco.services.contract.config import ConfigError, check_factories, load_config
+from diloco.services.contract.config import (Config, ConfigError, TransformersModelConfig, check_factories,
+                                             load_config)
 from diloco.services.contract.tls import certs_dir
 
 
@@ -36,9 +37,18 @@ def run(args: argparse.Namespace) -> int:
           f"outer lr={syncer.outer_optimizer.lr} momentum={cfg.outer_momentum():.3g}"
           + (f" (auto: {cfg.syncs_per_fragment():.0f} syncs per fragment)"
              if syncer.outer_optimizer.momentum == "auto" else ""))
-    model = cfg.model if isinstance(cfg.model, str) else (
-        f"{cfg.model.family} {cfg.model.n_layer} layers x {cfg.model.n_embd}, context {cfg.model.seq_len}")
-    print(f"  model      {model}")
+    print(f"  model      {model_summary(cfg)}")
     tls = cfg.tls.mode if cfg.tls.mode == "plaintext" else f"mtls, certificates in {certs_dir(cfg)} (diloco certs)"
     print(f"  transport  {tls}")
     return 0
+
+
+def model_summary(cfg: Config) -> str:
+    """The model in a line, saying so when it is the default of a config without `model:`."""
+    model = cfg.model
+    if isinstance(model, str):
+        return f"{model} (a factory)"
+    if isinstance(model, TransformersModelConfig):
+        return f"transformers {model.transformers}, context {model.seq_len}"
+    summary = f"{model.family} {model.n_layer} layers x {model.n_embd}, context {model.seq_len}"
+    return summary if "model" in cfg.model_fields_set else f"{summary} (the default: the config has no model:)"

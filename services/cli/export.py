@@ -1,5 +1,6 @@
 """`diloco export --config C --out DIR`: the run's global model from its shards into DIR
-(model.safetensors and export.json; services/export.py says what they hold)."""
+(model.safetensors and export.json, and config.json for `model: {transformers: ...}`;
+services/export.py says what they hold)."""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +31,9 @@ def run(args: argparse.Namespace) -> int:
     except ExportError as error:
         print(f"export failed: {error}", file=sys.stderr)
         return 1
+    except ConfigError as error:  # the config's transformers model, for config.json
+        print(f"invalid: {error}", file=sys.stderr)
+        return 2
     out = pathlib.Path(args.out)
     write_export(model, out)
     versions = [f.version for f in model.fragments]

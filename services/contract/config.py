@@ -14,10 +14,10 @@ import importlib
 import pathlib
 import re
 import tempfile
-from typing import Annotated, Callable, Literal, Union
+from typing import Annotated, Any, Callable, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from diloco.services.contract.codecs import CODEC_NAMES
 
@@ -179,14 +179,39 @@ class GPTConfig(_Section):
     dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
 
 
+class TransformersModelConfig(_Section):
+    """Any Hugging Face transformers causal LM (the `hf` extra), built from its config with random
+    weights (nothing is downloaded) and trained on the built-in data's bytes as tokens: its
+    class (a transformers class name, e.g. LlamaForCausalLM, or "pkg.module:Class"), the keyword
+    arguments of that class's config (vocab_size at least 256), and the context it trains on."""
+    transformers: Annotated[str, Field(pattern=r"^([A-Za-z_][\w.]*:)?[A-Za-z_]\w*$")]
+    config: dict[str, Any] = {}
+    seq_len: PositiveInt
+
+
+Factory = Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]  # "pkg.module:factory"
+
+
+def _model_kind(value: object) -> str:
+    """Which form of `model:` a value is, so that an error speaks of that form's keys only (the
+    tags are not keys: _key_path leaves them out)."""
+    if isinstance(value, str):
+        return "Factory"
+    if isinstance(value, TransformersModelConfig) or (isinstance(value, dict) and "transformers" in value):
+        return "TransformersModelConfig"
+    return "GPTConfig"
+
+
+ModelSpec = Annotated[Union[Annotated[Factory, Tag("Factory")],
+                            Annotated[TransformersModelConfig, Tag("TransformersModelConfig")],
+                            Annotated[GPTConfig, Tag("GPTConfig")]], Discriminator(_model_kind)]
+
+
 class CorpusConfig(_Section):
     """The built-in corpus: the Python standard library's own .py sources."""
     corpus: Literal["python-stdlib"] = "python-stdlib"
     validation_fraction: Annotated[float, Field(gt=0.0, lt=0.5)] = 0.05
     max_bytes: PositiveInt | None = None  # read at most this much of the corpus
-
-
-Factory = Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]  # "pkg.module:factory"
 
 
 class RpcConfig(_Section):
@@ -241,7 +266,7 @@ class Config(_Section):
     sync: SyncConfig = SyncConfig()
     syncer: SyncerConfig = SyncerConfig()
     trainer: TrainerConfig = TrainerConfig()
-    model: Union[Factory, GPTConfig] = GPTConfig()
+    model: ModelSpec = GPTConfig()
     data: Union[Factory, CorpusConfig] = CorpusConfig()
     rpc: RpcConfig = RpcConfig()
     tls: TlsConfig = TlsConfig()
@@ -253,6 +278,15 @@ class Config(_Section):
                 return learner
         raise ConfigError(f"learners: no learner with id {learner_id!r} "
                           f"(known: {', '.join(l.id for l in self.learners)})")
+
+    def model_name(self) -> str:
+        """The model in a word, for reports: a factory's spec, a transformers class or the
+        built-in family."""
+        if isinstance(self.model, str):
+            return self.model
+        if isinstance(self.model, TransformersModelConfig):
+            return self.model.transformers
+        return self.model.family
 
     def tokens_per_step(self) -> int:
         """What one process of the built-in learner trains on per inner step: trainer.batch_size x
@@ -414,12 +448,50 @@ def resolve_factory(spec: str, key: str) -> Callable:
 
 
 def check_factories(cfg: Config) -> None:
-    """Resolves the model and data factories a config names instead of the built-in ones, so
-    that a typo fails here rather than in every learner at start-up."""
+    """Resolves the model and data factories (or the transformers class) a config names instead
+    of the built-in ones, so that a typo fails here rather than in every learner at start-up."""
     for key in ("model", "data"):
         spec = getattr(cfg, key)
         if isinstance(spec, str):
             resolve_factory(spec, key)
+    if isinstance(cfg.model, TransformersModelConfig):
+        transformers_config(cfg.model)
+
+
+def transformers_class(spec: TransformersModelConfig) -> type:
+    """The causal LM class `model.transformers` names. ConfigError naming the key."""
+    if ":" in spec.transformers:
+        return resolve_factory(spec.transformers, "model.transformers")
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(f"model.transformers: {spec.transformers!r} needs the transformers package "
+                          "(pip install 'diloco[hf]')") from None
+    model_class = getattr(transformers, spec.transformers, None)
+    if not isinstance(model_class, type) or not hasattr(model_class, "config_class"):
+        raise ConfigError(f"model.transformers: transformers has no model class {spec.transformers!r} "
+                          "(e.g. LlamaForCausalLM, GPT2LMHeadModel)")
+    return model_class
+
+
+def transformers_config(spec: TransformersModelConfig):
+    """The model's transformers config (a PretrainedConfig) from `model.config`. ConfigError
+    naming the key that does not fit the byte-level data."""
+    model_class = transformers_class(spec)
+    try:
+        config = model_class.config_class(**spec.config)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"model.config: {error}") from None
+    config.architectures = [model_class.__name__]  # as save_pretrained writes it
+    vocab_size = getattr(config, "vocab_size", None)
+    if not isinstance(vocab_size, int) or vocab_size < 256:
+        raise ConfigError(f"model.config.vocab_size: {vocab_size!r}; the learner's tokens are bytes, so it must "
+                          "be at least 256")
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and positions < spec.seq_len:
+        raise ConfigError(f"model.seq_len: {spec.seq_len} is longer than model.config.max_position_embeddings "
+                          f"({positions})")
+    return config
 
 
 def check_state_folder(folder: pathlib.Path) -> None:
