@@ -48,13 +48,14 @@ class RoundCloser:
         if state.failure is not None:
             return False
         started = self.clock()
-        # Whom a round waits for: the live learners, or with wait_for_all (synchronous data
-        # parallel) every learner still in the run, also while it is down.
+        # Whom a round waits for: the live learners that had joined when it opened, or with
+        # wait_for_all (synchronous data parallel) every learner still in the run, also while
+        # it is down.
         if self.wait_for_all:
             live_ids = self.membership.member_ids()
             reason = state.round.synchronous_close_reason(live_ids, self.membership.departed_ids())
         else:
-            live_ids = self.membership.live_ids(started)
+            live_ids = self.membership.awaited_ids(started, state.round.first_at)
             reason = state.round.close_reason(live_ids, started, state.grace.seconds(),
                                               self.membership.member_ids(), self.membership.departed_ids())
         if reason is None:

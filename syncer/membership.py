@@ -41,6 +41,7 @@ class Learner:
     incarnation: int
     last_seen: float  # last join, heartbeat or push, on the core's clock
     lease_expires: float
+    joined_at: float = 0.0
     left: bool = False
     expired: bool = False  # set (and counted) the first time the lease is seen expired
     step: int = 0
@@ -83,7 +84,7 @@ class Membership:
                               f"learner {learner_id!r} incarnation {incarnation} is older than its "
                               f"joined incarnation {current.incarnation}")
             self._learners[learner_id] = Learner(learner_id, region, incarnation, now,
-                                                 now + self._lease_seconds)
+                                                 now + self._lease_seconds, joined_at=now)
         self._counters.add("learners.rejoined" if current is not None else "learners.joined")
 
     def authenticate(self, learner_id: str, incarnation: int, now: float) -> None:
@@ -145,10 +146,17 @@ class Membership:
             learner.left = True
         self._counters.add("learners.left")
 
-    def live_ids(self, now: float) -> frozenset[str]:
+    def awaited_ids(self, now: float, round_opened_at: float | None) -> frozenset[str]:
+        """Whom a round that opened at `round_opened_at` waits for: the live learners that had
+        joined by then. One that (re)joined later syncs in phase with the others, so its next
+        push of the fragment comes a whole period later: waiting for it would hold the round,
+        and every learner waiting for its result, that long. Every live learner when none had
+        joined by then (the shard restarted, and replayed the round before anyone rejoined)."""
         with self._lock:
-            return frozenset(learner.id for learner in self._learners.values()
-                             if self._refresh(learner, now).alive)
+            live = [learner for learner in self._learners.values() if self._refresh(learner, now).alive]
+            joined = frozenset(learner.id for learner in live
+                               if round_opened_at is None or learner.joined_at <= round_opened_at)
+            return joined or frozenset(learner.id for learner in live)
 
     def member_ids(self) -> frozenset[str]:
         """Learners that joined and have not left, live or not: whom a synchronous round

@@ -117,6 +117,20 @@ def test_an_attend_call_that_was_replaced_or_outlived_a_leave_or_a_rejoin_change
         shard.core.attend("a", 2)
 
 
+def test_a_round_does_not_wait_for_a_learner_that_rejoined_after_it_opened():
+    shard = Shard(make_config(quorum=3, lease_seconds=60.0, grace={"mode": "fixed", "seconds": 60.0}))
+    shard.push("a", 0, delta(1, shard.numel()))
+    shard.clock.advance(0.5)
+    shard.core.join("c", 2, "r", MANIFEST)  # c restarted: its next push of fragment 0 is a period away
+    shard.push("b", 0, delta(2, shard.numel()))
+    assert shard.version() == 1 and shard.core.fragments[0].committed.last_round.close_reason == "all"
+    shard.push("a", 0, delta(3, shard.numel()), base=1)  # the next round waits for c again
+    shard.push("b", 0, delta(4, shard.numel()), base=1)
+    assert shard.core.tick() == [] and shard.version() == 1
+    shard.push("c", 0, delta(5, shard.numel()), base=1, incarnation=2)
+    assert shard.version() == 2
+
+
 def test_a_round_with_some_of_the_live_learners_counts_for_their_share():
     # Learners out of lockstep: each of one period's three contributions closes its own round.
     sgd = {"lr": 1.0, "momentum": 0.0, "nesterov": False}

@@ -84,6 +84,21 @@ def test_restart_restores_committed_state_and_open_round_bit_for_bit(tmp_path):
     assert core.status().fragments[0].merged_tokens == 9 * 1000 + 1000 + 7 + 30
 
 
+def test_a_round_replayed_before_anyone_rejoined_waits_for_every_live_learner(tmp_path):
+    store = ShardStore(tmp_path)
+    shard = Shard(make_config(quorum=3, lease_seconds=60.0, grace={"mode": "fixed", "seconds": 60.0}),
+                  journal=store)
+    shard.push("a", 0, delta(1, shard.numel()))
+    store.close()
+    shard.clock.advance(1.0)
+    core = restarted(shard, tmp_path, rejoin=LEARNERS)  # every learner joined after the round opened
+    assert core.tick() == []
+    shard.push("b", 0, delta(2, shard.numel()))
+    assert core.tick() == []  # c, live, has not contributed
+    shard.push("c", 0, delta(3, shard.numel()))
+    assert shard.version() == 1 and core.fragments[0].committed.last_round.contributors == 3
+
+
 def test_a_torn_log_record_is_dropped_and_the_log_stays_appendable(tmp_path):
     cfg = make_config(quorum=3)
     shard = Shard(cfg, journal=ShardStore(tmp_path))
