@@ -136,6 +136,18 @@ class Membership:
         with self._lock:
             return frozenset(learner.id for learner in self._learners.values() if learner.left)
 
+    def reported_tokens(self, now: float, budget: int) -> tuple[float, float]:
+        """(every learner's tokens as reported, a live one's grown at its rate since, each at
+        most `budget`; the live learners' tokens per second). Reads the records in place: a
+        heartbeat asks for this, and copying every record for it cost more than the rest of
+        the heartbeat."""
+        with self._lock:
+            learners = [self._refresh(learner, now) for learner in self._learners.values()]
+            heard = sum(min(budget, l.tokens + (l.tokens_per_second * (now - l.heartbeat_at)
+                                                if l.alive and l.heartbeat_at else 0.0))
+                        for l in learners)
+            return heard, sum(l.tokens_per_second for l in learners if l.alive)
+
     def learners(self, now: float) -> list[Learner]:
         """Copies, in join order, for reporting."""
         with self._lock:
