@@ -101,7 +101,6 @@ class Membership:
                               f" (last seen {now - learner.last_seen:.1f}s ago): join again")
             learner.last_seen = now
             learner.lease_expires = now + self._lease_seconds
-            self._live_until = min(self._live_until, learner.lease_expires)  # a clock that went back
 
     def heartbeat(self, learner_id: str, incarnation: int, now: float, report: HeartbeatReport) -> None:
         self.authenticate(learner_id, incarnation, now)
