@@ -50,11 +50,12 @@ class RoundCloser:
         started = self.clock()
         # Whom a round waits for: the live learners, or with wait_for_all (synchronous data
         # parallel) every learner still in the run, also while it is down.
+        live_ids = self.membership.member_ids() if self.wait_for_all else self.membership.live_ids(started)
+        if state.round.count == 0:  # most fragments at a tick (who is live was asked: that counts ended leases)
+            return False
         if self.wait_for_all:
-            live_ids = self.membership.member_ids()
             reason = state.round.synchronous_close_reason(live_ids, self.membership.departed_ids())
         else:
-            live_ids = self.membership.live_ids(started)
             reason = state.round.close_reason(live_ids, started, state.grace.seconds(),
                                               self.membership.member_ids(), self.membership.departed_ids())
         if reason is None:

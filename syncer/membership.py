@@ -146,7 +146,8 @@ class Membership:
     def _members_and_departed(self) -> tuple[frozenset[str], frozenset[str]]:
         if self._roster is None:
             learners = self._learners.values()
-            self._roster = (frozenset(l.id for l in learners if not l.left), frozenset(l.id for l in learners if l.left))
+            self._roster = (frozenset(l.id for l in learners if not l.left),
+                            frozenset(l.id for l in learners if l.left))
         return self._roster
 
     def _refresh_all(self, now: float) -> frozenset[str]:
