@@ -161,9 +161,8 @@ class Membership:
 
     def reported_tokens(self, now: float, budget: int) -> tuple[float, float]:
         """(every learner's tokens as reported, a live one's grown at its rate since, each at
-        most `budget`; the live learners' tokens per second). Reads the records in place: a
-        heartbeat asks for this, and copying every record for it cost more than the rest of
-        the heartbeat."""
+        most `budget`; the live learners' tokens per second). Every heartbeat asks for this: it
+        reads the records in place, where copies would cost more than the rest of a heartbeat."""
         with self._lock:
             self._refresh_all(now)
             learners = self._learners.values()
