@@ -391,7 +391,9 @@ def plan(section: dict, out: pathlib.Path) -> list[str]:
              f"example's (chip MTBF 50,000 hours, as Llama 3's fleet; repairs lognormal, median 5 minutes) and a "
              f"milder one (chip MTBF 200,000 hours, the same repairs). dp and elastic run in {slices} slices (the "
              f"JSON has every M). Goodput = kept compute / provisioned chip time; the paper's figures are at 1.2M "
-             f"chips, its failure model not public.", ""]
+             f"chips, its failure model not public. In this model the fleet's size changes only how often a unit "
+             f"fails (chips per unit / MTBF; the step time, batch and links per learner stay), so the milder model "
+             f"at 4N chips repeats the example's figures at N.", ""]
     chips = sorted({r["chips"] for r in first})
     paper = section["paper"]
     for model in section["models"]:
