@@ -20,6 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 UTILISATION_TARGET = 0.95
+PLAN_SPEED_TARGET_SECONDS = 300  # one day of 2.4M chips at M = 16, every mode (issue 34)
 HISTORY = pathlib.Path(__file__).resolve().parent / "history.md"
 
 
@@ -379,6 +380,61 @@ def hf(section: dict, out: pathlib.Path) -> list[str]:
     return lines
 
 
+def plan(section: dict, out: pathlib.Path) -> list[str]:
+    first = section["models"][0]["rows"]
+    slices = max(r["learners"] for r in first)
+    lines = [f"`diloco plan` ([docs/planning.md](docs/planning.md)): the whole run in virtual time, Decoupled DiLoCo's "
+             f"decisions made by the real `ShardCore` and `LearnerSchedule`. The example's settings "
+             f"({code(section['config'])}: H = P = 24, tau = 2, K = 1, int4, a 12B model, 1 s steps, a syncer "
+             f"closing rounds at 1e9 parameters per second; dp checkpoints every 10 minutes and reloads in 1, elastic "
+             f"reconfigures in 30 s) with the links and run length of the commands below. Failure models: the "
+             f"example's (chip MTBF 50,000 hours, as Llama 3's fleet; repairs lognormal, median 5 minutes) and a "
+             f"milder one (chip MTBF 200,000 hours, the same repairs). dp and elastic run in {slices} slices (the "
+             f"JSON has every M). Goodput = kept compute / provisioned chip time; the paper's figures are at 1.2M "
+             f"chips, its failure model not public. In this model the fleet's size changes only how often a unit "
+             f"fails (chips per unit / MTBF; the step time, batch and links per learner stay), so the milder model "
+             f"at 4N chips repeats the example's figures at N.", ""]
+    chips = sorted({r["chips"] for r in first})
+    paper = section["paper"]
+    for model in section["models"]:
+        by_key = {(r["mode"], r["learners"], r["chips"]): r for r in model["rows"]}
+        learners = sorted({r["learners"] for r in model["rows"]})
+        labels = [("dp", slices, f"data parallel ({slices} slices)"),
+                  ("elastic", slices, f"elastic data parallel ({slices} slices)"),
+                  *(("diloco", m, f"Decoupled DiLoCo M={m}") for m in learners)]
+        body = [[label, *(f"**{pct(by_key[mode, m, c]['goodput'])}**" for c in chips),
+                 pct(paper[key]) if (key := plan_label(by_key[mode, m, chips[0]])) in paper else "-"]
+                for mode, m, label in labels]
+        body.append([f"failures in the run (M={slices})", *(by_key["dp", slices, c]["failures"] for c in chips), ""])
+        lines += [f"**{model['name']} failure model**: {code(model['command'])}", ""]
+        lines += table(["goodput", *(f"{c:,} chips" for c in chips), "paper (1.2M chips)"], body)
+    speed, (run, *_) = section["speed"], section["speed"]["rows"]
+    lines += [f"The planner's own speed: {run['hours']:g} simulated hours of {run['chips']:,} chips at "
+              f"M={run['learners']}, every mode, in {plan_speed_seconds(section):.0f} s of wall time ({plan_speed_verdict(section)}), "
+              f"at the example's failure model and links: {code(speed['command'])}.", ""]
+    lines += table(["mode", "M", "chips", "goodput", "wall s", "events", "events/s"],
+                   [[r["mode"], r["learners"], f"{r['chips']:,}", pct(r["goodput"]), f"{r['speed']['wall_seconds']:.1f}",
+                     f"{r['speed']['events']:,}", f"{r['speed']['events_per_second']:,.0f}"] for r in speed["rows"]])
+    return lines
+
+
+def plan_label(row: dict) -> str:
+    """dp, elastic, or diloco M=<learners>: the keys of the paper's figures."""
+    return f"diloco M={row['learners']}" if row["mode"] == "diloco" else row["mode"]
+
+
+def plan_speed_seconds(section: dict) -> float:
+    return sum(r["speed"]["wall_seconds"] for r in section["speed"]["rows"])
+
+
+def plan_speed_verdict(section: dict) -> str:
+    """Against the target where the run is the target's size (a quick profile's is not)."""
+    run = section["speed"]["rows"][0]
+    if run["chips"] < 2.4e6 or run["learners"] < 16 or run["hours"] < 24:
+        return "-"
+    return f"target: under {PLAN_SPEED_TARGET_SECONDS // 60} minutes, " + verdict(plan_speed_seconds(section) < PLAN_SPEED_TARGET_SECONDS)
+
+
 def summary(results: dict) -> list[str]:
     """One headline row per section that ran, with its target or anchor and whether it was met."""
     rows = []
@@ -460,14 +516,30 @@ def summary(results: dict) -> list[str]:
         rows.append(["8. HF Llama", f"sync on / off {h['ratio']:.3f} (pairs {pair_range(h)}), "
                      f"{h['sync_on_step_seconds'] * 1e3:.1f} vs {h['sync_off_step_seconds'] * 1e3:.1f} ms/step",
                      f"<= {h['target_ratio']}", verdict(h["ratio"] <= h["target_ratio"])])
+    if "plan" in results:
+        p = results["plan"]
+        example = p["models"][0]["rows"]
+        chips = min({r["chips"] for r in example}, key=lambda c: abs(c - 1.2e6))  # the paper's scale, or the nearest
+        slices = max(r["learners"] for r in example)
+        shown = sorted((r for r in example if r["chips"] == chips and (r["mode"] == "diloco" or r["learners"] == slices)),
+                       key=lambda r: (r["mode"] == "diloco", r["mode"] == "elastic", r["learners"]))
+        run = p["speed"]["rows"][0]
+        rows.append(["9. plan", f"at {chips:,} chips, example failures: "
+                     + ", ".join(f"{plan_label(r)} {pct(r['goodput'])}" for r in shown)
+                     + f"; {run['hours']:g} hours of {run['chips']:,} chips (M={run['learners']}) in every mode "
+                     f"simulated in {plan_speed_seconds(p):.0f} s",
+                     "paper at 1.2M chips: " + ", ".join(f"{k} {pct(v)}" for k, v in p["paper"].items())
+                     + f"; a day of 2.4M chips in under {PLAN_SPEED_TARGET_SECONDS // 60} minutes",
+                     plan_speed_verdict(p)])
     return table(["section", "headline (this run)", "target or anchor", "verdict"], rows)
 
 
 TITLES = {"quality": "1. Quality at equal tokens", "bandwidth": "2. Bandwidth", "goodput": "3. Goodput under failures",
           "overlap": "4. Overlap", "transport": "5. Transport and syncer", "recovery": "6. Recovery",
-          "user_loop": "7. The API in a user's loop", "hf": "8. Hugging Face Llama on the API (CPU)"}
+          "user_loop": "7. The API in a user's loop", "hf": "8. Hugging Face Llama on the API (CPU)",
+          "plan": "9. Planning at datacenter scale (`diloco plan`)"}
 RENDERERS = {"quality": quality, "bandwidth": bandwidth, "goodput": goodput, "overlap": overlap,
-             "transport": transport, "recovery": recovery, "user_loop": user_loop, "hf": hf}
+             "transport": transport, "recovery": recovery, "user_loop": user_loop, "hf": hf, "plan": plan}
 
 
 def later_run(run: dict) -> str:

@@ -6,7 +6,7 @@ the plots under bench/plots/.
     python bench/run_all.py --quick --sections transport --out /tmp/b   # a subset, elsewhere
     python bench/run_all.py --sections user_loop,hf --merge   # run these again, keep the rest
 
-Eight sections (issues #8 and #17), each from real processes talking gRPC on loopback:
+Nine sections (issues #8, #17 and #34), the first eight from real processes talking gRPC on loopback:
 1. quality: final validation loss of the global model against data parallel (`diloco sim
    --mode dp`: one torch.distributed job, gradients averaged every step) at the same model,
    data, seed and tokens, several H, seeds for the headline rows, one learner alone;
@@ -15,7 +15,9 @@ Eight sections (issues #8 and #17), each from real processes talking gRPC on loo
 3. goodput: diloco and dp under SIGKILLs of learners at three failure rates;
 4. overlap: bench/overlap.py; 5. transport and syncer: bench/syncer_push.py and bench/syncer_scale.py;
 6. recovery: bench/recovery.py; 7. user loop: bench/user_loop.py (the API in a plain PyTorch
-loop against the same loop with sync off); 8. hf: bench/hf_overlap.py (a Hugging Face Llama).
+loop against the same loop with sync off); 8. hf: bench/hf_overlap.py (a Hugging Face Llama); 9. plan: `diloco plan`'s
+goodput at 150k to 2.4M chips (dp, elastic, Decoupled DiLoCo M = 2 to 16, two failure models; about
+half an hour, never in CI) and its own speed on one day of 2.4M chips.
 Commands run one after another, never two at once, so timings do not compete with each other
 (other tenants of the machine still may: timings are medians of repeats). Every row of
 BENCHMARKS.md names its command; the runner only adds where the output goes (--run-dir,
@@ -45,7 +47,7 @@ from bench.report import render  # noqa: E402
 from diloco.services.contract.config import load_config  # noqa: E402
 from diloco.localcluster.chaos import Chaos  # noqa: E402
 
-SECTIONS = ("quality", "bandwidth", "goodput", "overlap", "transport", "recovery", "user_loop", "hf")
+SECTIONS = ("quality", "bandwidth", "goodput", "overlap", "transport", "recovery", "user_loop", "hf", "plan")
 # The global model within this of data parallel at equal tokens, by M, for H <= 50 (issue 28).
 QUALITY_TARGETS = {4: 0.03, 8: 0.05}
 QUALITY_TARGET_MAX_H = 50
@@ -59,6 +61,11 @@ SIM_CONFIG = "bench/cluster.yaml"
 GOODPUT_CONFIG = "examples/local-4-regions.yaml"
 GOODPUT_OVERRIDES = ("trainer.eval_every=250", "trainer.checkpoint_every=25")
 SIM_POLL_SECONDS = 0.5  # how often `diloco sim` acts on its failure schedule
+PLAN_CONFIG = "examples/plan/datacenter.yaml"  # the example failure model of docs/planning.md
+# The milder failure model: chips four times as reliable as Llama 3's, the same repairs.
+PLAN_FAILURE_MODELS = {"example": (), "milder": ("--chip-mtbf-hours", "200000")}
+# At 1.2M chips, as docs/planning.md quotes the paper (its failure model is not public).
+PAPER_PLAN = {"dp": 0.27, "elastic": 0.58, "diloco M=8": 0.88, "diloco M=16": 0.93}
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,8 @@ class Profile:
     recovery: tuple[str, ...]  # of bench/recovery.py
     user_loop: tuple[str, ...]  # of bench/user_loop.py
     hf: tuple[str, ...]  # of bench/hf_overlap.py
+    plan: tuple[str, ...]  # of `diloco plan` for the goodput table, besides the config and failure model
+    plan_speed: tuple[str, ...]  # of `diloco plan` for its speed figure
 
 
 SEEDS = (1, 2, 3)  # of the headline rows
@@ -103,7 +112,10 @@ FULL = Profile("full", steps=3000, quality=(
                # 8 iterations: at 16M a push phase takes a tenth of a second, and single ones vary by +-20 %
                transport=("--params", "16000000", "--rounds", "8", "--shards", "1", "2", "--memory-state"), scale=(),
                recovery=("--sizes", "2x64", "4x256", "4x512", "--kills", "3"),
-               user_loop=("--pairs", "3"), hf=("--steps", "300", "--repeats", "3"))
+               user_loop=("--pairs", "3"), hf=("--steps", "300", "--repeats", "3"),
+               plan=("--chips", "153600,307200,614400,1228800,2457600", "--learners", "2,4,8,16", "--hours", "6",
+                     "--wan-gbps", "20"),
+               plan_speed=("--chips", "2457600", "--learners", "16", "--hours", "24"))
 QUICK = Profile("quick", steps=60, quality=(QualityRun("gpt", 2, 10, "int4"), QualityRun("gpt", 2, 25, "int4", (1, 2)),
                                              QualityRun("gpt", 2, 25, "int4", (1, 2), learner_script=PLAIN_LOOP)),
                 goodput_learners=2, goodput_seconds=20, down_shares=(0.25,), restart_delay=4.0,
@@ -111,7 +123,9 @@ QUICK = Profile("quick", steps=60, quality=(QualityRun("gpt", 2, 10, "int4"), Qu
                 transport=("--params", "1000000", "--rounds", "1", "--shards", "1", "2", "--memory-state"),
                 scale=("--params", "4000000", "--compare-params", "0", "--rounds", "2"),
                 recovery=("--sizes", "2x64", "--kills", "1"),
-                user_loop=("--pairs", "1", "--sizes", "demo"), hf=("--steps", "60", "--repeats", "1"))
+                user_loop=("--pairs", "1", "--sizes", "demo"), hf=("--steps", "60", "--repeats", "1"),
+                plan=("--chips", "153600,307200", "--learners", "2,4", "--hours", "0.05", "--wan-gbps", "20"),
+                plan_speed=("--chips", "153600", "--learners", "4", "--hours", "0.1"))
 
 
 class Runner:
@@ -137,6 +151,14 @@ class Runner:
         self.run(name, shown, [sys.executable, "-m", "diloco.services.cli", "sim", "--config", config, *flags,
                                "--quiet", "--run-dir", str(self.work / "runs" / name), "--report", str(report)])
         return {**json.loads(report.read_text()), "command": shlex.join(shown)}
+
+    def plan(self, name: str, flags: list[str]) -> dict:
+        """One `diloco plan` run: its results (JSON, each with its speed) and the command."""
+        shown = ["diloco", "plan", "--config", PLAN_CONFIG, *flags]
+        output = self.work / f"{name}.json"
+        self.run(name, shown, [sys.executable, "-m", "diloco.services.cli", "plan", "--config", PLAN_CONFIG, *flags,
+                               "--quiet", "--json", str(output)])
+        return {"results": json.loads(output.read_text()), "command": shlex.join(shown)}
 
     def script(self, name: str, script: str, args: tuple[str, ...]) -> dict:
         """One bench/ script run with --json; its figures with the command that made them."""
@@ -359,6 +381,31 @@ def goodput_section(runner: Runner, profile: Profile) -> dict:
             "restart_delay": profile.restart_delay, "rows": rows}
 
 
+# ---- 9: planning at datacenter scale ---------------------------------------------------------
+
+def plan_figures(result: dict) -> dict:
+    """What the section shows of one planned run (the JSON of `diloco plan` has every figure)."""
+    goodput = result["goodput"]
+    return {"mode": result["mode"], "learners": result["learners"], "chips": result["chips"],
+            "hours": result["seconds"] / 3600, "goodput": goodput["share"], "failures": result["failures"], "uptime": result["uptime"],
+            "badput_share": {k: v / goodput["provisioned_seconds"] for k, v in goodput["badput_seconds"].items()},
+            "wan_gbps_mean_peak": [result["bandwidth"]["mean_gbps"], result["bandwidth"]["peak_gbps"]]
+            if result["bandwidth"] else None, "speed": result["speed"]}
+
+
+def plan_section(runner: Runner, profile: Profile) -> dict:
+    """Goodput of every mode at every fleet size and M under each failure model, and the
+    planner's own speed on one day of 2.4M chips at M = 16 (the example's links: 5 Gbit/s)."""
+    models = []
+    for name, flags in PLAN_FAILURE_MODELS.items():
+        run = runner.plan(f"plan-{name}", [*flags, *profile.plan])
+        models.append({"name": name, "flags": list(flags), "command": run["command"],
+                       "rows": [plan_figures(result) for result in run["results"]]})
+    speed = runner.plan("plan-speed", list(profile.plan_speed))
+    return {"config": PLAN_CONFIG, "paper": PAPER_PLAN, "models": models,
+            "speed": {"command": speed["command"], "rows": [plan_figures(result) for result in speed["results"]]}}
+
+
 # ---- the machine and the whole run ---------------------------------------------------------
 
 def machine() -> dict:
@@ -420,6 +467,8 @@ def main() -> int:
         results["user_loop"] = runner.script("user_loop", "bench/user_loop.py", profile.user_loop)
     if "hf" in wanted:
         results["hf"] = runner.script("hf", "bench/hf_overlap.py", profile.hf)
+    if "plan" in wanted:
+        results["plan"] = plan_section(runner, profile)
     results["runner"] = {"command": shlex.join(["python", "bench/run_all.py", *sys.argv[1:]]),
                          "wall_seconds": time.monotonic() - started}
     out = pathlib.Path(args.out)

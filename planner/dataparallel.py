@@ -21,7 +21,7 @@ from diloco.planner.failures import FailureModel
 from diloco.planner.inputs import PlanInputs
 from diloco.planner.outcome import Ledger, PlanResult, Uptime
 
-Progress = Callable[[float], None]  # called with the virtual seconds reached
+Progress = Callable[[float], None]  # called with the virtual seconds reached, once per segment
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ def simulate_dp(inputs: PlanInputs, failures: FailureModel, progress: Progress) 
         end = segment.end
         if segment.down:
             ledger.add("down", (segment.end - segment.start) * m)
+            progress(end)
             continue
         restore = min(restore_left, segment.end - segment.start)
         ledger.add("restore", restore * m)
@@ -109,6 +110,7 @@ def simulate_elastic(inputs: PlanInputs, failures: FailureModel, progress: Progr
         ledger.add("down", length * len(segment.down))
         up = units - segment.down
         if not up:
+            progress(end)
             continue
         pause = min(pause_left, length)
         ledger.add("restore", pause * len(up))

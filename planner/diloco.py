@@ -358,8 +358,9 @@ class DilocoRun:
         self.core.heartbeat(learner.id, learner.incarnation, step=learner.steps, step_seconds=learner.step_seconds,
                             tokens_per_second=rate, sync_step=learner.steps + learner.schedule.sync_offset,
                             tokens=learner.tokens)
-        run_tokens, run_rate = self.core.run_tokens()
-        learner.schedule.heard_run_tokens(run_tokens, run_rate, learner.tokens, rate)
+        if self.inputs.target_tokens is not None:  # only a token budget reads the run's count
+            run_tokens, run_rate = self.core.run_tokens()
+            learner.schedule.heard_run_tokens(run_tokens, run_rate, learner.tokens, rate)
         self.queue.at(self.clock.now + self.cfg.trainer.heartbeat_seconds, lambda: self._heartbeat(learner, life))
 
     # ---- failures ------------------------------------------------------------------------

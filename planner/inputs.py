@@ -21,6 +21,7 @@ NonNegative = Annotated[float, Field(ge=0)]
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 _STRICT = ConfigDict(extra="forbid", strict=True)
+DEFAULT_HOURS = 2.0  # a run of a day or more is asked for: --hours 24
 
 
 class PlanError(ValueError):
@@ -37,16 +38,19 @@ class InjectedFailure:
 
 @dataclass(frozen=True, config=_STRICT)
 class PlanInputs:
+    # The defaults are the example of docs/planning.md at one fleet size, for two hours: a plan
+    # in seconds that tells the modes apart. Longer runs and sweeps are asked for.
     # The fleet: `chips` cut into M learner units (or data-parallel slices) of equal size.
-    chips: PositiveInt = 16384
+    chips: PositiveInt = 1_179_648
     learners: PositiveInt | None = None  # M; or give chips_per_learner (neither: M = 8)
     chips_per_learner: PositiveInt | None = None
     # Failures: each chip fails after an exponential time of mean chip_mtbf_hours (None: never,
     # save `failures`); its unit is then down for the repair time (a fixed time, or lognormal
-    # with that median and repair_sigma), which includes restarting its processes.
-    chip_mtbf_hours: Positive | None = 500_000.0
-    repair_minutes: NonNegative = 10.0
-    repair_distribution: Literal["fixed", "lognormal"] = "fixed"
+    # with that median and repair_sigma), which includes restarting its processes. By default
+    # one interruption per 50,000 chip-hours, as Llama 3's fleet had.
+    chip_mtbf_hours: Positive | None = 50_000.0
+    repair_minutes: NonNegative = 5.0
+    repair_distribution: Literal["fixed", "lognormal"] = "lognormal"
     repair_sigma: NonNegative = 0.5
     failures: tuple[InjectedFailure, ...] = ()
     # Speed: inner step time of each learner (one value: every learner), at a fixed share of
@@ -69,19 +73,20 @@ class PlanInputs:
     history_versions: PositiveInt = 32
     # The model and its traffic: bytes per sync from the codec; links per region (learner i is
     # in region i mod the number of regions); the syncer closes a round at this many
-    # parameters per second (by default what one shard measured: bench/history.md).
+    # parameters per second (by default a production shard's; one shard on 2 cores measured
+    # 41e6: bench/history.md).
     model_parameters: PositiveInt = 12_000_000_000
     codec: str = "int4"
     codec_block_size: PositiveInt = 128
     wan_gbps: tuple[Positive, ...] = (5.0,)
     wan_latency_ms: tuple[NonNegative, ...] = (30.0,)
-    syncer_params_per_second: Positive = 41e6
+    syncer_params_per_second: Positive = 1e9
     # Data parallel: checkpoint interval and reload; elastic: the pause to reconfigure.
-    checkpoint_minutes: Positive = 30.0
-    restore_minutes: NonNegative = 2.0
-    reconfigure_seconds: NonNegative = 60.0
+    checkpoint_minutes: Positive = 10.0
+    restore_minutes: NonNegative = 1.0
+    reconfigure_seconds: NonNegative = 30.0
     # The run's length: one of hours (wall time), steps (global steps at the full batch) or
-    # tokens (neither: 24 hours).
+    # tokens (neither: DEFAULT_HOURS).
     hours: Positive | None = None
     steps: PositiveInt | None = None
     tokens: PositiveInt | None = None
@@ -117,7 +122,7 @@ class PlanInputs:
         if self.hours is not None:
             return self.hours * 3600
         if self.target_tokens is None:
-            return 24 * 3600.0
+            return DEFAULT_HOURS * 3600
         # A budget run that has not ended by then is stuck (every learner down for good).
         return math.inf
 

@@ -14,12 +14,13 @@ import dataclasses
 import itertools
 import pathlib
 import sys
+import time
 
 import yaml
 
 from diloco.planner.inputs import PlanError, PlanInputs, load_file, load_inputs
 from diloco.planner.outcome import PlanResult
-from diloco.planner.report import plot, table, write_json
+from diloco.planner.report import Speed, plot, speed_table, table, write_json
 from diloco.planner.simulate import MODES, simulate
 
 SWEPT = ("chips", "learners", "chips_per_learner")  # keys that take a list of values to sweep
@@ -87,7 +88,8 @@ def _failure(text: str) -> dict:
 
 
 class Progress:
-    """A progress bar over virtual seconds (tqdm, as `diloco sim` uses), updated sparingly."""
+    """A progress bar over virtual seconds (tqdm, as `diloco sim` uses), updated sparingly; it
+    counts the events that report to it (every one of them does)."""
 
     def __init__(self, inputs: PlanInputs, mode: str, quiet: bool):
         from tqdm import tqdm
@@ -96,8 +98,10 @@ class Progress:
                                            desc=f"{mode} M={inputs.num_learners} chips={inputs.chips:,}",
                                            dynamic_ncols=True, leave=False)
         self.step = (total or 3600.0) / 200
+        self.events = 0
 
     def __call__(self, seconds: float) -> None:
+        self.events += 1
         if self.bar is not None and seconds - self.bar.n >= self.step:
             self.bar.update(seconds - self.bar.n)
 
@@ -116,15 +120,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"invalid: {error}", file=sys.stderr)
         return 2
     results: list[PlanResult] = []
+    speeds: list[Speed] = []
     for inputs, mode in itertools.product(points, modes):
         progress = Progress(inputs, mode, args.quiet)
+        started = time.perf_counter()
         results.append(simulate(inputs, mode, progress))
+        speeds.append(Speed(time.perf_counter() - started, progress.events))
         progress.close()
     print(table(results))
+    print()
+    print(speed_table(results, speeds))
     if args.json == "-":
-        write_json(results, pathlib.Path("/dev/stdout"))
+        write_json(results, speeds, pathlib.Path("/dev/stdout"))
     elif args.json:
-        write_json(results, pathlib.Path(args.json))
+        write_json(results, speeds, pathlib.Path(args.json))
         print(f"json: {args.json}")
     if args.plot:
         plot(results, pathlib.Path(args.plot))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from dataclasses import dataclass
 from itertools import groupby
 
 from diloco.planner.outcome import PlanResult
@@ -10,6 +11,18 @@ from diloco.services.contract.goodput import BADPUT, REMAINDER
 
 # The categories a planned run can have (the others belong to a real learner's loop).
 PLANNED_BADPUT = tuple(c for c in BADPUT if c not in ("startup", "evaluation", "checkpoint")) + (REMAINDER,)
+
+
+@dataclass(frozen=True)
+class Speed:
+    """How fast the planner simulated one run: kept out of PlanResult, which the inputs alone
+    determine."""
+    wall_seconds: float
+    events: int  # diloco: actions of the event queue; dp, elastic: stretches between fleet changes
+
+    def as_json(self) -> dict:
+        return {"wall_seconds": self.wall_seconds, "events": self.events,
+                "events_per_second": self.events / self.wall_seconds if self.wall_seconds else 0.0}
 
 
 def table(results: list[PlanResult]) -> str:
@@ -23,7 +36,21 @@ def table(results: list[PlanResult]) -> str:
                      f"{r.tokens_per_second:.3g}", f"{r.effective_share:.1%}", str(r.failures),
                      f"{r.bandwidth.mean_gbps:.2f}/{r.bandwidth.peak_gbps:.2f}" if r.bandwidth else "-",
                      _staleness(r.staleness) if r.staleness else "-"])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return _aligned(rows)
+
+
+def speed_table(results: list[PlanResult], speeds: list[Speed]) -> str:
+    rows = [["mode", "M", "chips", "wall s", "events", "events/s", "virtual s per wall s"]]
+    for r, speed in zip(results, speeds):
+        wall = max(speed.wall_seconds, 1e-9)
+        rows.append([r.mode, str(r.learners), f"{r.chips:,}", f"{speed.wall_seconds:.2f}", f"{speed.events:,}",
+                     f"{speed.events / wall:,.0f}", f"{r.seconds / wall:,.0f}"])
+    total = sum(speed.wall_seconds for speed in speeds)
+    return _aligned(rows) + f"\nsimulated in {total:.1f} s of wall time"
+
+
+def _aligned(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
 
 
@@ -33,8 +60,9 @@ def _staleness(counts: dict[str, int]) -> str:
     return f"{merged.get(0, 0)}/{merged.get(1, 0)}/{later}/{counts['refused']}"
 
 
-def write_json(results: list[PlanResult], path: pathlib.Path) -> None:
-    path.write_text(json.dumps([r.as_json() for r in results], indent=1))
+def write_json(results: list[PlanResult], speeds: list[Speed], path: pathlib.Path) -> None:
+    path.write_text(json.dumps([{**r.as_json(), "speed": speed.as_json()} for r, speed in zip(results, speeds)],
+                               indent=1))
 
 
 def plot(results: list[PlanResult], path: pathlib.Path) -> None:

@@ -14,5 +14,6 @@ MODES = tuple(SIMULATORS)
 
 
 def simulate(inputs: PlanInputs, mode: str, progress: Callable[[float], None] = lambda seconds: None) -> PlanResult:
-    """`progress` is called with the virtual seconds reached, often."""
+    """`progress` is called with the virtual seconds reached after every event (diloco: each
+    action of the event queue; dp, elastic: each stretch between fleet changes)."""
     return SIMULATORS[mode](inputs, FailureModel.from_inputs(inputs), progress)

@@ -51,11 +51,13 @@ class RoundCloser:
         # Whom a round waits for: the live learners that had joined when it opened, or with
         # wait_for_all (synchronous data parallel) every learner still in the run, also while
         # it is down.
+        live_ids = (self.membership.member_ids() if self.wait_for_all
+                    else self.membership.awaited_ids(started, state.round.first_at))
+        if state.round.count == 0:  # most fragments at a tick (who is live was asked: that counts ended leases)
+            return False
         if self.wait_for_all:
-            live_ids = self.membership.member_ids()
             reason = state.round.synchronous_close_reason(live_ids, self.membership.departed_ids())
         else:
-            live_ids = self.membership.awaited_ids(started, state.round.first_at)
             reason = state.round.close_reason(live_ids, started, state.grace.seconds(),
                                               self.membership.member_ids(), self.membership.departed_ids())
         if reason is None:

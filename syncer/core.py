@@ -114,14 +114,9 @@ class ShardCore:
         never less than a fragment's merged tokens, which are durable but lag by the steps
         since each learner's last contribution to it. No learner counts for more than its
         whole step budget at the most tokens per step."""
-        now = self.clock()
-        learners = self.membership.learners(now)
-        budget = self.claims.max_steps * self.claims.tokens_per_step
-        heard = sum(min(budget, l.tokens + (l.tokens_per_second * (now - l.heartbeat_at) if l.alive and l.heartbeat_at
-                                            else 0.0))
-                    for l in learners)
+        heard, rate = self.membership.reported_tokens(self.clock(), self.claims.max_steps * self.claims.tokens_per_step)
         merged = max((s.committed.merged_tokens for s in self.fragments.values() if s.committed), default=0)
-        return max(round(heard), merged), sum(l.tokens_per_second for l in learners if l.alive)
+        return max(round(heard), merged), rate
 
     def leave(self, learner_id: str, incarnation: int) -> None:
         with self.counters.counting_refusals():

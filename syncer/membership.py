@@ -15,6 +15,7 @@ mistaken for a live one.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -66,6 +67,11 @@ class Membership:
         self._learners: dict[str, Learner] = {}
         self._attendances = 0  # Attend calls numbered
         self._lock = threading.Lock()
+        # Every round close and heartbeat asks who is live or in the run: the answers are kept
+        # until a join, a leave or the earliest lease end (renewals only move leases later).
+        self._live: frozenset[str] | None = None
+        self._live_until = -math.inf
+        self._roster: tuple[frozenset[str], frozenset[str]] | None = None  # (members, departed)
 
     def check_allowed(self, learner_id: str) -> None:
         if learner_id not in self._allowed:
@@ -85,6 +91,7 @@ class Membership:
                               f"joined incarnation {current.incarnation}")
             self._learners[learner_id] = Learner(learner_id, region, incarnation, now,
                                                  now + self._lease_seconds, joined_at=now)
+            self._live = self._roster = None
         self._counters.add("learners.rejoined" if current is not None else "learners.joined")
 
     def authenticate(self, learner_id: str, incarnation: int, now: float) -> None:
@@ -127,6 +134,7 @@ class Membership:
                 return
             learner.expired = True
             learner.lease_expires = now
+            self._live = None
         self._counters.add("learners.disconnected")
 
     def record(self, learner_id: str, incarnation: int) -> Learner | None:
@@ -144,6 +152,7 @@ class Membership:
             if learner.left:
                 return
             learner.left = True
+            self._live = self._roster = None
         self._counters.add("learners.left")
 
     def awaited_ids(self, now: float, round_opened_at: float | None) -> frozenset[str]:
@@ -153,21 +162,50 @@ class Membership:
         and every learner waiting for its result, that long. Every live learner when none had
         joined by then (the shard restarted, and replayed the round before anyone rejoined)."""
         with self._lock:
-            live = [learner for learner in self._learners.values() if self._refresh(learner, now).alive]
-            joined = frozenset(learner.id for learner in live
-                               if round_opened_at is None or learner.joined_at <= round_opened_at)
-            return joined or frozenset(learner.id for learner in live)
+            live = self._refresh_all(now)
+            if round_opened_at is None:  # no round open: every live learner
+                return live
+            joined = frozenset(i for i in live if self._learners[i].joined_at <= round_opened_at)
+            return joined or live
 
     def member_ids(self) -> frozenset[str]:
         """Learners that joined and have not left, live or not: whom a synchronous round
         (wait_for_all) waits for."""
         with self._lock:
-            return frozenset(learner.id for learner in self._learners.values() if not learner.left)
+            return self._members_and_departed()[0]
 
     def departed_ids(self) -> frozenset[str]:
         """Learners that said goodbye (their budget spent, or a clean shutdown)."""
         with self._lock:
-            return frozenset(learner.id for learner in self._learners.values() if learner.left)
+            return self._members_and_departed()[1]
+
+    def _members_and_departed(self) -> tuple[frozenset[str], frozenset[str]]:
+        if self._roster is None:
+            learners = self._learners.values()
+            self._roster = (frozenset(l.id for l in learners if not l.left),
+                            frozenset(l.id for l in learners if l.left))
+        return self._roster
+
+    def _refresh_all(self, now: float) -> frozenset[str]:
+        """Marks every learner whose lease has ended by `now`; the live ones' ids. No lease ends
+        before the earliest one seen at the last count, so until then that count stands."""
+        if self._live is None or now >= self._live_until:
+            live = [learner for learner in self._learners.values() if self._refresh(learner, now).alive]
+            self._live = frozenset(learner.id for learner in live)
+            self._live_until = min((learner.lease_expires for learner in live), default=math.inf)
+        return self._live
+
+    def reported_tokens(self, now: float, budget: int) -> tuple[float, float]:
+        """(every learner's tokens as reported, a live one's grown at its rate since, each at
+        most `budget`; the live learners' tokens per second). Every heartbeat asks for this: it
+        reads the records in place, where copies would cost more than the rest of a heartbeat."""
+        with self._lock:
+            self._refresh_all(now)
+            learners = self._learners.values()
+            heard = sum(min(budget, l.tokens + (l.tokens_per_second * (now - l.heartbeat_at)
+                                                if l.alive and l.heartbeat_at else 0.0))
+                        for l in learners)
+            return heard, sum(l.tokens_per_second for l in learners if l.alive)
 
     def learners(self, now: float) -> list[Learner]:
         """Copies, in join order, for reporting."""
@@ -192,5 +230,6 @@ class Membership:
         if not learner.alive or now < learner.lease_expires:
             return learner
         learner.expired = True
+        self._live = None
         self._counters.add("learners.expired")
         return learner

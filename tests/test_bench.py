@@ -15,7 +15,7 @@ from bench.report import HISTORY, TITLES, render
 from bench.run_all import merged
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SECTIONS = ("quality", "bandwidth", "goodput", "overlap", "transport", "recovery", "user_loop", "hf")
+SECTIONS = ("quality", "bandwidth", "goodput", "overlap", "transport", "recovery", "user_loop", "hf", "plan")
 
 
 def is_number(value) -> bool:
@@ -68,6 +68,17 @@ def test_committed_results_hold_every_section_with_dp_beside_diloco():
         assert 0 < size["idle_step_call_share"] <= size["step_calls_share"]
         assert len(size["runs_off"]) == len(size["runs_on"]) == results["user_loop"]["pairs"]
     assert is_number(results["hf"]["ratio"])
+    plan = results["plan"]  # issue 34: every mode and M at 150k to 2.4M chips, two failure models
+    assert [model["name"] for model in plan["models"]] == ["example", "milder"]
+    for model in plan["models"]:
+        assert {(r["mode"], r["learners"], r["chips"]) for r in model["rows"]} == {
+            (mode, m, chips) for mode in ("dp", "elastic", "diloco") for m in (2, 4, 8, 16)
+            for chips in (153600, 307200, 614400, 1228800, 2457600)}
+        assert all(is_number(r["goodput"]) for r in model["rows"])
+    speed = plan["speed"]["rows"]
+    assert [(r["mode"], r["chips"], r["learners"], r["hours"]) for r in speed] == [
+        (mode, 2457600, 16, 24.0) for mode in ("dp", "elastic", "diloco")]
+    assert all(is_number(r["speed"]["events_per_second"]) for r in speed)
     assert is_number(results["runner"]["wall_seconds"])
 
 

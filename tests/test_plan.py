@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 from diloco.planner.failures import FailureModel
-from diloco.planner.inputs import PlanError, load_inputs
+from diloco.planner.inputs import PlanError, load_file, load_inputs
 from diloco.planner.simulate import simulate
 from diloco.services.cli import main
 
@@ -64,8 +64,8 @@ def test_one_failure_costs_dp_its_work_since_the_checkpoint_and_the_restart_but_
 
 def test_uptime_is_total_with_four_learners_at_a_modest_failure_rate_while_dp_stops():
     # Each unit fails about every 4 hours and is down 20 minutes.
-    inputs = plan(hours=12.0, chip_mtbf_hours=64.0, repair_minutes=20.0, step_seconds=(120.0,), lease_seconds=480.0,
-                  heartbeat_seconds=60.0)
+    inputs = plan(hours=12.0, chip_mtbf_hours=64.0, repair_minutes=20.0, repair_distribution="fixed",
+                  step_seconds=(120.0,), lease_seconds=480.0, heartbeat_seconds=60.0)
     diloco, dp = simulate(inputs, "diloco"), simulate(inputs, "dp")
     assert diloco.failures >= 8 and diloco.failures == dp.failures  # the same outages in every mode
     assert diloco.uptime == 1.0
@@ -78,13 +78,14 @@ def test_uptime_is_total_with_four_learners_at_a_modest_failure_rate_while_dp_st
 
 def test_a_units_failures_come_at_the_rate_of_its_chips_and_last_the_repair_time():
     # 16 chips of 1600 hours each: a unit fails every 100 hours of uptime on average.
-    failures = FailureModel.from_inputs(plan(chip_mtbf_hours=1600.0, repair_minutes=30.0))
+    failures = FailureModel.from_inputs(plan(chip_mtbf_hours=1600.0, repair_minutes=30.0, repair_distribution="fixed"))
     outages = list(itertools.islice(failures.outages(2), 2000))
     assert all(o.end - o.start == 1800.0 for o in outages)
     uptimes = [b.start - a.end for a, b in zip(outages, outages[1:])]
     assert sum(uptimes) / len(uptimes) == pytest.approx(100 * 3600, rel=0.05)
     # A unit's outages are its own: the same in a fleet of another size.
-    bigger = FailureModel.from_inputs(plan(chips=128, learners=8, chip_mtbf_hours=1600.0, repair_minutes=30.0))
+    bigger = FailureModel.from_inputs(plan(chips=128, learners=8, chip_mtbf_hours=1600.0, repair_minutes=30.0,
+                                           repair_distribution="fixed"))
     assert list(itertools.islice(bigger.outages(2), 10)) == outages[:10]
 
 
@@ -163,5 +164,21 @@ def test_the_command_names_a_bad_flag(capsys):
 def test_the_example_config_describes_the_documented_sweep(capsys):
     assert main(["plan", "--config", str(EXAMPLE), "--hours", "0.01", "--modes", "dp",
                  "--quiet"]) == 0
-    table = capsys.readouterr().out
+    table = capsys.readouterr().out.split("\n\n")[0]
     assert "1,179,648" in table and len(table.splitlines()) == 1 + 6  # 3 fleet sizes x M = 8, 16
+
+
+
+def test_without_arguments_the_command_plans_two_hours_of_the_documented_example(tmp_path, capsys):
+    defaults = load_inputs({})
+    # The example's failure model and settings at one of its fleet sizes: seconds of wall time.
+    assert defaults == load_inputs({**load_file(str(EXAMPLE)), "chips": 1179648, "learners": None, "hours": None})
+    assert defaults.num_learners == 8 and defaults.duration_seconds == 2 * 3600
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--hours", "0.1", "--fail", "2@60", "--quiet", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    goodput = {r["mode"]: r["goodput"]["share"] for r in results}
+    # One of 8 units down for 5 of the 6 minutes: data parallel stops, the others lose about an eighth.
+    assert goodput["dp"] < 0.3 and goodput["elastic"] > 0.8 and goodput["diloco"] > 0.8
+    assert all(r["speed"]["events"] > 0 and r["speed"]["wall_seconds"] > 0 for r in results)
+    assert "events/s" in capsys.readouterr().out

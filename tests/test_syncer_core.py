@@ -4,6 +4,7 @@ import contextlib
 import copy
 import errno
 import math
+import random
 
 import pytest
 import torch
@@ -14,8 +15,10 @@ from diloco.services.contract.config import ConfigError, parse_config
 from diloco.services.contract.payload import decode_payload, describe, iter_chunks
 from diloco.services.contract.wire import pb
 from diloco.syncer.core import ShardCore
+from diloco.syncer.counters import Counters
 from diloco.syncer.journal import NullJournal, Restored
 from diloco.syncer.grace import GraceWindow
+from diloco.syncer.membership import Membership
 from diloco.syncer.merge import RoundAccumulator, contribution_weight
 from diloco.syncer.refusal import Refusal
 from tests.shard_harness import LEARNERS, MANIFEST, Shard, delta, make_config
@@ -374,6 +377,45 @@ def test_membership_refuses_strangers_zombies_and_the_unjoined():
     assert "embed.w" in info.value.message
     counters = shard.core.counters.snapshot()
     assert counters["refusals.old_incarnation"] == 2 and counters["refusals.unknown_learner_id"] == 1
+
+
+def test_who_is_live_follows_every_join_renewal_leave_and_lease_end():
+    # Membership keeps its answers between changes: a plain model of the leases (live: joined,
+    # not left, renewed less than a lease ago, its Attend call not ended) must agree after every
+    # call, expiries counted once.
+    rng = random.Random(3)
+    counters = Counters()
+    membership = Membership(LEARNERS, 10.0, counters)
+    now, incarnation, lease_end, left, expired, expiries = 0.0, {}, {}, set(), set(), 0
+    for _ in range(3000):
+        learner, action = rng.choice(LEARNERS), rng.random()
+        if action < 0.1:
+            incarnation[learner] = incarnation.get(learner, 0) + 1
+            membership.join(learner, incarnation[learner], "r", now)
+            lease_end[learner] = now + 10.0
+            left.discard(learner)
+            expired.discard(learner)
+        elif action < 0.15 and learner in incarnation:
+            membership.leave(learner, incarnation[learner], now)
+            left.add(learner)
+        elif action < 0.55 and learner in incarnation:
+            with contextlib.suppress(Refusal):
+                membership.authenticate(learner, incarnation[learner], now)
+                assert learner not in left | expired
+                lease_end[learner] = now + 10.0
+        elif action < 0.6 and learner in incarnation:
+            with contextlib.suppress(Refusal):  # its process died: its Attend call ended
+                membership.absent(learner, incarnation[learner], membership.attend(learner, incarnation[learner], now),
+                                  now)
+                assert learner not in left | expired
+                expired.add(learner)
+        else:
+            now += rng.choice((0.0, 0.5, 3.0, 7.0))
+            ended = {l for l in incarnation if l not in left | expired and lease_end[l] <= now}
+            expired, expiries = expired | ended, expiries + len(ended)
+        assert membership.awaited_ids(now, None) == set(incarnation) - left - expired
+        assert membership.member_ids() == set(incarnation) - left and membership.departed_ids() == left
+    assert counters.snapshot()["learners.expired"] == expiries > 10
 
 
 def test_duplicates_are_refused_in_the_open_round_and_after_the_merge():
