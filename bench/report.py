@@ -179,8 +179,12 @@ def goodput(section: dict, out: pathlib.Path) -> list[str]:
              f"exponentially distributed intervals and restarted {section['restart_delay']:g} s later, so that it is "
              f"down for the target share of the time. In dp (one torch.distributed job) a killed rank stops the "
              f"job, which starts again {section['restart_delay']:g} s later, every rank from the last checkpoint: "
-             f"every rank is down meanwhile, and the steps since that checkpoint are lost. "
-             f"Goodput = kept training compute / provisioned learner time; badput shares are of provisioned time. "
+             f"every rank is down meanwhile, and the steps since that checkpoint are lost. A killed diloco "
+             f"learner's next life is a standby that imported torch and the learner while it was down "
+             f"(`diloco sim`'s default; `--cold-restarts` starts a new process), and its shards stop counting it "
+             f"when its connection closes. "
+             f"Goodput = kept training compute / provisioned learner time; badput shares are of provisioned time; "
+             f"up-efficiency = goodput / share of time up. "
              f"Anchor: Decoupled DiLoCo {pct(anchor['diloco'])} vs data parallel {pct(anchor['dp'])} at a high failure rate.", ""]
     body = []
     for r in rows:
@@ -188,8 +192,9 @@ def goodput(section: dict, out: pathlib.Path) -> list[str]:
             m = r[mode]
             badput = ", ".join(f"{k} {pct(v)}" for k, v in m["badput_share"].items() if v >= 0.005)
             body.append([pct(r["target_down_share"]), mode, pct(m["down_share"]), f"**{pct(m['goodput'])}**",
-                         m["restarts"], badput, code(m["command"])])
-    lines += table(["target down", "mode", "measured down", "goodput", "restarts", "badput", "command"], body)
+                         f"{m['goodput'] / (1 - m['down_share']):.2f}" if m["down_share"] < 1 else "-", m["restarts"], badput, code(m["command"])])
+    lines += table(["target down", "mode", "measured down", "goodput", "up-efficiency", "restarts", "badput",
+                    "command"], body)
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode, color in (("diloco", "tab:blue"), ("dp", "tab:orange")):
         ax.plot([r[mode]["down_share"] * 100 for r in rows], [r[mode]["goodput"] * 100 for r in rows],

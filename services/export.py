@@ -9,8 +9,9 @@ same fragment plan the learners use. DIR receives
     model.safetensors   every parameter by name, fp32 (safetensors: no pickle)
     export.json         run name, plan digest, per fragment its shard, version, state hash and
                         merged tokens
-    config.json         a transformers model's config, where the model is one: the folder then
-                        opens with AutoModelForCausalLM.from_pretrained(DIR)
+    config.json         a transformers model's config, where the model is one (by class and
+                        config, or from a factory): the folder then opens with
+                        AutoModelForCausalLM.from_pretrained(DIR)
 
 Everything is fetched and checked before anything is written, and each file is written under
 a temporary name and renamed, so a failed export leaves DIR as it was.
@@ -27,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from diloco.services.client import ShardClient
-from diloco.services.contract.config import Config, TransformersModelConfig, transformers_config
+from diloco.services.contract.config import Config, TransformersModelConfig, resolve_factory, transformers_config
 from diloco.services.contract.fragments import assemble, plan_for_config
 from diloco.services.contract.state import StateHashMismatch, check_pulled
 from diloco.services.contract.tls import Identity
@@ -88,11 +89,27 @@ def fetch_global_model(cfg: Config, identity: Identity | None) -> GlobalModel:
             values.append((fragment, value))
             fragments.append(ExportedFragment(fragment.id, fragment.shard, version, value_hash,
                                               merged_tokens.get(fragment.id, 0)))
-        config = transformers_config(cfg.model) if isinstance(cfg.model, TransformersModelConfig) else None
-        return GlobalModel(cfg.run.name, digest, tuple(fragments), assemble(manifest, values), config)
+        return GlobalModel(cfg.run.name, digest, tuple(fragments), assemble(manifest, values),
+                           transformers_config_of(cfg.model))
     finally:
         for client in clients:
             client.close()
+
+
+def transformers_config_of(model: Any) -> Any:
+    """The config.json of a transformers model, None for any other: from `model.config`, or
+    from the model a factory builds, on the meta device (no memory for its weights)."""
+    if isinstance(model, TransformersModelConfig):
+        return transformers_config(model)
+    if not isinstance(model, str):
+        return None
+    with torch.device("meta"):
+        built = resolve_factory(model, "model")(seed=0)
+    config = getattr(built, "config", None)
+    if not hasattr(config, "to_json_string"):  # not a transformers model
+        return None
+    config.architectures = [type(built).__name__]  # as save_pretrained writes it
+    return config
 
 
 def _status(cfg: Config, index: int, client: ShardClient) -> pb.StatusResponse:

@@ -121,6 +121,20 @@ def test_the_built_in_learner_trains_a_transformers_gpt2_by_class_and_config_and
     assert max(f["version"] for f in json.loads((exports[1] / "export.json").read_text())["fragments"]) >= 1
 
 
+@pytest.mark.slow
+def test_both_exports_of_a_factory_built_transformers_model_open_with_from_pretrained(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    data = tiny_cluster(tmp_path / "state", shards=2, learners=1, steps=20, tls={"mode": "plaintext"}).model_dump()
+    data["syncer"]["max_tokens_per_step"] = 512
+    cfg = parse_config({**data, "model": "diloco.integrations.hf:llama"}, source="the llama factory")
+    for export in export_both_ways(cfg, tmp_path):
+        model, loading = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
+        assert type(model).__name__ == "LlamaForCausalLM"
+        assert not loading["missing_keys"] and not loading["unexpected_keys"]
+        weights = load_file(export / "model.safetensors")
+        assert all(torch.equal(param, weights[name]) for name, param in model.named_parameters())
+
+
 TINY_LLAMA_CONFIG = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                      "num_attention_heads": 2, "max_position_embeddings": 32}
 
