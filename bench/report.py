@@ -181,8 +181,8 @@ def goodput(section: dict, out: pathlib.Path) -> list[str]:
              f"job, which starts again {section['restart_delay']:g} s later, every rank from the last checkpoint: "
              f"every rank is down meanwhile, and the steps since that checkpoint are lost. A killed diloco "
              f"learner's next life is a standby that imported torch and the learner while it was down "
-             f"(`diloco sim`'s default; `--cold-restarts` starts a new process), and its shards stop counting it "
-             f"when its connection closes. "
+             f"(`diloco sim`'s default; `--cold-restarts` starts a new process; the dp job always starts cold), and "
+             f"its shards stop counting it when its connection closes. "
              f"Goodput = kept training compute / provisioned learner time; badput shares are of provisioned time; "
              f"up-efficiency = goodput / share of time up. "
              f"Anchor: Decoupled DiLoCo {pct(anchor['diloco'])} vs data parallel {pct(anchor['dp'])} at a high failure rate.", ""]

@@ -166,7 +166,7 @@ def train(args: argparse.Namespace, trainer: Trainer, sync: DecoupledDiLoCo, che
         if trainer.step % budget.checkpoint_every == 0:
             with sync.timed("checkpoint"):
                 save()
-            sync.write_report()  # what it keeps, should it die before the end
+                sync.write_report()  # what it keeps, should it die before the end
     ranks = sync.island.gather(trainer.rank_state())  # before rank 0 catches up: the others stop here
     if not sync.island.leader:
         return 0
