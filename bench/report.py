@@ -180,21 +180,23 @@ def goodput(section: dict, out: pathlib.Path) -> list[str]:
              f"down for the target share of the time. In dp (one torch.distributed job) a killed rank stops the "
              f"job, which starts again {section['restart_delay']:g} s later, every rank from the last checkpoint: "
              f"every rank is down meanwhile, and the steps since that checkpoint are lost. A killed diloco "
-             f"learner's next life is a standby that imported torch and the learner while it was down "
-             f"(`diloco sim`'s default; `--cold-restarts` starts a new process; the dp job always starts cold), and "
-             f"its shards stop counting it when its connection closes. "
+             f"learner restarts as a new process (as the dp job does), and its shards stop counting it when its "
+             f"connection closes. "
              f"Goodput = kept training compute / provisioned learner time; badput shares are of provisioned time; "
-             f"up-efficiency = goodput / share of time up. "
+             f"up-efficiency = goodput / share of time up; global model loss: the validation loss of the model the run "
+             f"produced (the runs are as long, not as many steps). "
              f"Anchor: Decoupled DiLoCo {pct(anchor['diloco'])} vs data parallel {pct(anchor['dp'])} at a high failure rate.", ""]
     body = []
     for r in rows:
         for mode in ("diloco", "dp"):
             m = r[mode]
             badput = ", ".join(f"{k} {pct(v)}" for k, v in m["badput_share"].items() if v >= 0.005)
+            loss = m.get("final_eval_loss")
             body.append([pct(r["target_down_share"]), mode, pct(m["down_share"]), f"**{pct(m['goodput'])}**",
-                         f"{m['goodput'] / (1 - m['down_share']):.2f}" if m["down_share"] < 1 else "-", m["restarts"], badput, code(m["command"])])
-    lines += table(["target down", "mode", "measured down", "goodput", "up-efficiency", "restarts", "badput",
-                    "command"], body)
+                         f"{m['goodput'] / (1 - m['down_share']):.2f}" if m["down_share"] < 1 else "-",
+                         f"{loss:.3f}" if loss is not None else "-", m["restarts"], badput, code(m["command"])])
+    lines += table(["target down", "mode", "measured down", "goodput", "up-efficiency", "global model loss",
+                    "restarts", "badput", "command"], body)
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode, color in (("diloco", "tab:blue"), ("dp", "tab:orange")):
         ax.plot([r[mode]["down_share"] * 100 for r in rows], [r[mode]["goodput"] * 100 for r in rows],

@@ -74,9 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chaos-mtbf", type=float, help="mean seconds between SIGKILLs of each learner")
     parser.add_argument("--chaos-shards", type=float, help="mean seconds between SIGKILLs of each shard")
     parser.add_argument("--restart-delay", type=float, default=5.0, help="seconds a killed process stays down")
-    parser.add_argument("--cold-restarts", action="store_true",
-                        help="restart a killed learner as a new process (by default its next life is a "
-                             "standby that imported torch and the learner while it was down)")
+    parser.add_argument("--warm-restarts", action="store_true",
+                        help="a killed learner's next life is a standby that imported torch and the learner "
+                             "while it was down, not a new process (start-up in tenths of a second, not seconds; "
+                             "docs/reliability.md says what it did to the global model)")
     parser.add_argument("--wan-mbps", type=float, help="cap each learner's link to the syncer (Mbit/s, each way)")
     parser.add_argument("--slow-learner", type=float, default=1.0, metavar="FACTOR",
                         help="the first learner's steps take FACTOR times as long (mixed hardware)")
@@ -209,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         run_processes = lambda: data_parallel.simulate(processes, args, progress)  # noqa: E731
     else:
         processes = LocalCluster(cfg, run_dir, learner_script=args.learner_script,
-                                 warm_restarts=not args.cold_restarts)
+                                 warm_restarts=args.warm_restarts)
         write_file_sd(cfg, args.prometheus_targets or run_dir / "prometheus-targets.json")
         run_processes = lambda: simulate(cfg, processes, args)  # noqa: E731
     stop_signals = StopSignals(processes)
@@ -546,7 +547,7 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         "config": {"model": cfg.model_name(), "H": cfg.sync.interval_steps, "P": cfg.sync.fragments, "tau": cfg.sync.overlap_steps,
                    "codec": cfg.sync.codec, "K": cfg.syncer.quorum, "wan_mbps": cfg.rpc.wan_mbps,
                    "chaos_mtbf": args.chaos_mtbf, "restart_delay": args.restart_delay,
-                   "warm_restarts": not args.cold_restarts,
+                   "warm_restarts": args.warm_restarts,
                    "slow_learner": args.slow_learner, "max_block_seconds": cfg.sync.max_block_seconds,
                    "learner_script": str(args.learner_script) if args.learner_script else None},
     }
