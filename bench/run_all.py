@@ -220,7 +220,7 @@ def quality_runs(runner: Runner, profile: Profile) -> dict:
 
 def run_figures(report: dict) -> dict:
     """The figures of one sim run that the tables show."""
-    return {"final_eval_loss": report.get("final_eval_loss"), "initial_eval_loss": report["initial_eval_loss"],
+    return {"final_eval_loss": report["final_eval_loss"], "initial_eval_loss": report["initial_eval_loss"],
             "final_eval_loss_learners": report["final_eval_loss_learners"],
             "wall_seconds": report["wall_seconds"], "tokens": report["tokens"], "goodput": report["goodput"],
             "steps_per_learner": report["inner_steps"] / report["learners"],
