@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Callable
 
-from diloco.services.contract.config import LinkConfig
+from diloco.services.contract.config import ConfigError, LinkConfig
 
 
 class PacedDirection:
@@ -50,3 +50,50 @@ class WanLink:
         latency = link.latency_ms / 1000
         self.up = PacedDirection(link.up_mbps, latency, clock, sleep)
         self.down = PacedDirection(link.down_mbps, latency, clock, sleep)
+
+
+def apply_link_flags(data: dict, wan_mbps: str | None, wan_latency_ms: str | None, regions: list[str]) -> None:
+    """Writes `diloco sim --wan-mbps` and `--wan-latency-ms` into a config's dict (parse_config
+    judges the values). Each flag is one number for every region, `REGION=VALUE` items, or both
+    (`20,us-west=5`: 20 for every region but us-west); a rate may be `UP/DOWN`. One rate for
+    all is rpc.wan_mbps; the rest goes into `links`. ConfigError naming the flag."""
+    links = data.setdefault("links", {})
+    if wan_mbps:
+        every, own = _per_region(wan_mbps, "--wan-mbps", regions)
+        if every is not None:
+            data["rpc"]["wan_mbps"] = _number(every, "--wan-mbps", wan_mbps)
+        for region, text in own.items():
+            up, _, down = text.partition("/")
+            links.setdefault(region, {}).update(up_mbps=_number(up, "--wan-mbps", wan_mbps),
+                                                down_mbps=_number(down or up, "--wan-mbps", wan_mbps))
+    if wan_latency_ms:
+        every, own = _per_region(wan_latency_ms, "--wan-latency-ms", regions)
+        for region in regions:
+            text = own.get(region, every)
+            if text is not None:
+                links.setdefault(region, {})["latency_ms"] = _number(text, "--wan-latency-ms", wan_latency_ms)
+
+
+def _per_region(text: str, flag: str, regions: list[str]) -> tuple[str | None, dict[str, str]]:
+    """A flag's value for every region (None: not given) and each named region's own."""
+    every, own = None, {}
+    for item in text.split(","):
+        region, named, value = item.rpartition("=")
+        if not named:
+            if every is not None:
+                raise ConfigError(f"{flag} {text!r}: two values for every region ({every} and {value})")
+            every = value
+        elif region not in regions:
+            raise ConfigError(f"{flag} {text!r}: no learner is in region {region!r} "
+                              f"(the run's regions: {', '.join(regions)})")
+        else:
+            own[region] = value
+    return every, own
+
+
+def _number(text: str, flag: str, whole: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{flag} {whole!r}: {text!r} is not a number (expected N, REGION=N or, for a rate, "
+                          f"REGION=UP/DOWN, comma-separated)") from None
