@@ -113,10 +113,12 @@ def build_config(base: Config, args: argparse.Namespace, run_dir: pathlib.Path) 
     ports = free_ports(2 * num_shards + num_learners)
     data["shards"] = [{"address": f"127.0.0.1:{ports[i]}", "metrics_port": ports[num_shards + i]}
                       for i in range(num_shards)]
-    data["learners"] = [{"id": f"{regions[i % len(regions)]}-{i // len(regions)}",
-                         "region": regions[i % len(regions)], "metrics_port": ports[2 * num_shards + i],
-                         "slowdown": args.slow_learner if i == 0 else 1.0}
-                        for i in range(num_learners)]
+    own_links = {learner["id"]: learner["link"] for learner in data["learners"]}  # kept for the same ids
+    ids = [f"{regions[i % len(regions)]}-{i // len(regions)}" for i in range(num_learners)]
+    data["learners"] = [{"id": learner_id, "region": regions[i % len(regions)],
+                         "metrics_port": ports[2 * num_shards + i],
+                         "slowdown": args.slow_learner if i == 0 else 1.0, "link": own_links.get(learner_id)}
+                        for i, learner_id in enumerate(ids)]
     data["run"].update(seed=args.seed, state_dir=str((run_dir / "state").resolve()))
     for override in args.overrides:
         apply_override(data, override)

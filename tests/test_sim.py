@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from diloco.services.contract.config import ConfigError, LinkConfig
+from diloco.services.contract.config import ConfigError, LinkConfig, parse_config
 from tests.cluster_config import tiny_cluster
 from tests.cluster_watch import wait_until
 from tests.sim_command import run_sim, sim_command
@@ -177,6 +177,10 @@ def test_sim_link_flags_set_each_regions_link_and_name_the_flag_at_fault(tmp_pat
     assert cfg.link("us-east-0", "us-east") == LinkConfig(up_mbps=20.0, down_mbps=20.0, latency_ms=30.0)
     assert cfg.link("us-west-0", "us-west") == LinkConfig(up_mbps=5.0, down_mbps=10.0)
     assert config("--wan-mbps", "7").link("us-west-0", "us-west") == LinkConfig(up_mbps=7.0, down_mbps=7.0)
+    data = base.model_dump()
+    data["learners"][0]["link"] = {"latency_ms": 5.0}
+    base = parse_config(data)  # a learner's own link stays with its id
+    assert config().link("us-east-0", "us-east") == LinkConfig(latency_ms=5.0)
     for flags, message in [
         (("--wan-mbps", "us-north=5"), "--wan-mbps 'us-north=5': no learner is in region 'us-north'"),
         (("--wan-mbps", "us-east=fast"), "--wan-mbps 'us-east=fast': 'fast' is not a number"),
