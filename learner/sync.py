@@ -79,10 +79,10 @@ class StreamingSync:
         self._should_stop: Callable[[], bool] = lambda: False  # set by start()
         self._restored: Mapping[int, Mapping[str, torch.Tensor | int]] = {}  # a checkpoint's, while starting
         reanchor_due = ReanchorDue()
-        wan = None
-        if cfg.rpc.wan_mbps:  # the local cluster's emulated WAN
+        wan, link = None, cfg.link(learner_id, region)
+        if link is not None:  # the local cluster's emulated WAN
             from diloco.localcluster.wan import WanLink
-            wan = WanLink(cfg.rpc.wan_mbps)
+            wan = WanLink(link)
         self.sessions = [
             ShardSession(i, ShardClient(s.address, cfg.rpc, learner_id, self.incarnation, wan, observer,
                                         identity=identity),

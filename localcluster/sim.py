@@ -14,8 +14,9 @@ optimizer state.
 
 Chaos (`--chaos-mtbf`, `--chaos-shards`) SIGKILLs processes at exponentially
 distributed intervals and restarts each after `--restart-delay`. WAN emulation
-(`--wan-mbps`) paces each learner's sync client in both directions: n bytes take
-n / rate seconds (localcluster/wan.py: WanLink); no root, no namespaces needed.
+(`--wan-mbps`, `--wan-latency-ms`, or the config's `links`) paces each learner's sync client
+at its region's rate each way, n bytes in n / rate seconds, and makes each push and pull wait
+the one-way latency out and back (localcluster/wan.py: WanLink); no root, no namespaces needed.
 
 SIGTERM or Ctrl-C stops every process the run started (learners leave cleanly, shards drain);
 another one meanwhile SIGKILLs them. On Linux they also die with the sim if it is SIGKILLed.
@@ -43,7 +44,9 @@ from diloco.localcluster import data_parallel
 from diloco.localcluster.chaos import Chaos
 from diloco.localcluster.cluster import ExitedBeforeServing, LocalCluster, Proc, free_ports
 from diloco.localcluster.interrupt import Interrupted, StopSignals, ends_early
-from diloco.services.contract.config import Config, ConfigError, ConfigLoader, check_factories, load_config, parse_config
+from diloco.localcluster.wan import apply_link_flags
+from diloco.services.contract.config import (Config, ConfigError, ConfigLoader, LinkConfig, check_factories,
+                                             load_config, parse_config)
 from diloco.services.export import MODEL_FILE, ExportError, fetch_global_model, write_export
 from diloco.services.contract.goodput import account, no_badput
 from diloco.services.metrics import write_file_sd
@@ -78,7 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a killed learner's next life is a standby that imported torch and the learner "
                              "while it was down, not a new process (start-up in tenths of a second, not seconds; "
                              "docs/reliability.md says what it did to the global model)")
-    parser.add_argument("--wan-mbps", type=float, help="cap each learner's link to the syncer (Mbit/s, each way)")
+    parser.add_argument("--wan-mbps", metavar="N|REGION=UP[/DOWN],...",
+                        help="cap each learner's link to the syncer (Mbit/s): one number for every region "
+                             "(each way), or per region, e.g. us-east=50,us-west=20/40 (up 20, down 40); "
+                             "20,us-west=5: 20 for every region but us-west")
+    parser.add_argument("--wan-latency-ms", metavar="N|REGION=MS,...",
+                        help="one-way latency of each learner's link, for every region or per region "
+                             "(us-east=20,us-west=70); each push and pull waits it out and back")
     parser.add_argument("--slow-learner", type=float, default=1.0, metavar="FACTOR",
                         help="the first learner's steps take FACTOR times as long (mixed hardware)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
@@ -105,17 +114,18 @@ def build_config(base: Config, args: argparse.Namespace, run_dir: pathlib.Path) 
     ports = free_ports(2 * num_shards + num_learners)
     data["shards"] = [{"address": f"127.0.0.1:{ports[i]}", "metrics_port": ports[num_shards + i]}
                       for i in range(num_shards)]
-    data["learners"] = [{"id": f"{regions[i % len(regions)]}-{i // len(regions)}",
-                         "region": regions[i % len(regions)], "metrics_port": ports[2 * num_shards + i],
-                         "slowdown": args.slow_learner if i == 0 else 1.0}
-                        for i in range(num_learners)]
+    own_links = {learner["id"]: learner["link"] for learner in data["learners"]}  # kept for the same ids
+    ids = [f"{regions[i % len(regions)]}-{i // len(regions)}" for i in range(num_learners)]
+    data["learners"] = [{"id": learner_id, "region": regions[i % len(regions)],
+                         "metrics_port": ports[2 * num_shards + i],
+                         "slowdown": args.slow_learner if i == 0 else 1.0, "link": own_links.get(learner_id)}
+                        for i, learner_id in enumerate(ids)]
     data["run"].update(seed=args.seed, state_dir=str((run_dir / "state").resolve()))
     for override in args.overrides:
         apply_override(data, override)
     if args.steps:
         data["trainer"]["max_steps"] = args.steps
-    if args.wan_mbps:
-        data["rpc"]["wan_mbps"] = args.wan_mbps
+    apply_link_flags(data, args.wan_mbps, args.wan_latency_ms, regions)
     if args.mode == "param-avg":
         # Every step synced by every learner, uncompressed, the global model the
         # plain mean of the learners' models (outer SGD with lr 1, no momentum).
@@ -496,7 +506,9 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         totals["inner_steps"] += kept_steps
         totals["bytes_up"] += total("bytes_up")
         totals["bytes_down"] += total("bytes_down")
-        links[learner.id] = {"region": learner.region, "bytes": moved,
+        # The link as configured (None: uncapped) beside what its pushes and pulls achieved.
+        link = cfg.link(learner.id, learner.region) or LinkConfig()
+        links[learner.id] = {"region": learner.region, **link.model_dump(), "bytes": moved,
                              "bytes_per_second": moved / total("transfer_seconds") if total("transfer_seconds") else 0.0}
         per_learner[learner.id] = {"region": learner.region, "steps": kept_steps, "step_seconds": step_seconds,
                                    "restarts": max(0, len(lives) - 1), "phase": report.get("phase"),
@@ -581,12 +593,24 @@ def print_summary(report: dict, report_path: pathlib.Path) -> None:
                               f"{report['dp_equivalent_bytes'] / moved if moved else float('inf'):.0f}x more)"),
         ("restarts", f"learners {report['restarts']['learners']}, shards {report['restarts']['shards']}"),
         ("state hashes agree", str(report["state_hashes_agree"]).lower()),
+        *((f"link {learner_id}", _link(link)) for learner_id, link in report["links"].items()),
     ]
     width = max(len(name) for name, _ in rows)
     print()
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
     print(f"\nreport: {report_path}")
+
+
+def _link(link: dict) -> str:
+    """A learner's link as configured, and the rate its pushes and pulls achieved (their bytes
+    over their time on the wire, waits for a round's result included)."""
+    def rate(mbps: float | None) -> str:
+        return "uncapped" if mbps is None else f"{mbps:g}"
+
+    return (f"{link['region']}: up {rate(link['up_mbps'])} / down {rate(link['down_mbps'])} Mbit/s, "
+            f"latency {link['latency_ms']:g} ms; measured {link['bytes_per_second'] / 1e6:.3f} MB/s "
+            f"({link['bytes_per_second'] * 8 / 1e6:.2f} Mbit/s) over {link['bytes'] / 1e6:.2f} MB")
 
 
 def _losses(report: dict) -> str:

@@ -50,7 +50,7 @@ def core_config(inputs: PlanInputs) -> Config:
     m = inputs.num_learners
     return parse_config({
         "shards": [{"address": "127.0.0.1:1", "metrics_port": 0}],
-        "learners": [{"id": f"learner-{i}", "region": f"region-{inputs.region(i)}", "metrics_port": 0}
+        "learners": [{"id": f"learner-{i}", "region": inputs.region(i), "metrics_port": 0}
                      for i in range(m)],
         "sync": {"fragments": inputs.fragments, "interval_steps": inputs.interval_steps,
                  "overlap_steps": inputs.overlap_steps, "codec": "fp32",
@@ -67,8 +67,8 @@ def core_config(inputs: PlanInputs) -> Config:
 class Link:
     """One learner's link to the syncer in one direction: transfers one at a time."""
 
-    def __init__(self, gbps: float, latency_seconds: float):
-        self.bytes_per_second = gbps * 1e9 / 8
+    def __init__(self, mbps: float, latency_seconds: float):
+        self.bytes_per_second = mbps * 1e6 / 8
         self.latency_seconds = latency_seconds
         self.free_at = 0.0
         self.bytes_total = 0
@@ -111,11 +111,10 @@ class Learner:
         self.id = f"learner-{index}"
         self.step_seconds = inputs.learner_step_seconds(index)
         self.tokens_per_step = inputs.learner_tokens_per_step()
-        region = inputs.region(index)
-        self.region = f"region-{region}"
-        latency = inputs.wan_latency_ms[region % len(inputs.wan_latency_ms)] / 1000
-        self.up = Link(inputs.wan_gbps[region], latency)
-        self.down = Link(inputs.wan_gbps[region], latency)
+        self.region = inputs.region(index)
+        link = inputs.link(index)
+        self.up = Link(link.up_mbps, link.latency_ms / 1000)
+        self.down = Link(link.down_mbps, link.latency_ms / 1000)
         self.incarnation = 0
         self.life = 0  # bumped by every failure and rejoin: events of an earlier life are void
         self.phase = "training"  # training, restore (pulling the model), down, finished

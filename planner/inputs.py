@@ -14,7 +14,7 @@ from pydantic import ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass
 
 from diloco.services.contract.codecs import CODEC_NAMES
-from diloco.services.contract.config import ConfigLoader, validation_message
+from diloco.services.contract.config import ConfigLoader, Identifier, LinkConfig, validation_message
 
 Positive = Annotated[float, Field(gt=0)]
 NonNegative = Annotated[float, Field(ge=0)]
@@ -22,6 +22,7 @@ PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 _STRICT = ConfigDict(extra="forbid", strict=True)
 DEFAULT_HOURS = 2.0  # a run of a day or more is asked for: --hours 24
+WAN_KEYS = ("wan_gbps", "wan_latency_ms")  # the links of numbered regions, which `links` replaces
 
 
 class PlanError(ValueError):
@@ -80,6 +81,10 @@ class PlanInputs:
     codec_block_size: PositiveInt = 128
     wan_gbps: tuple[Positive, ...] = (5.0,)
     wan_latency_ms: tuple[NonNegative, ...] = (30.0,)
+    # Or each region's link as the cluster config's `links` writes it (region -> up_mbps,
+    # down_mbps, latency_ms; both rates required), instead of wan_gbps and wan_latency_ms:
+    # learner i is in the (i mod regions)-th region named, as `diloco sim --regions` spreads them.
+    links: Annotated[dict[Identifier, LinkConfig], Field(min_length=1)] | None = None
     syncer_params_per_second: Positive = 1e9
     # Data parallel: checkpoint interval and reload; elastic: the pause to reconfigure.
     checkpoint_minutes: Positive = 10.0
@@ -108,8 +113,19 @@ class PlanInputs:
     def learner_tokens_per_step(self) -> int:
         return self.batch_tokens // self.num_learners
 
-    def region(self, index: int) -> int:
-        return index % len(self.wan_gbps)
+    def region(self, index: int) -> str:
+        """The name of learner `index`'s region: region-<i> for wan_gbps' i-th link."""
+        if self.links is not None:
+            return list(self.links)[index % len(self.links)]
+        return f"region-{index % len(self.wan_gbps)}"
+
+    def link(self, index: int) -> LinkConfig:
+        """Learner `index`'s link to the syncer."""
+        if self.links is not None:
+            return self.links[self.region(index)]
+        region = index % len(self.wan_gbps)
+        return LinkConfig(up_mbps=self.wan_gbps[region] * 1000, down_mbps=self.wan_gbps[region] * 1000,
+                          latency_ms=self.wan_latency_ms[region % len(self.wan_latency_ms)])
 
     @property
     def target_tokens(self) -> int | None:
@@ -140,6 +156,9 @@ def load_inputs(data: object, source: str = "plan inputs") -> PlanInputs:
             raise PlanError(f"{source}: failures[{i}]: {validation_message(error)}") from None
     if failures:
         data["failures"] = tuple(failures)
+    rates = [key for key in WAN_KEYS if key in data]
+    if data.get("links") is not None and rates:
+        raise PlanError(f"{source}: links: give each region's link in links or in {' and '.join(rates)}, not both")
     try:
         inputs = PlanInputs(**data)
         check_relations(inputs)
@@ -171,6 +190,10 @@ def check_relations(inputs: PlanInputs) -> None:
     if len(inputs.wan_latency_ms) not in (1, len(inputs.wan_gbps)):
         raise PlanError(f"wan_latency_ms: {len(inputs.wan_latency_ms)} values for {len(inputs.wan_gbps)} regions "
                         f"(wan_gbps); give 1 or one per region")
+    for region, link in (inputs.links or {}).items():
+        for key in ("up_mbps", "down_mbps"):
+            if getattr(link, key) is None:
+                raise PlanError(f"links.{region}.{key}: required in a plan (a planned link has a rate each way)")
     if inputs.overlap_steps >= inputs.interval_steps:
         raise PlanError(f"overlap_steps: tau={inputs.overlap_steps} must be smaller than "
                         f"interval_steps (H={inputs.interval_steps})")

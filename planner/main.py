@@ -1,7 +1,8 @@
 """`diloco plan`: goodput of a whole run at datacenter scale, simulated in virtual time.
 
 Every key of planner/inputs.py is a flag (dashes for underscores) and a key of the YAML file
-given with --config; a flag overrides the file. `chips`, `learners` and `chips_per_learner`
+given with --config; a flag overrides the file. `links` (each region's link, as a cluster
+config writes them) is one YAML mapping: --links '{us-east: {up_mbps: 2000, down_mbps: 5000}}'. `chips`, `learners` and `chips_per_learner`
 take comma-separated lists (in YAML, lists): every combination is simulated in every mode,
 and --plot draws goodput against chips, one line per mode and M.
 
@@ -18,12 +19,13 @@ import time
 
 import yaml
 
-from diloco.planner.inputs import PlanError, PlanInputs, load_file, load_inputs
+from diloco.planner.inputs import WAN_KEYS, PlanError, PlanInputs, load_file, load_inputs
 from diloco.planner.outcome import PlanResult
 from diloco.planner.report import Speed, plot, speed_table, table, write_json
 from diloco.planner.simulate import MODES, simulate
 
 SWEPT = ("chips", "learners", "chips_per_learner")  # keys that take a list of values to sweep
+OWN_SYNTAX = ("failures", "links")  # keys whose flags (--fail, --links) are not a list of values
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,12 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fail", action="append", default=[], metavar="LEARNER@SECONDS",
                         help="inject a failure of this learner unit at this virtual time (repeatable)")
     for field in dataclasses.fields(PlanInputs):
-        if field.name == "failures":
+        if field.name in OWN_SYNTAX:
             continue
         listed = field.name in SWEPT or isinstance(field.default, tuple)
         parser.add_argument("--" + field.name.replace("_", "-"), dest=field.name,
                             metavar="V1,V2,..." if listed else "VALUE",
                             help=f"default {_shown(field.default)}" + (" (a list)" if listed else ""))
+    parser.add_argument("--links", metavar="YAML",
+                        help="each region's link, as the cluster config's links: '{us-east: {up_mbps: 2000, "
+                             "down_mbps: 5000, latency_ms: 30}, us-west: {...}}' (instead of --wan-gbps)")
     parser.add_argument("--json", metavar="PATH", help="write every result as JSON here ('-': stdout)")
     parser.add_argument("--plot", metavar="PNG", help="plot goodput against chips, one line per mode and M")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -52,9 +57,16 @@ def _shown(default: object) -> str:
 def plan_points(args: argparse.Namespace) -> list[PlanInputs]:
     """The inputs of every point of the sweep, from the file and the flags."""
     data = load_file(args.config) if args.config else {}
+    # A flag's links replace the file's, whichever way either gives them.
+    if args.links is not None:
+        for key in WAN_KEYS:
+            data.pop(key, None)
+        data["links"] = yaml.safe_load(args.links)
+    elif any(getattr(args, key) is not None for key in WAN_KEYS):
+        data.pop("links", None)
     for field in dataclasses.fields(PlanInputs):
         text = getattr(args, field.name, None)
-        if text is not None:
+        if text is not None and field.name not in OWN_SYNTAX:
             values = [_scalar(v) for v in text.split(",")]
             listed = field.name in SWEPT or isinstance(field.default, tuple)
             data[field.name] = values if listed else values[0] if len(values) == 1 else text

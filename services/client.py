@@ -25,13 +25,16 @@ from diloco.services.contract.wire import pb, pb_grpc
 
 class LinkEmulation(Protocol):
     """Paces the bytes of one learner's transfers as a capped link would (localcluster/wan.py:
-    WanLink): `up.consume(n)` and `down.consume(n)` return once n bytes went through."""
+    WanLink): `up.consume(n)` and `down.consume(n)` return once n bytes went through, and
+    `wait_latency()` once a message would have crossed the link that way."""
     up: "Pacer"
     down: "Pacer"
 
 
 class Pacer(Protocol):
     def consume(self, count: int) -> None: ...
+
+    def wait_latency(self) -> None: ...
 
 
 @dataclass
@@ -139,6 +142,8 @@ class ShardClient:
             step_seconds=step_seconds, payload=describe(codec, numel, payload, block_size), state_hash=state_hash)
 
         def requests() -> Iterator[pb.PushRequest]:
+            if self.wan:  # the chunks follow the header on the way out: one latency for them all
+                self.wan.up.wait_latency()
             for request in push_requests(header, payload):
                 if self.wan and request.HasField("chunk"):
                     self.wan.up.consume(len(request.chunk.data))
@@ -146,6 +151,8 @@ class ShardClient:
 
         started = time.perf_counter()
         reply = self.stub.PushFragment(requests(), timeout=stream_deadline(self.rpc, len(payload)))
+        if self.wan:  # the reply crosses back
+            self.wan.down.wait_latency()
         if self.observer:
             self.observer.pushed(header, len(payload), time.perf_counter() - started, reply.result)
         return reply
@@ -159,6 +166,8 @@ class ShardClient:
         if base_version is not None:
             request.base_version = base_version
         started = time.perf_counter()
+        if self.wan:  # the request crosses to the shard
+            self.wan.up.wait_latency()
         responses = self.stub.PullFragment(request, timeout=max_wait_seconds + stream_deadline(self.rpc, 0))
         items: list[PulledItem] = []
         final_hash, wire_bytes = "", 0
@@ -186,6 +195,8 @@ class ShardClient:
                 header, assembler = None, None
         if assembler is not None:
             raise ValueError(f"fragment {fragment_id}: stream ended inside v{header.version}")
+        if self.wan:  # the answer's end reaches the learner a latency after the shard sent it
+            self.wan.down.wait_latency()
         if self.observer:
             self.observer.pulled(bytes_by_codec, time.perf_counter() - started)
         return PullResult(fragment_id, items, final_hash, wire_bytes)

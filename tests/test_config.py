@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from diloco.services.cli import main
-from diloco.services.contract.config import Config, ConfigError, GPTConfig, dump_config, load_config, parse_config
+from diloco.services.contract.config import (Config, ConfigError, GPTConfig, LinkConfig, dump_config, load_config,
+                                             parse_config)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "local-4-regions.yaml"
@@ -77,11 +78,34 @@ def mutate(path: str, value):
     ("learners", [], "learners: List should have at least 1 item"),
     ("syncer.outer_optimizer.momentum", "fast", "syncer.outer_optimizer.momentum"),
     ("syncer.outer_optimizer.momentum", 1.0, "syncer.outer_optimizer.momentum"),
+    ("links", {"us-north": {"up_mbps": 5.0}}, "links.us-north: no learner is in region 'us-north'"),
+    ("links", {"us-east": {"up_mbps": 0.0}}, "links.us-east.up_mbps: Input should be greater than 0"),
+    ("links", {"us-east": {"latency_ms": -1.0}}, "links.us-east.latency_ms: Input should be greater than or equal"),
+    ("links", {"us-east": {"up": 5.0}}, "links.us-east.up: unknown key"),
+    ("links", {"US East": {"up_mbps": 5.0}}, "links.US East: String should match pattern"),
+    ("learners.0.link", {"down_mbps": "fast"}, "learners[0].link.down_mbps: Input should be a valid number"),
 ])
 def test_bad_values_are_refused_naming_the_key(path, value, expected):
     with pytest.raises(ConfigError) as info:
         parse_config(mutate(path, value))
     assert expected in str(info.value)
+
+
+def test_a_learners_link_is_its_own_else_its_regions_with_the_one_cap_for_a_rate_neither_gives():
+    data = example()
+    data["links"] = {"us-east": {"up_mbps": 50.0, "down_mbps": 100.0, "latency_ms": 20.0},
+                     "us-west": {"up_mbps": 20, "latency_ms": 40}}
+    data["learners"][2]["link"] = {"up_mbps": 5.0}  # us-central-0
+    cfg = parse_config(data)
+    assert cfg.link("us-east-0", "us-east") == LinkConfig(up_mbps=50.0, down_mbps=100.0, latency_ms=20.0)
+    assert cfg.link("us-west-0", "us-west") == LinkConfig(up_mbps=20.0, latency_ms=40.0)
+    assert cfg.link("us-central-0", "us-central") == LinkConfig(up_mbps=5.0)
+    assert cfg.link("us-south-0", "us-south") is None  # loopback as it is
+    data["rpc"] = {"wan_mbps": 8.0}
+    cfg = parse_config(data)
+    assert cfg.link("us-west-0", "us-west") == LinkConfig(up_mbps=20.0, down_mbps=8.0, latency_ms=40.0)
+    assert cfg.link("us-south-0", "us-south") == LinkConfig(up_mbps=8.0, down_mbps=8.0)
+    assert parse_config(yaml.safe_load(dump_config(cfg))) == cfg
 
 
 def test_more_shards_than_fragments_is_refused():

@@ -297,6 +297,7 @@ def test_schema_knows_exactly_the_keys_of_the_projects_config():
     assert keys(s["model"]["oneOf"][1]) == fields(c.GPTConfig)
     assert keys(s["data"]["oneOf"][1]) == fields(c.CorpusConfig)
     assert keys(s["rpc"]) == fields(c.RpcConfig)
+    assert keys(s["links"]["additionalProperties"]) == fields(c.LinkConfig)
     assert keys(s["limits"]) == fields(c.LimitsConfig)
     assert s["sync"]["properties"]["codec"]["enum"] == list(CODEC_NAMES)
 

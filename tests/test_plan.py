@@ -22,6 +22,11 @@ def plan(**inputs):
     return load_inputs({**SMALL, **inputs})
 
 
+def plan_with_links(links: dict, **inputs):
+    """SMALL with each region's link named instead of wan_gbps."""
+    return load_inputs({**{k: v for k, v in SMALL.items() if k != "wan_gbps"}, "links": links, **inputs})
+
+
 def test_without_failures_every_mode_keeps_almost_all_its_time():
     inputs = plan(hours=0.05)
     for mode in ("dp", "elastic", "diloco"):
@@ -38,6 +43,33 @@ def test_data_parallel_steps_at_the_slowest_learners_pace_and_the_others_wait():
     assert result.goodput.badput_shares()["blocked"] == pytest.approx(3 / 8)
     diloco = simulate(plan(hours=0.05, step_seconds=(1.0, 1.0, 1.0, 2.0)), "diloco")
     assert diloco.goodput.share > 0.95  # each learner trains at its own pace
+
+
+def test_links_by_region_are_the_numbered_regions_links_when_they_say_the_same():
+    numbered = simulate(plan(hours=0.05, wan_gbps=(10.0, 0.004), wan_latency_ms=(30.0, 80.0)), "diloco")
+    named = simulate(plan_with_links({"us-east": {"up_mbps": 10_000, "down_mbps": 10_000, "latency_ms": 30},
+                                      "us-west": {"up_mbps": 4, "down_mbps": 4, "latency_ms": 80}}, hours=0.05),
+                     "diloco")
+    assert numbered.goodput.badput_seconds["blocked"] > 0  # the 4 Mbit/s region does cost something
+    assert named.goodput == numbered.goodput and named.bandwidth == numbered.bandwidth
+
+
+def test_a_slow_downlink_alone_blocks_learners_that_a_fast_uplink_does_not_save():
+    fast = {"up_mbps": 10_000, "down_mbps": 10_000}
+    slow_down = {"up_mbps": 10_000, "down_mbps": 4}  # a fragment's int4 pull takes ~2.5 s, every 2 s
+    even = simulate(plan_with_links({"a": fast, "b": fast}, hours=0.05), "diloco")
+    uneven = simulate(plan_with_links({"a": fast, "b": slow_down}, hours=0.05), "diloco")
+    assert even.goodput.share > 0.99
+    assert uneven.goodput.badput_shares()["blocked"] > 0.05
+
+
+def test_the_command_takes_links_that_replace_the_files_numbered_regions(capsys):
+    links = "{us-east: {up_mbps: 2000, down_mbps: 5000, latency_ms: 30}, us-west: {up_mbps: 5000, down_mbps: 5000}}"
+    assert main(["plan", "--config", str(EXAMPLE), "--chips", "1024", "--learners", "4", "--hours", "0.01",
+                 "--modes", "diloco", "--links", links, "--quiet"]) == 0
+    assert main(["plan", "--chips", "1024", "--learners", "4", "--links", links, "--wan-gbps", "5",
+                 "--quiet"]) == 2
+    assert "links: give each region's link in links or in wan_gbps, not both" in capsys.readouterr().err
 
 
 def test_one_failure_costs_dp_its_work_since_the_checkpoint_and_the_restart_but_diloco_only_that_learners_down_time():
@@ -135,6 +167,11 @@ def test_a_token_budget_ends_the_run_when_the_learners_schedules_say_it_is_spent
     ({"hours": 1.0, "steps": 5}, "steps: give one run length"),
     ({"failures": [{"learner": 8, "at_seconds": 1.0}]}, "failures[0].learner: 8 is not a learner unit"),
     ({"repair_minutes": -1.0}, "repair_minutes: Input should be greater than or equal to 0"),
+    ({"links": {"us-east": {"up_mbps": 5000.0}}}, "links.us-east.down_mbps: required in a plan"),
+    ({"links": {"us-east": {"up": 5000.0}}}, "links.us-east.up: unknown key"),
+    ({"links": {}}, "links: Dictionary should have at least 1 item"),
+    ({"links": {"us-east": {"up_mbps": 1.0, "down_mbps": 1.0}}, "wan_latency_ms": [5.0]},
+     "links: give each region's link in links or in wan_latency_ms, not both"),
 ])
 def test_bad_inputs_are_refused_naming_the_key(inputs, message):
     with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):

@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import time
 
 import pytest
 
-from diloco.services.contract.config import ConfigError
+from diloco.services.contract.config import ConfigError, LinkConfig, parse_config
 from tests.cluster_config import tiny_cluster
 from tests.cluster_watch import wait_until
 from tests.sim_command import run_sim, sim_command
@@ -142,6 +143,53 @@ def test_sim_wan_cap_limits_each_learners_link(tmp_path):
     report = run_sim(tmp_path, "--learners", "2", "--shards", "1", "--steps", "60", "--wan-mbps", "2")
     for link in report["links"].values():
         assert 0 < link["bytes_per_second"] <= 2e6 / 8 * 1.2, link
+
+
+def test_sim_per_region_links_are_emulated_and_reported_as_configured(tmp_path):
+    # us-west's 0.5 Mbit/s is a sixteenth of us-east's downlink: its pushes and pulls must
+    # keep under it, and the report and the summary state each learner's link.
+    result = subprocess.run(sim_command(tmp_path, "--learners", "2", "--shards", "1", "--steps", "60",
+                                        "--regions", "us-east,us-west", "--wan-mbps", "us-east=4/8,us-west=0.5",
+                                        "--wan-latency-ms", "10,us-west=40"),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    links = json.loads((tmp_path / "report.json").read_text())["links"]
+    east, west = links["us-east-0"], links["us-west-0"]
+    assert (east["up_mbps"], east["down_mbps"], east["latency_ms"]) == (4.0, 8.0, 10.0)
+    assert (west["up_mbps"], west["down_mbps"], west["latency_ms"]) == (0.5, 0.5, 40.0)
+    assert 0 < west["bytes_per_second"] <= 0.5e6 / 8 * 1.2, west
+    assert 0 < east["bytes_per_second"] <= 8e6 / 8 * 1.2, east
+    assert re.search(r"link us-west-0 +us-west: up 0.5 / down 0.5 Mbit/s, latency 40 ms; measured", result.stdout)
+
+
+def test_sim_link_flags_set_each_regions_link_and_name_the_flag_at_fault(tmp_path):
+    from diloco.localcluster.sim import add_arguments, build_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = tiny_cluster(tmp_path / "unused", learners=2)  # us-east-0, us-west-0
+
+    def config(*flags: str):
+        return build_config(base, parser.parse_args(["--regions", "us-east,us-west", *flags]), tmp_path / "run")
+
+    cfg = config("--wan-mbps", "20,us-west=5/10", "--wan-latency-ms", "us-east=30")
+    assert cfg.rpc.wan_mbps == 20.0
+    assert cfg.link("us-east-0", "us-east") == LinkConfig(up_mbps=20.0, down_mbps=20.0, latency_ms=30.0)
+    assert cfg.link("us-west-0", "us-west") == LinkConfig(up_mbps=5.0, down_mbps=10.0)
+    assert config("--wan-mbps", "7").link("us-west-0", "us-west") == LinkConfig(up_mbps=7.0, down_mbps=7.0)
+    data = base.model_dump()
+    data["learners"][0]["link"] = {"latency_ms": 5.0}
+    base = parse_config(data)  # a learner's own link stays with its id
+    assert config().link("us-east-0", "us-east") == LinkConfig(latency_ms=5.0)
+    for flags, message in [
+        (("--wan-mbps", "us-north=5"), "--wan-mbps 'us-north=5': no learner is in region 'us-north'"),
+        (("--wan-mbps", "us-east=fast"), "--wan-mbps 'us-east=fast': 'fast' is not a number"),
+        (("--wan-mbps", "5,6"), "--wan-mbps '5,6': two values for every region"),
+        (("--wan-mbps", "us-east=0"), "links.us-east.up_mbps: Input should be greater than 0"),
+        (("--wan-latency-ms", "-5"), "links.us-east.latency_ms: Input should be greater than or equal to 0"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            config(*flags)
 
 
 def test_a_learner_whose_seeding_and_pulling_outlast_a_lease_keeps_it_with_heartbeats(tmp_path):

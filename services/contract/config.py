@@ -58,10 +58,19 @@ class ShardConfig(_Section):
     health_port: Port = 0
 
 
+class LinkConfig(_Section):
+    """A learner's link to the syncer, as the local cluster emulates it (localcluster/wan.py:
+    WanLink) and `diloco plan` models it: a rate each way and the one-way latency."""
+    up_mbps: PositiveFloat | None = None  # pushes; None: rpc.wan_mbps, else uncapped
+    down_mbps: PositiveFloat | None = None  # pulls; None: rpc.wan_mbps, else uncapped
+    latency_ms: Annotated[float, Field(ge=0.0)] = 0.0  # one way: a call waits it out and back
+
+
 class LearnerConfig(_Section):
     id: Identifier
     region: Identifier
     metrics_port: Port = 9100
+    link: LinkConfig | None = None  # this learner's own link, instead of its region's (links)
     # Each inner step takes this many times as long as its compute (the learner sleeps the
     # rest): a slower hardware generation in the same run, for benchmarks and tests.
     slowdown: Annotated[float, Field(ge=1.0)] = 1.0
@@ -227,7 +236,8 @@ class RpcConfig(_Section):
     max_connection_age_seconds: PositiveFloat = 3600.0
     max_streams_per_connection: PositiveInt = 100
     # Emulated WAN: caps each learner's sync traffic to this many Mbit/s in each direction
-    # (its client paces n bytes to n / rate seconds; localcluster/wan.py: WanLink). None: no cap.
+    # (its client paces n bytes to n / rate seconds; localcluster/wan.py: WanLink), where the
+    # learner's link (links, learners[].link) gives no rate. None: no cap.
     wan_mbps: PositiveFloat | None = None
 
 
@@ -263,6 +273,9 @@ class Config(_Section):
     run: RunConfig = RunConfig()
     shards: Annotated[list[ShardConfig], Field(min_length=1)]
     learners: Annotated[list[LearnerConfig], Field(min_length=1)]
+    # Each region's link to the syncer (region -> LinkConfig), emulated in the local cluster; a
+    # learner's own learners[].link takes precedence. Regions not named here: rpc.wan_mbps.
+    links: dict[Identifier, LinkConfig] = {}
     sync: SyncConfig = SyncConfig()
     syncer: SyncerConfig = SyncerConfig()
     trainer: TrainerConfig = TrainerConfig()
@@ -278,6 +291,16 @@ class Config(_Section):
                 return learner
         raise ConfigError(f"learners: no learner with id {learner_id!r} "
                           f"(known: {', '.join(l.id for l in self.learners)})")
+
+    def link(self, learner_id: str, region: str) -> LinkConfig | None:
+        """The link a learner's sync traffic takes in the local cluster: its learners[] entry's
+        `link`, else its region's in `links`, with rpc.wan_mbps for a rate neither gives. None:
+        nothing to emulate (loopback as it is)."""
+        own = next((l.link for l in self.learners if l.id == learner_id and l.link is not None), None)
+        link = own or self.links.get(region) or LinkConfig()
+        link = link.model_copy(update={"up_mbps": link.up_mbps or self.rpc.wan_mbps,
+                                       "down_mbps": link.down_mbps or self.rpc.wan_mbps})
+        return None if link == LinkConfig() else link
 
     def model_name(self) -> str:
         """The model in a word, for reports: a factory's spec, a transformers class or the
@@ -350,6 +373,11 @@ def _check_relations(cfg: Config) -> None:
             if value in seen:
                 raise ConfigError(f"{key}[{i}].{field}: duplicate value {value!r}")
             seen.add(value)
+    regions = sorted({learner.region for learner in cfg.learners})
+    for region in cfg.links:
+        if region not in regions:
+            raise ConfigError(f"links.{region}: no learner is in region {region!r} "
+                              f"(the learners' regions: {', '.join(regions)})")
     for i, shard in enumerate(cfg.shards):
         if shard.health_port and str(shard.health_port) == shard.address.rsplit(":", 1)[1]:
             raise ConfigError(f"shards[{i}].health_port: {shard.health_port} is the port of "
@@ -363,15 +391,20 @@ def _check_relations(cfg: Config) -> None:
                           f"model.n_head ({cfg.model.n_head})")
 
 
+# Mappings whose keys the user names (regions, which may hold dashes), unlike any other key.
+NAMED_KEYS = ("links",)
+
+
 def _key_path(loc: tuple) -> str:
-    # pydantic reports union members by type name ("GPTConfig", "function-after[...]"):
+    # pydantic reports union members by type name ("GPTConfig", "constrained-str"):
     # they are not keys the user wrote, so drop them.
-    parts = []
+    parts, previous = [], None
     for part in loc:
         if isinstance(part, int):
             parts.append(f"[{part}]")
-        elif re.fullmatch(r"[a-z_][a-z0-9_]*", part):
+        elif previous in NAMED_KEYS or re.fullmatch(r"[a-z_][a-z0-9_]*", part):
             parts.append(("." if parts else "") + part)
+        previous = part
     return "".join(parts) or "(top level)"
 
 
