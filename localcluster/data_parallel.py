@@ -194,6 +194,8 @@ def summarise(cfg: Config, args: argparse.Namespace, report: dict, chaos: Chaos,
     badput["lost"] = ranks * lost_seconds
     goodput = account(ranks * wall, ranks * kept_steps * step_seconds, badput)
     evaluations = report.get("evaluations", [])
+    # The job's model is evaluated by rank 0 after its last step; a job stopped while down never was.
+    final = evaluations[-1] if evaluations and evaluations[-1][1] == kept_steps else None
     per_rank_bytes = steps_run * allreduce_bytes(ranks, parameters)
     leader = cfg.learners[0]
     return {
@@ -212,9 +214,8 @@ def summarise(cfg: Config, args: argparse.Namespace, report: dict, chaos: Chaos,
         "useful_seconds": ranks * kept_steps * step_seconds,
         "provisioned_seconds": ranks * wall,
         "initial_eval_loss": evaluations[0][3] if evaluations else None,
-        # One model: the one every rank holds, evaluated by rank 0 after its last step.
-        "final_eval_loss": evaluations[-1][3] if evaluations else None,
-        "final_eval_loss_learners": evaluations[-1][3] if evaluations else None,
+        "final_eval_loss": final[3] if final else None,  # one model, the same on every rank
+        "final_eval_loss_learners": final[3] if final else None,
         "bytes_up": ranks * per_rank_bytes,
         "bytes_down": ranks * per_rank_bytes,
         "dp_equivalent_bytes": 2 * ranks * per_rank_bytes,
