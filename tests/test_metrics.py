@@ -184,11 +184,12 @@ def test_a_killed_learner_is_down_badput_and_drops_from_live_learners(cluster):
         down_badput = (f'run_region_category:diloco_learner_badput_seconds:rate5m'
                        f'{{category="down", region="{victim.region}"}}')
         prometheus.wait_for(lambda: (prometheus.value(down_badput) or 0) > 0, 10, "no down badput")
-        # Its lease expires on every shard (lease_seconds=2).
+        # Its connection closed (or, at the latest, its lease of 2 s expires) on every shard.
         prometheus.wait_for(lambda: prometheus.value('max(diloco_syncer_live_learners)') == len(cfg.learners) - 1,
                             15, "the shards still count the killed learner as live")
         for region in {l.region for l in cfg.learners[1:]} - {victim.region}:
             assert (prometheus.value(f'run_region_category:diloco_learner_badput_seconds:rate5m'
                                      f'{{category="down", region="{region}"}}') or 0) == 0
-        goodput = prometheus.value("run:diloco_learner_goodput:ratio_rate5m")
+        goodput = prometheus.wait_for(lambda: prometheus.value("run:diloco_learner_goodput:ratio_rate5m"), 15,
+                                      "no goodput recorded")
         assert 0 < goodput < 1
