@@ -44,7 +44,6 @@ it left off, make a new one and give it `state_dict()` of the old one (as after 
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import pathlib
 import signal
@@ -64,7 +63,7 @@ from diloco.learner.synced_parameters import SyncedParameters
 from diloco.learner.train import manifest
 from diloco.services.client import ShardClient
 from diloco.services.contract.config import Config, ConfigError, check_state_folder, load_config
-from diloco.services.export import ExportedFragment, GlobalModel, write_export
+from diloco.services.export import ExportedFragment, GlobalModel, pretrained_config, write_export
 from diloco.services.contract.fragments import plan_for_config
 from diloco.learner.metrics import LearnerMetrics
 from diloco.services.metrics import serve
@@ -358,10 +357,7 @@ class DecoupledDiLoCo:
         global_values = self.global_state_dict()
         fragments = tuple(ExportedFragment(fid, self.plan.fragments[fid].shard, version, digest, None)
                           for fid, (version, digest) in sorted(self.sync.fragment_hashes().items()))
-        config = None
-        if is_transformers_model(self.model):
-            config = copy.deepcopy(self.model.config)
-            config.architectures = [type(self.model).__name__]  # as save_pretrained writes it
+        config = pretrained_config(self.model) if is_transformers_model(self.model) else None
         write_export(GlobalModel(self.cfg.run.name, self.plan.digest, fragments, global_values, config),
                      pathlib.Path(out))
 

@@ -119,11 +119,17 @@ class Proc:
                                        stdin=subprocess.PIPE)
 
     def discard_standby(self) -> None:
-        standby, self.standby = self.standby, None
+        standby = self.standby
+        self.kill_standby()
+        self.standby = None
         if standby is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(standby.pid, signal.SIGKILL)
             standby.wait()
+
+    def kill_standby(self) -> None:
+        """SIGKILL to a waiting standby, without waiting for it."""
+        if self.standby is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.standby.pid, signal.SIGKILL)
 
     @property
     def running(self) -> bool:
@@ -248,6 +254,4 @@ class LocalCluster:
         signal handler that interrupted that stop()."""
         for proc in self.learners + self.shards:
             proc.send(signal.SIGKILL)
-            if proc.standby is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.standby.pid, signal.SIGKILL)
+            proc.kill_standby()

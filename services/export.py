@@ -18,7 +18,9 @@ a temporary name and renamed, so a failed export leaves DIR as it was.
 """
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import pathlib
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -38,6 +40,8 @@ from diloco.services.files import atomic_write, atomic_write_with
 MODEL_FILE = "model.safetensors"
 INFO_FILE = "export.json"
 CONFIG_FILE = "config.json"
+
+log = logging.getLogger(__name__)
 
 
 class ExportError(RuntimeError):
@@ -103,12 +107,20 @@ def transformers_config_of(model: Any) -> Any:
         return transformers_config(model)
     if not isinstance(model, str):
         return None
-    with torch.device("meta"):
-        built = resolve_factory(model, "model")(seed=0)
-    config = getattr(built, "config", None)
-    if not hasattr(config, "to_json_string"):  # not a transformers model
+    try:
+        with torch.device("meta"):
+            built = resolve_factory(model, "model")(seed=0)
+    except Exception as error:  # the weights are exported all the same; only config.json is missing
+        log.warning("model %s: no config.json in the export: the factory did not build on the meta device (%s)",
+                    model, error)
         return None
-    config.architectures = [type(built).__name__]  # as save_pretrained writes it
+    return pretrained_config(built) if hasattr(getattr(built, "config", None), "to_json_string") else None
+
+
+def pretrained_config(model: torch.nn.Module) -> Any:
+    """A copy of a transformers model's config as save_pretrained writes it, its class named."""
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
     return config
 
 

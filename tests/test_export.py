@@ -18,6 +18,7 @@ from diloco.services.contract.state import state_hash
 from diloco.services.cli.certs import issue_cluster_certs
 from diloco.services.contract.tls import certs_dir, learner_name, load_identity
 from diloco.services.contract.wire import pb
+from diloco.services.export import transformers_config_of
 from diloco.syncer.service import start_shard
 from tests.cluster_config import export_both_ways, tiny_cluster
 
@@ -135,3 +136,9 @@ def test_a_learner_exports_the_global_model_it_ends_with_as_the_shards_hold_it(t
     assert [(f["version"], f["state_hash"]) for f in info["fragments"]] == \
         [(f["version"], f["state_hash"]) for f in shards["fragments"]]
     assert max(f["version"] for f in info["fragments"]) >= 1  # the run synced
+
+
+def test_an_export_of_a_factory_that_cannot_build_on_the_meta_device_has_no_config_json_and_says_why(caplog):
+    assert transformers_config_of("tests.user_plugins:make_model") is None  # not a transformers model
+    assert transformers_config_of("tests.user_plugins:model_from_real_memory") is None
+    assert "no config.json in the export: the factory did not build on the meta device" in caplog.text
