@@ -75,6 +75,7 @@ class FragmentPipeline:
         self.undelivered: tuple[Remedy, str] | None = None
         self._on_gpu = any(p.is_cuda for p in context.params.values())
         self._lock = threading.Lock()  # anchor and version are read as a pair by a rejoin
+        self._hashed: tuple[torch.Tensor, str] | None = None  # (the anchor hashed, its state hash)
 
     def held(self) -> tuple[int, torch.Tensor]:
         with self._lock:
@@ -164,7 +165,13 @@ class FragmentPipeline:
         return result, value
 
     def hash(self) -> tuple[int, str]:
-        return self.version, state_hash(self.anchor)
+        """(version, state hash of the anchor), hashed once per anchor: reports ask every checkpoint."""
+        with self._lock:
+            version, anchor = self.version, self.anchor
+        hashed = self._hashed
+        if hashed is None or hashed[0] is not anchor:
+            hashed = self._hashed = (anchor, state_hash(anchor))
+        return version, hashed[1]
 
     # ---- the sync thread ----------------------------------------------------------------
 
