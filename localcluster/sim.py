@@ -553,6 +553,7 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
                      "shards": sum(1 for e in shard_chaos.events if e["event"] == "restart")},
         "chaos_events": learner_chaos.events + shard_chaos.events,
         "state_hashes_agree": hashes_agree(reports, statuses),
+        "down_at_end": sorted(name for name, r in reports.items() if r.get("phase") != "done"),
         "links": links,
         "per_learner": per_learner,
         "timeline": timeline,
@@ -566,9 +567,11 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
 
 
 def hashes_agree(reports: dict[str, dict], statuses: list) -> bool:
-    """Every learner that reported its fragments holds the shards' exact bits."""
+    """Every learner that finished (its report says "done": it pulled the final values) holds
+    the shards' exact bits. One down when the run ended holds nothing: its report is one it
+    wrote while training."""
     shard_state = {str(f.fragment_id): (f.version, f.state_hash) for s in statuses for f in s.fragments}
-    held = [r["fragments"] for r in reports.values() if r.get("fragments")]
+    held = [r["fragments"] for r in reports.values() if r.get("phase") == "done" and r.get("fragments")]
     return bool(held) and bool(shard_state) and all(
         {fid: (f["version"], f["state_hash"]) for fid, f in fragments.items()} == shard_state
         for fragments in held)
@@ -592,7 +595,8 @@ def print_summary(report: dict, report_path: pathlib.Path) -> None:
                               f"{report['dp_equivalent_bytes'] / 1e6:.1f} MB, "
                               f"{report['dp_equivalent_bytes'] / moved if moved else float('inf'):.0f}x more)"),
         ("restarts", f"learners {report['restarts']['learners']}, shards {report['restarts']['shards']}"),
-        ("state hashes agree", str(report["state_hashes_agree"]).lower()),
+        ("state hashes agree", str(report["state_hashes_agree"]).lower()
+         + "".join(f" ({', '.join(down)} down at the end: not compared)" for down in [report.get("down_at_end")] if down)),
         *((f"link {learner_id}", _link(link)) for learner_id, link in report["links"].items()),
     ]
     width = max(len(name) for name, _ in rows)

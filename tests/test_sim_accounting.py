@@ -1,7 +1,10 @@
 """How `diloco sim` accounts for a learner's kills: a life killed before it recorded anything
 was starting all along; a killed life loses its time after its last record, and the recorded
-steps past the checkpoint the next life restored."""
-from diloco.localcluster.sim import killed_lives
+steps past the checkpoint the next life restored; the hashes compared at the end are those of
+the learners that finished."""
+from types import SimpleNamespace
+
+from diloco.localcluster.sim import hashes_agree, killed_lives
 
 STEP = 0.1  # seconds per step
 
@@ -40,3 +43,21 @@ def test_recorded_steps_past_the_restored_checkpoint_are_lost_too():
     starting, lost = killed_lives(events, 0, 100.0, lives, STEP)
     assert starting == 0.0
     assert abs(lost - (1.0 + 50 * STEP)) < 1e-9
+
+
+def shard_status(*fragments: tuple[int, int, str]) -> SimpleNamespace:
+    return SimpleNamespace(fragments=[SimpleNamespace(fragment_id=fid, version=v, state_hash=h)
+                                      for fid, v, h in fragments])
+
+
+def learner_report(phase: str, version: int, digest: str) -> dict:
+    return {"phase": phase, "fragments": {"0": {"version": version, "state_hash": digest}}}
+
+
+def test_a_learner_down_when_the_run_ended_is_not_compared_but_one_that_finished_is():
+    statuses = [shard_status((0, 6, "f22f"))]
+    down = learner_report("training", 4, "fad1")  # its last report, written while it trained
+    assert hashes_agree({"a": learner_report("done", 6, "f22f"), "b": down}, statuses)
+    assert not hashes_agree({"a": learner_report("done", 6, "f22f"), "b": learner_report("done", 5, "29e4")},
+                            statuses)
+    assert not hashes_agree({"b": down}, statuses)  # nobody finished: nothing agrees
