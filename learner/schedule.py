@@ -182,6 +182,7 @@ class LearnerSchedule:
         self._max_run_tokens = cfg.trainer.max_run_tokens
         self.fragments = {f.id: FragmentSchedule(cfg.sync) for f in plan.fragments}
         self.sync_offset = 0  # the schedule runs at step + sync_offset
+        self._phase_heard: tuple[float, float] | None = None  # (when, the others' step time): joined, not yet stepped
         self.hold = 0  # steps the schedule is yet to stand still
         self._heard: HeardRunTokens | None = None
 
@@ -190,6 +191,11 @@ class LearnerSchedule:
         results that are due now."""
         for fragment in self.fragments.values():
             fragment.trained(tokens)
+        if self._phase_heard is not None:  # the first step since joining
+            heard_at, others_step_seconds = self._phase_heard
+            self._phase_heard = None
+            others_steps = round((self._clock() - heard_at) / others_step_seconds)
+            self.sync_offset = (self.sync_offset + max(0, others_steps - 1)) % self._interval_steps
         held = self.hold > 0
         starting = ()
         if held:
@@ -216,8 +222,16 @@ class LearnerSchedule:
         return SyncStart(fragment_id, fragment.steps_since_sync, fragment.tokens_since_sync)
 
     def join_in_phase(self, learners: Iterable[pb.LearnerStatus], learner_id: str, step: int) -> None:
-        """(Re)joining at `step`: the schedule starts in phase with the others of a Status reply."""
+        """(Re)joining at `step`: the schedule starts in phase with the others of a Status reply,
+        and stays in phase however long the learner takes to train its first step (pulls,
+        checkpoint): the others train on meanwhile, at their median step time, and the first
+        step_done moves the schedule on by as many steps. A learner behind its phase pushes after
+        the round it belongs to closed (it joined after that round opened, so the round does not
+        wait for it) and then waits for a round nobody else reaches before a period has passed."""
+        learners = [l for l in learners if l.alive and l.learner_id != learner_id and l.last_step > 0]
         self.sync_offset = phase_of_the_others(learners, learner_id, step, self._interval_steps)
+        times = sorted(l.step_seconds for l in learners if l.step_seconds > 0)
+        self._phase_heard = (self._clock(), times[len(times) // 2]) if times else None
 
     def result_still_out(self, fragment_id: int, waited: float) -> bool:
         """The training thread waited `waited` seconds for a due result and it is still out.

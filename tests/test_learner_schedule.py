@@ -321,3 +321,24 @@ def test_joining_in_phase_sets_the_sync_offset():
     schedule, _ = make_schedule(interval_steps=8)
     schedule.join_in_phase([learner("a", 12)], "me", 3)
     assert schedule.sync_offset == (12 - 3) % 8
+
+
+def test_a_learner_slow_to_train_its_first_step_after_joining_keeps_the_others_phase():
+    # Joined when the others' schedule was at step 12 (H=8); its pulls and checkpoint take 0.4 s
+    # (4 of their 0.1 s steps) before its first step ends, one of which it trained itself: its
+    # schedule moves on by 3, and it syncs fragment 0 (offset 0) at the others' schedule step 16.
+    schedule, clock = make_schedule(interval_steps=8)
+    schedule.join_in_phase([learner("a", 12), learner("b", 12, step_seconds=0.1)], "me", 3)
+    clock.now += 0.4
+    first = schedule.step_done(3, 100)
+    assert schedule.sync_offset == (12 - 3 + 3) % 8
+    assert [s.fragment_id for s in first.start] == [] and [s.fragment_id for s in schedule.step_done(4, 100).start] == [0]
+
+
+def test_the_catch_up_after_joining_happens_at_the_first_step_only():
+    schedule, clock = make_schedule(interval_steps=8)
+    schedule.join_in_phase([learner("a", 12)], "me", 3)
+    schedule.step_done(3, 100)
+    clock.now += 5.0
+    schedule.step_done(4, 100)
+    assert schedule.sync_offset == (12 - 3) % 8
