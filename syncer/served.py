@@ -1,0 +1,53 @@
+"""The anchors a fragment served its learners: per learner of the config, the exact value its
+last pull left it holding, so the next pull can be one delta from it (docs/protocol.md, "The
+downlink"). Not durable: after a restart a learner's next pull is a snapshot.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """What a learner holds of a fragment after a pull."""
+    version: int
+    value: torch.Tensor  # fp32, never modified once served
+    state_hash: str
+    on_lineage: bool  # value is the shard's own committed value at `version`
+    # rms of what the delta that made it left out, over rms of the delta asked for: how far
+    # the anchor is from the shard's value, in units of the pull (0 on the lineage).
+    offset: float
+
+
+class ServedAnchors:
+    """Only learners of the config have a record: a pull's learner id is not authenticated,
+    and the records are bounded by the learners the run has."""
+
+    def __init__(self, learner_ids: Iterable[str]):
+        self._tracked = frozenset(learner_ids)
+        self._anchors: dict[str, Anchor] = {}
+        self._lock = threading.Lock()  # pulls of different learners run at once, without the fragment's lock
+
+    def tracks(self, learner_id: str) -> bool:
+        return learner_id in self._tracked
+
+    def held(self, learner_id: str, version: int, anchor_hash: str) -> Anchor | None:
+        """The learner's record, if it holds what the shard last served it."""
+        with self._lock:
+            anchor = self._anchors.get(learner_id)
+        if anchor is None or (anchor.version, anchor.state_hash) != (version, anchor_hash):
+            return None
+        return anchor
+
+    def record(self, learner_id: str, anchor: Anchor) -> None:
+        if learner_id in self._tracked:
+            with self._lock:
+                self._anchors[learner_id] = anchor
+
+    def records(self) -> dict[str, Anchor]:
+        with self._lock:
+            return dict(self._anchors)
