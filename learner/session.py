@@ -102,6 +102,9 @@ class ShardSession:
         self._joined = False
         self._attendance: grpc.Call | None = None  # the open Attend call (services/client.py)
         self._lock = threading.Lock()
+        # Per fragment, the last value a pull left and its checked hash: the next pull names it
+        # without hashing it again.
+        self._hashes: dict[int, tuple[torch.Tensor, str]] = {}
         self._stop = stop
         self._may_rejoin = threading.Event()  # start-up is over: the heartbeat thread rejoins from now on
         self._left = threading.Event()  # said goodbye: no heartbeats, no rejoining
@@ -201,25 +204,39 @@ class ShardSession:
 
     def pull_checked(self, fragment_id: int, base_version: int | None, base: torch.Tensor | None,
                      **wait) -> tuple[PullResult, torch.Tensor | None]:
-        """(the pull, the value after its items on `base`, which is left as it was). A value that
-        does not have the hash the shard sent (an update of the shard's that did not make its
-        version, a wrong base) is pulled again as a snapshot, counted. `wait`: min_version and
-        max_wait_seconds of ShardClient.pull."""
-        result = self.client.pull(fragment_id, base_version, **wait)
+        """(the pull, the value after its items on `base`, which is left as it was). The pull
+        names `base` by its hash, so the shard can answer with one delta from it (docs/protocol.md,
+        "The downlink"). A value that does not have the hash the shard sent (an update of the
+        shard's that did not make its version, a wrong base) is pulled again as a snapshot,
+        counted. `wait`: min_version and max_wait_seconds of ShardClient.pull."""
+        base_hash = "" if base is None else self._hash_of(fragment_id, base)
+        result = self.client.pull(fragment_id, base_version, anchor_hash=base_hash, **wait)
         try:
-            return result, value_after(result, base)
+            value = value_after(result, base)
+            self._hashes[fragment_id] = (value, result.state_hash if result.items else base_hash)
+            return result, value
         except StateHashMismatch as mismatch:
             self.stats.count("hash_mismatches")
             log.warning("%s: pulling a snapshot from shard %d", mismatch, self.index)
         snapshot = self.client.pull(fragment_id)
         snapshot.payload_bytes += result.payload_bytes
-        return snapshot, value_after(snapshot, None)
+        value = value_after(snapshot, None)
+        self._hashes[fragment_id] = (value, snapshot.state_hash)
+        return snapshot, value
+
+    def _hash_of(self, fragment_id: int, value: torch.Tensor) -> str:
+        """sha256 of a value held of the fragment: the one the last pull checked, if it is that
+        value, else computed (a checkpoint's anchor, the learner's own initial value)."""
+        known = self._hashes.get(fragment_id)
+        return known[1] if known is not None and known[0] is value else state_hash(value)
 
     def pull_at_start(self, fragment_id: int, saved: Mapping[str, torch.Tensor | int] | None
                       ) -> tuple[PullResult, torch.Tensor, bool]:
         """(the pull, the fragment's value after it, whether that re-anchored a checkpoint's
-        value): the updates since the checkpoint's version, or a snapshot without one or when
-        the shard serves the fragment below it."""
+        value): what takes the checkpoint's value to the shard's, or without one, the
+        learner's own initial value taken as version 0 (nothing to pull where it is the seed
+        and the fragment is still at version 0; else a snapshot); a snapshot where the shard
+        serves the fragment below the checkpoint's version."""
         if saved is not None and not self.reanchor_due.take(fragment_id):
             try:
                 return *self.pull_checked(fragment_id, saved["version"], saved["anchor"]), False
@@ -227,7 +244,11 @@ class ShardSession:
                 if remedy(error) is not Remedy.REJOIN:  # REJOIN: our version is ahead of the shard's
                     raise
                 log.warning("fragment %d: shard %d: %s", fragment_id, self.index, error.details())
-        result, value = self.pull_checked(fragment_id, None, None)
+        if saved is None:
+            own = copy_to_host(self.plan.fragments[fragment_id], self.params).wait()
+            result, value = self.pull_checked(fragment_id, 0, own)
+        else:
+            result, value = self.pull_checked(fragment_id, None, None)
         if value is None:
             raise RuntimeError(f"fragment {fragment_id}: shard {self.index} sent no value")
         if saved is not None:

@@ -164,7 +164,8 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         if wait > 0:
             with self._new_version:
                 self._new_version.wait_for(reached, timeout=wait)
-        plan = self.core.pull(fragment_id, request.base_version if request.HasField("base_version") else None)
+        plan = self.core.pull(fragment_id, request.base_version if request.HasField("base_version") else None,
+                              request.learner_id, request.anchor_hash)
         kind = pb.PAYLOAD_KIND_SNAPSHOT if plan.snapshot else pb.PAYLOAD_KIND_UPDATE
         for index, item in enumerate(plan.items):
             last = index == len(plan.items) - 1
