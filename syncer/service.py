@@ -182,6 +182,8 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                 fragment_id=f.id, numel=f.numel, initialized=f.initialized, version=f.version,
                 state_hash=f.state_hash, pending_contributions=f.pending_contributions,
                 merged_tokens=f.merged_tokens,
+                served=[pb.ServedAnchor(learner_id=learner_id, version=a.version, state_hash=a.state_hash,
+                                        offset=a.offset) for learner_id, a in sorted(f.served.items())],
                 last_round=pb.RoundInfo(
                     round=f.last_round.round, close_reason=f.last_round.close_reason,
                     contributors=f.last_round.contributors,
