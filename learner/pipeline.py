@@ -280,6 +280,7 @@ class FragmentPipeline:
         twice next time: wait for it instead (the training thread only blocks if this outlasts
         the overlap window). (None, None) once stopping."""
         session, stopping = self.session, self.context.stopping
+        pulled_bytes = 0
         while True:
             try:
                 result, value = session.retry(lambda: session.pull_checked(
@@ -289,8 +290,12 @@ class FragmentPipeline:
                 if remedy(error) is Remedy.RETRY_LATER:  # stopping while the shard is down
                     return None, None
                 raise
+            pulled_bytes += result.payload_bytes
             if result.version is not None and result.version >= round_version:
+                result.payload_bytes = pulled_bytes
                 return result, value
+            if result.items:  # a version before the round's: the shard now serves deltas from this value
+                version, anchor = result.version, value
             # Shutting down; or asked to stop while a round cannot close (synchronous rounds
             # wait for a learner that is down): the training thread must not block on it.
             if stopping():
