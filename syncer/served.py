@@ -24,30 +24,32 @@ class Anchor:
 
 
 class ServedAnchors:
-    """Only learners of the config have a record: a pull's learner id is not authenticated,
-    and the records are bounded by the learners the run has."""
+    """Per learner the last two anchors served: a pull whose answer the learner never took (a
+    lost reply, a wait it gave up as it stopped) leaves it holding the one before. Only learners
+    of the config have records: a pull's learner id is not authenticated, and the records are
+    bounded by the learners the run has."""
 
     def __init__(self, learner_ids: Iterable[str]):
         self._tracked = frozenset(learner_ids)
-        self._anchors: dict[str, Anchor] = {}
+        self._anchors: dict[str, tuple[Anchor, ...]] = {}  # newest first
         self._lock = threading.Lock()  # pulls of different learners run at once, without the fragment's lock
 
     def tracks(self, learner_id: str) -> bool:
         return learner_id in self._tracked
 
     def held(self, learner_id: str, version: int, anchor_hash: str) -> Anchor | None:
-        """The learner's record, if it holds what the shard last served it."""
+        """The record of what the learner holds, if the shard served it that."""
         with self._lock:
-            anchor = self._anchors.get(learner_id)
-        if anchor is None or (anchor.version, anchor.state_hash) != (version, anchor_hash):
-            return None
-        return anchor
+            anchors = self._anchors.get(learner_id, ())
+        return next((a for a in anchors if (a.version, a.state_hash) == (version, anchor_hash)), None)
 
     def record(self, learner_id: str, anchor: Anchor) -> None:
         if learner_id in self._tracked:
             with self._lock:
-                self._anchors[learner_id] = anchor
+                newest = self._anchors.get(learner_id, ())[:1]
+                self._anchors[learner_id] = (anchor, *(a for a in newest if a.state_hash != anchor.state_hash))
 
     def records(self) -> dict[str, Anchor]:
+        """The newest anchor served to each learner."""
         with self._lock:
-            return dict(self._anchors)
+            return {learner_id: anchors[0] for learner_id, anchors in self._anchors.items()}

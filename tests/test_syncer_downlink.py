@@ -142,3 +142,13 @@ def test_after_a_restart_the_next_pull_is_a_snapshot_of_the_bits_served_before(t
     shard.core = core
     plan = learner.pull()
     assert plan.snapshot and torch.equal(learner.value, before)
+
+
+def test_a_learner_that_never_took_its_last_pull_still_gets_a_delta_from_the_anchor_before():
+    shard = int4_shard()
+    learner = Puller(shard)
+    rounds(shard, 2)
+    shard.core.pull(0, learner.version, "b", state_hash(learner.value))  # its answer is lost
+    rounds(shard, 2)
+    plan = learner.pull()  # from the anchor it still holds
+    assert not plan.snapshot and len(plan.items) == 1
