@@ -272,6 +272,8 @@ class DecoupledDiLoCo:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
             self._metrics_server = None
+        if self.report is not None:
+            self.report.close()  # the last write on disk
 
     # ---- the training loop's calls ----------------------------------------------------
 
@@ -377,15 +379,16 @@ class DecoupledDiLoCo:
         return self.steps >= budget.max_steps or (budget.max_tokens is not None and self.tokens >= budget.max_tokens) \
             or run_over or self._stop_signals.finish.is_set()
 
-    def _write_report(self, phase: str) -> None:
-        self.report.write(phase, self.steps, self.tokens, self.island.world_size, self.sync)
+    def _write_report(self, phase: str, background: bool = False) -> None:
+        self.report.write(phase, self.steps, self.tokens, self.island.world_size, self.sync, background)
 
     def write_report(self) -> None:
         """Writes <state_dir>/report.json as of now, as training (leaving the block writes the
-        final one). Rank 0 only; others do nothing."""
+        final one), on a thread of its own: the training thread only takes the record. Rank 0
+        only; others do nothing."""
         self._require_inside("write_report")
         if self.island.leader:
-            self._write_report("training")
+            self._write_report("training", background=True)
 
 
 def last_step_seen_by_shards(cfg: Config, learner_id: str, identity: Identity | None) -> int:

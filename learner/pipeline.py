@@ -75,6 +75,7 @@ class FragmentPipeline:
         self.undelivered: tuple[Remedy, str] | None = None
         self._on_gpu = any(p.is_cuda for p in context.params.values())
         self._lock = threading.Lock()  # anchor and version are read as a pair by a rejoin
+        self._hashed: tuple[torch.Tensor, str] | None = None  # (the anchor hashed, its state hash)
 
     def held(self) -> tuple[int, torch.Tensor]:
         with self._lock:
@@ -164,7 +165,13 @@ class FragmentPipeline:
         return result, value
 
     def hash(self) -> tuple[int, str]:
-        return self.version, state_hash(self.anchor)
+        """(version, state hash of the anchor), hashed once per anchor: reports ask every checkpoint."""
+        with self._lock:
+            version, anchor = self.version, self.anchor
+        hashed = self._hashed
+        if hashed is None or hashed[0] is not anchor:
+            hashed = self._hashed = (anchor, state_hash(anchor))
+        return version, hashed[1]
 
     # ---- the sync thread ----------------------------------------------------------------
 
@@ -213,14 +220,14 @@ class FragmentPipeline:
         outcome.seconds = time.perf_counter() - started
         return outcome
 
-    def deliver_again(self, c_steps: int, c_tokens: int, step_seconds: float) -> bool:
-        """After training, on the training thread once the last sync's push was answered: pushes
-        the fragment's progress since its last applied sync again if that push did not get
-        through. Returns whether it is delivered now."""
-        if self.undelivered is None:
-            return True
-        return self._push(self.anchor, copy_to_host(self.fragment, self.context.params).wait(),
-                          PushMeta(self.version, c_steps, c_tokens, step_seconds)) is not None
+    def push_last(self, c_steps: int, c_tokens: int, step_seconds: float) -> Future:
+        """After training, with no sync of the fragment in flight (or the last one's push not
+        through): pushes its progress since its last applied sync, the learner's last
+        contribution to it, on the fragment's sync thread; the snapshot is taken here. The
+        future says whether it got through (`undelivered` says why not)."""
+        local = copy_to_host(self.fragment, self.context.params)
+        meta = PushMeta(self.version, c_steps, c_tokens, step_seconds)
+        return self.context.pool.submit(lambda: self._push(self.anchor, local.wait(), meta) is not None)
 
     def _push(self, anchor: torch.Tensor, local: torch.Tensor, meta: PushMeta) -> tuple[int, int, int] | None:
         """Compresses the outer gradient and pushes it: (the shard's answer, the version of the

@@ -10,6 +10,7 @@ import logging
 import os
 import pathlib
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from diloco.learner.sync import StreamingSync
 from diloco.services.cli import LIFE_STARTED_ENV
@@ -29,6 +30,8 @@ class Report:
         self.incarnations: list[dict] = saved.get("incarnations", [])
         self.island_checks = 0  # rank-equality checks passed (diloco learner --verify-island)
         self.current: dict = {}
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="report")
+        self._written: Future | None = None
 
     def persistent(self) -> dict:
         return {"evaluations": self.evaluations, "incarnations": self.incarnations}
@@ -75,9 +78,12 @@ class Report:
                 hash_mismatches=stats.hash_mismatches,
                 undelivered={str(fid): why for fid, why in stats.undelivered.items()})
 
-    def write(self, phase: str, steps: int, tokens: int, world_size: int, sync: StreamingSync | None) -> None:
+    def write(self, phase: str, steps: int, tokens: int, world_size: int, sync: StreamingSync | None,
+              background: bool = False) -> None:
         """phase: "training", "catching_up" (budget spent) or "done"; `tokens`: the whole
-        island's."""
+        island's. The record is taken now; `background`: the file is written (and synced) on
+        the report's own thread, off the training thread's time. Writes land in order; a
+        failed one is raised by the next write or by flush."""
         self.update(sync)
         body = {"learner_id": self.learner_id, "region": self.region, "phase": phase,
                 "steps": steps, "tokens": tokens, "world_size": world_size, "parameters": self.parameters,
@@ -86,7 +92,22 @@ class Report:
         if sync:
             body["fragments"] = {str(fid): {"version": v, "state_hash": h}
                                  for fid, (v, h) in sync.fragment_hashes().items()}
-        atomic_write(self.path, json.dumps(body, indent=1).encode())
+        encoded = json.dumps(body, indent=1).encode()
+        self.flush()
+        if background:
+            self._written = self._writer.submit(atomic_write, self.path, encoded)
+        else:
+            atomic_write(self.path, encoded)
+
+    def flush(self) -> None:
+        """Returns once the last write is on disk."""
+        written, self._written = self._written, None
+        if written is not None:
+            written.result()
+
+    def close(self) -> None:
+        self.flush()
+        self._writer.shutdown()
 
 
 def process_started() -> float:

@@ -269,24 +269,28 @@ class StreamingSync:
                 self._finish(pipeline, wait_limit=None)
 
     def deliver(self) -> dict[int, str]:
-        """Budget spent: waits until every in-flight push has been answered, but not for the
-        rounds to close. The shards hold this learner's last contributions durably, the rounds
-        close without it once it has left, and catch_up pulls what they made. A push the shard
-        asked to retry (down, restarting, its disk full) is pushed again, with all the fragment
-        trained since its last applied sync, for up to trainer.final_delivery_seconds. Returns
-        why each of those is still undelivered then ({fragment: reason}), which it also logs."""
+        """Budget spent: delivers the learner's last contributions, waiting until every push
+        has been answered but not for the rounds to close. A sync in flight carries its
+        fragment's progress to its start; every other fragment's progress since its last
+        applied sync is pushed now, so no trained step is left out of the global model. The
+        shards hold these contributions durably, the rounds close without this learner once
+        it has left, and catch_up pulls what they made. A push the shard asked to retry
+        (down, restarting, its disk full) is pushed again, with all the fragment trained
+        since its last applied sync, for up to trainer.final_delivery_seconds. Returns why
+        each of those is still undelivered then ({fragment: reason}), which it also logs."""
         for pipeline in self.fragments.values():
             if pipeline.in_flight is not None:
                 pipeline.pushed.wait()
         deadline = time.monotonic() + self.cfg.trainer.final_delivery_seconds
         # Refused for good (counted, warned about) is not retried: only what the shard asked to retry.
         retry = lambda p: p.undelivered is not None and p.undelivered[0] is not Remedy.STOP  # noqa: E731
-        pending = [p for p in self.fragments.values() if retry(p)]
+        since = lambda p: self.schedule.since_last_sync(p.fragment.id)  # noqa: E731
+        pending = [p for p in self.fragments.values()
+                   if retry(p) or (p.in_flight is None and since(p).c_steps > 0)]
         delays = backoff_delays()
         while pending and time.monotonic() < deadline and not self._should_stop():
-            for p in pending:
-                since = self.schedule.since_last_sync(p.fragment.id)
-                p.deliver_again(since.c_steps, since.c_tokens, self.step_seconds)
+            for pushed in [p.push_last(since(p).c_steps, since(p).c_tokens, self.step_seconds) for p in pending]:
+                pushed.result()
             pending = [p for p in pending if retry(p)]
             if pending:
                 self._stop.wait(min(next(delays), max(0.0, deadline - time.monotonic())))

@@ -1,7 +1,8 @@
 """A learner whose budget is spent delivers its last contributions: a real learner process
-against a shard whose disk is full when training ends. While the shard asks it to retry the
-learner pushes again, for up to trainer.final_delivery_seconds; what is still undelivered
-then is said loudly, in its log and its report."""
+against a shard. Every fragment gets the steps trained since its last sync; against a shard
+whose disk is full when training ends, the learner pushes again while the shard asks it to
+retry, for up to trainer.final_delivery_seconds, and what is still undelivered then is said
+loudly, in its log and its report."""
 from __future__ import annotations
 
 import json
@@ -49,9 +50,9 @@ def learner(cfg, tmp_path) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def config(tmp_path, final_delivery_seconds: float):
-    cfg = tiny_cluster(tmp_path / "state", shards=1, learners=1, steps=STEPS,
-                       sync={"fragments": 2, "interval_steps": 10, "overlap_steps": 1, "codec": "int4"},
+def config(tmp_path, final_delivery_seconds: float, steps: int = STEPS, overlap_steps: int = 1):
+    cfg = tiny_cluster(tmp_path / "state", shards=1, learners=1, steps=steps,
+                       sync={"fragments": 2, "interval_steps": 10, "overlap_steps": overlap_steps, "codec": "int4"},
                        trainer={"final_delivery_seconds": final_delivery_seconds, "checkpoint_every": 1000})
     issue_cluster_certs(cfg, certs_dir(cfg))
     return cfg
@@ -73,6 +74,24 @@ def run_until_training_ends(cfg, tmp_path):
         return any(learner.step >= STEPS for learner in handle.core.status().learners)
     wait_until(trained_its_budget, 120, "the learner to train its budget")
     return handle, full, process
+
+
+def test_every_fragment_gets_the_steps_trained_since_its_last_sync_when_the_budget_is_spent(tmp_path):
+    # 33 steps, H=10 over 2 fragments: the budget ends steps after each fragment's last sync on
+    # schedule. With tau = 0 no sync is in flight then, so a round that closes after training
+    # ended holds a contribution pushed after it: the learner's last one.
+    cfg = config(tmp_path, final_delivery_seconds=60.0, steps=33, overlap_steps=0)
+    handle = start_shard(cfg, 0, listen=cfg.shards[0].address, state_dir=tmp_path / "state")
+    process = learner(cfg, tmp_path)
+    try:
+        out, _ = process.communicate(timeout=120)
+        assert process.returncode == 0, out
+        ended = report(cfg)["incarnations"][-1]["training_ended_at"]
+        fragments = handle.core.status().fragments
+        assert [f.last_round.closed_unix_seconds > ended for f in fragments] == [True, True], out
+    finally:
+        process.kill()
+        handle.stop()
 
 
 def test_a_push_the_shard_asked_to_retry_is_delivered_once_it_can_take_it(tmp_path):
