@@ -18,6 +18,7 @@ import grpc
 import torch
 
 from diloco.learner.host_copy import copy_to_host
+from diloco.learner.known_hashes import KnownHashes
 from diloco.learner.pulled import value_after
 from diloco.learner.shard_errors import Remedy, reason, remedy, with_retries
 from diloco.learner.sync_stats import SyncStats
@@ -25,7 +26,7 @@ from diloco.services.client import PullResult, ShardClient
 from diloco.services.contract.config import Config
 from diloco.services.contract.fragments import Fragment, FragmentPlan
 from diloco.services.contract.settings import settings_differences
-from diloco.services.contract.state import StateHashMismatch, state_hash
+from diloco.services.contract.state import StateHashMismatch
 from diloco.services.contract.wire import pb
 
 log = logging.getLogger(__name__)
@@ -102,9 +103,8 @@ class ShardSession:
         self._joined = False
         self._attendance: grpc.Call | None = None  # the open Attend call (services/client.py)
         self._lock = threading.Lock()
-        # Per fragment, the last value a pull left and its checked hash: the next pull names it
-        # without hashing it again.
-        self._hashes: dict[int, tuple[torch.Tensor, str]] = {}
+        # The hashes of the values pulls left (checked): the next pull names its base by them.
+        self.hashes = KnownHashes()
         self._stop = stop
         self._may_rejoin = threading.Event()  # start-up is over: the heartbeat thread rejoins from now on
         self._left = threading.Event()  # said goodbye: no heartbeats, no rejoining
@@ -175,7 +175,8 @@ class ShardSession:
         served = f"at version {info.version}" if info.initialized else "unseeded"
         try:
             reply = self.client.push(fragment.id, anchor, codec="fp32", block_size=self.cfg.sync.codec_block_size,
-                                     kind=pb.PUSH_KIND_RESTORE, base_version=version, state_hash=state_hash(anchor))
+                                     kind=pb.PUSH_KIND_RESTORE, base_version=version,
+                                     state_hash=self.hashes.of(fragment.id, anchor))
             if reply.result == pb.PUSH_RESULT_RESTORED:
                 log.warning("shard %d held fragment %d %s: restored it at version %d",
                             self.index, fragment.id, served, version)
@@ -209,11 +210,12 @@ class ShardSession:
         "The downlink"). A value that does not have the hash the shard sent (an update of the
         shard's that did not make its version, a wrong base) is pulled again as a snapshot,
         counted. `wait`: min_version and max_wait_seconds of ShardClient.pull."""
-        base_hash = "" if base is None else self._hash_of(fragment_id, base)
+        base_hash = "" if base is None else self.hashes.of(fragment_id, base)
         result = self.client.pull(fragment_id, base_version, anchor_hash=base_hash, **wait)
         try:
             value = value_after(result, base)
-            self._hashes[fragment_id] = (value, result.state_hash if result.items else base_hash)
+            if value is not None:
+                self.hashes.remember(fragment_id, value, result.state_hash if result.items else base_hash)
             return result, value
         except StateHashMismatch as mismatch:
             self.stats.count("hash_mismatches")
@@ -221,14 +223,9 @@ class ShardSession:
         snapshot = self.client.pull(fragment_id)
         snapshot.payload_bytes += result.payload_bytes
         value = value_after(snapshot, None)
-        self._hashes[fragment_id] = (value, snapshot.state_hash)
+        if value is not None:
+            self.hashes.remember(fragment_id, value, snapshot.state_hash)
         return snapshot, value
-
-    def _hash_of(self, fragment_id: int, value: torch.Tensor) -> str:
-        """sha256 of a value held of the fragment: the one the last pull checked, if it is that
-        value, else computed (a checkpoint's anchor, the learner's own initial value)."""
-        known = self._hashes.get(fragment_id)
-        return known[1] if known is not None and known[0] is value else state_hash(value)
 
     def pull_at_start(self, fragment_id: int, saved: Mapping[str, torch.Tensor | int] | None
                       ) -> tuple[PullResult, torch.Tensor, bool]:
