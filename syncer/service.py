@@ -151,6 +151,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
 
     @_answer_refusals
     def PullFragment(self, request, context):
+        self.guard.check_puller(context, request.learner_id)
         self.guard.open_stream(context)
         fragment_id = request.fragment_id
         self.core.version(fragment_id)  # an unknown fragment is refused before any wait
