@@ -26,8 +26,8 @@ class Anchor:
 class ServedAnchors:
     """Per learner the last two anchors served: a pull whose answer the learner never took (a
     lost reply, a wait it gave up as it stopped) leaves it holding the one before. Only learners
-    of the config have records: a pull's learner id is not authenticated, and the records are
-    bounded by the learners the run has."""
+    of the config have records, so they are bounded by the learners the run has (with mTLS a
+    pull naming a learner needs its certificate: syncer/guard.py)."""
 
     def __init__(self, learner_ids: Iterable[str]):
         self._tracked = frozenset(learner_ids)
