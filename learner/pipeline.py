@@ -29,7 +29,7 @@ from diloco.services.client import PullResult
 from diloco.services.contract.codecs import ErrorFeedback
 from diloco.services.contract.config import Config
 from diloco.services.contract.fragments import Fragment, pieces, scatter, to_device
-from diloco.services.contract.state import StateHashMismatch, state_hash
+from diloco.services.contract.state import StateHashMismatch
 from diloco.services.contract.wire import pb
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,6 @@ class FragmentPipeline:
         self.undelivered: tuple[Remedy, str] | None = None
         self._on_gpu = any(p.is_cuda for p in context.params.values())
         self._lock = threading.Lock()  # anchor and version are read as a pair by a rejoin
-        self._hashed: tuple[torch.Tensor, str] | None = None  # (the anchor hashed, its state hash)
 
     def held(self) -> tuple[int, torch.Tensor]:
         with self._lock:
@@ -165,13 +164,10 @@ class FragmentPipeline:
         return result, value
 
     def hash(self) -> tuple[int, str]:
-        """(version, state hash of the anchor), hashed once per anchor: reports ask every checkpoint."""
+        """(version, state hash of the anchor): the hash the pull that left it checked."""
         with self._lock:
             version, anchor = self.version, self.anchor
-        hashed = self._hashed
-        if hashed is None or hashed[0] is not anchor:
-            hashed = self._hashed = (anchor, state_hash(anchor))
-        return version, hashed[1]
+        return version, self.session.hashes.of(self.fragment.id, anchor)
 
     # ---- the sync thread ----------------------------------------------------------------
 
@@ -287,6 +283,7 @@ class FragmentPipeline:
         twice next time: wait for it instead (the training thread only blocks if this outlasts
         the overlap window). (None, None) once stopping."""
         session, stopping = self.session, self.context.stopping
+        pulled_bytes = 0
         while True:
             try:
                 result, value = session.retry(lambda: session.pull_checked(
@@ -296,8 +293,12 @@ class FragmentPipeline:
                 if remedy(error) is Remedy.RETRY_LATER:  # stopping while the shard is down
                     return None, None
                 raise
+            pulled_bytes += result.payload_bytes
             if result.version is not None and result.version >= round_version:
+                result.payload_bytes = pulled_bytes
                 return result, value
+            if result.items:  # a version before the round's: the shard now serves deltas from this value
+                version, anchor = result.version, value
             # Shutting down; or asked to stop while a round cannot close (synchronous rounds
             # wait for a learner that is down): the training thread must not block on it.
             if stopping():

@@ -18,6 +18,7 @@ import grpc
 import torch
 
 from diloco.learner.host_copy import copy_to_host
+from diloco.learner.known_hashes import KnownHashes
 from diloco.learner.pulled import value_after
 from diloco.learner.shard_errors import Remedy, reason, remedy, with_retries
 from diloco.learner.sync_stats import SyncStats
@@ -25,7 +26,7 @@ from diloco.services.client import PullResult, ShardClient
 from diloco.services.contract.config import Config
 from diloco.services.contract.fragments import Fragment, FragmentPlan
 from diloco.services.contract.settings import settings_differences
-from diloco.services.contract.state import StateHashMismatch, state_hash
+from diloco.services.contract.state import StateHashMismatch
 from diloco.services.contract.wire import pb
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,8 @@ class ShardSession:
         self._joined = False
         self._attendance: grpc.Call | None = None  # the open Attend call (services/client.py)
         self._lock = threading.Lock()
+        # The hashes of the values pulls left (checked): the next pull names its base by them.
+        self.hashes = KnownHashes()
         self._stop = stop
         self._may_rejoin = threading.Event()  # start-up is over: the heartbeat thread rejoins from now on
         self._left = threading.Event()  # said goodbye: no heartbeats, no rejoining
@@ -172,7 +175,8 @@ class ShardSession:
         served = f"at version {info.version}" if info.initialized else "unseeded"
         try:
             reply = self.client.push(fragment.id, anchor, codec="fp32", block_size=self.cfg.sync.codec_block_size,
-                                     kind=pb.PUSH_KIND_RESTORE, base_version=version, state_hash=state_hash(anchor))
+                                     kind=pb.PUSH_KIND_RESTORE, base_version=version,
+                                     state_hash=self.hashes.of(fragment.id, anchor))
             if reply.result == pb.PUSH_RESULT_RESTORED:
                 log.warning("shard %d held fragment %d %s: restored it at version %d",
                             self.index, fragment.id, served, version)
@@ -201,25 +205,35 @@ class ShardSession:
 
     def pull_checked(self, fragment_id: int, base_version: int | None, base: torch.Tensor | None,
                      **wait) -> tuple[PullResult, torch.Tensor | None]:
-        """(the pull, the value after its items on `base`, which is left as it was). A value that
-        does not have the hash the shard sent (an update of the shard's that did not make its
-        version, a wrong base) is pulled again as a snapshot, counted. `wait`: min_version and
-        max_wait_seconds of ShardClient.pull."""
-        result = self.client.pull(fragment_id, base_version, **wait)
+        """(the pull, the value after its items on `base`, which is left as it was). The pull
+        names `base` by its hash, so the shard can answer with one delta from it (docs/protocol.md,
+        "The downlink"). A value that does not have the hash the shard sent (an update of the
+        shard's that did not make its version, a wrong base) is pulled again as a snapshot,
+        counted. `wait`: min_version and max_wait_seconds of ShardClient.pull."""
+        base_hash = "" if base is None else self.hashes.of(fragment_id, base)
+        result = self.client.pull(fragment_id, base_version, anchor_hash=base_hash, **wait)
         try:
-            return result, value_after(result, base)
+            value = value_after(result, base)
+            if value is not None:
+                self.hashes.remember(fragment_id, value, result.state_hash if result.items else base_hash)
+            return result, value
         except StateHashMismatch as mismatch:
             self.stats.count("hash_mismatches")
             log.warning("%s: pulling a snapshot from shard %d", mismatch, self.index)
         snapshot = self.client.pull(fragment_id)
         snapshot.payload_bytes += result.payload_bytes
-        return snapshot, value_after(snapshot, None)
+        value = value_after(snapshot, None)
+        if value is not None:
+            self.hashes.remember(fragment_id, value, snapshot.state_hash)
+        return snapshot, value
 
     def pull_at_start(self, fragment_id: int, saved: Mapping[str, torch.Tensor | int] | None
                       ) -> tuple[PullResult, torch.Tensor, bool]:
         """(the pull, the fragment's value after it, whether that re-anchored a checkpoint's
-        value): the updates since the checkpoint's version, or a snapshot without one or when
-        the shard serves the fragment below it."""
+        value): what takes the checkpoint's value to the shard's, or without one, the
+        learner's own initial value taken as version 0 (nothing to pull where it is the seed
+        and the fragment is still at version 0; else a snapshot); a snapshot where the shard
+        serves the fragment below the checkpoint's version."""
         if saved is not None and not self.reanchor_due.take(fragment_id):
             try:
                 return *self.pull_checked(fragment_id, saved["version"], saved["anchor"]), False
@@ -227,7 +241,11 @@ class ShardSession:
                 if remedy(error) is not Remedy.REJOIN:  # REJOIN: our version is ahead of the shard's
                     raise
                 log.warning("fragment %d: shard %d: %s", fragment_id, self.index, error.details())
-        result, value = self.pull_checked(fragment_id, None, None)
+        if saved is None:
+            own = copy_to_host(self.plan.fragments[fragment_id], self.params).wait()
+            result, value = self.pull_checked(fragment_id, 0, own)
+        else:
+            result, value = self.pull_checked(fragment_id, None, None)
         if value is None:
             raise RuntimeError(f"fragment {fragment_id}: shard {self.index} sent no value")
         if saved is not None:

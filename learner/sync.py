@@ -173,7 +173,7 @@ class StreamingSync:
         result, anchor, reanchored = session.retry(lambda: session.pull_at_start(fragment.id, saved), should_stop)
         self.stats.transfer_seconds += time.perf_counter() - pull_started
         self.stats.bytes_down += result.payload_bytes
-        version = result.version if result.version is not None else saved["version"]
+        version = result.version if result.version is not None else (saved["version"] if saved else 0)
         feedback = ErrorFeedback(get_codec(self.cfg.sync.codec), fragment.numel, self.cfg.sync.codec_block_size)
         if saved and not reanchored:  # a residual built on another value means nothing
             feedback.residual = saved["residual"].clone()

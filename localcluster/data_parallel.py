@@ -223,6 +223,7 @@ def summarise(cfg: Config, args: argparse.Namespace, report: dict, chaos: Chaos,
         "restarts": {"learners": sum(1 for e in chaos.events if e["event"] == "restart"), "shards": 0},
         "chaos_events": chaos.events,
         "state_hashes_agree": None,  # no shards: one model, the same on every rank by construction
+        "anchor_offset": None,
         "links": {},
         "per_learner": {leader.id: {"region": leader.region, "steps": kept_steps, "step_seconds": step_seconds,
                                     "restarts": max(0, len(lives) - 1), "phase": report.get("phase"),

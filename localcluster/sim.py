@@ -554,6 +554,7 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         "chaos_events": learner_chaos.events + shard_chaos.events,
         "state_hashes_agree": hashes_agree(reports, statuses),
         "down_at_end": sorted(name for name, r in reports.items() if r.get("phase") != "done"),
+        "anchor_offset": anchor_offset(statuses),
         "links": links,
         "per_learner": per_learner,
         "timeline": timeline,
@@ -568,13 +569,24 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
 
 def hashes_agree(reports: dict[str, dict], statuses: list) -> bool:
     """Every learner that finished (its report says "done": it pulled the final values) holds
-    the shards' exact bits. One down when the run ended holds nothing: its report is one it
-    wrote while training."""
-    shard_state = {str(f.fragment_id): (f.version, f.state_hash) for s in statuses for f in s.fragments}
-    held = [r["fragments"] for r in reports.values() if r.get("phase") == "done" and r.get("fragments")]
-    return bool(held) and bool(shard_state) and all(
-        {fid: (f["version"], f["state_hash"]) for fid, f in fragments.items()} == shard_state
-        for fragments in held)
+    exactly the bits the shards last served it (docs/protocol.md, "The downlink"): the anchor a
+    shard recorded for it, or the shard's value where it has no record of that learner. One
+    down when the run ended holds nothing: its report is one it wrote while training."""
+    value = {str(f.fragment_id): (f.version, f.state_hash) for s in statuses for f in s.fragments}
+    served = {(a.learner_id, str(f.fragment_id)): (a.version, a.state_hash)
+              for s in statuses for f in s.fragments for a in f.served}
+    held = {learner_id: r["fragments"] for learner_id, r in reports.items()
+            if r.get("phase") == "done" and r.get("fragments")}
+    return bool(held) and bool(value) and all(
+        {fid: (f["version"], f["state_hash"]) for fid, f in fragments.items()}
+        == {fid: served.get((learner_id, fid), exact) for fid, exact in value.items()}
+        for learner_id, fragments in held.items())
+
+
+def anchor_offset(statuses: list) -> float:
+    """The largest distance of a learner's anchor from the shards' value when it was served,
+    as a fraction of the delta that made it (0: every learner holds the shards' bits)."""
+    return max((a.offset for s in statuses for f in s.fragments for a in f.served), default=0.0)
 
 
 def print_summary(report: dict, report_path: pathlib.Path) -> None:
@@ -595,8 +607,11 @@ def print_summary(report: dict, report_path: pathlib.Path) -> None:
                               f"{report['dp_equivalent_bytes'] / 1e6:.1f} MB, "
                               f"{report['dp_equivalent_bytes'] / moved if moved else float('inf'):.0f}x more)"),
         ("restarts", f"learners {report['restarts']['learners']}, shards {report['restarts']['shards']}"),
-        ("state hashes agree", str(report["state_hashes_agree"]).lower()
-         + "".join(f" ({', '.join(down)} down at the end: not compared)" for down in [report.get("down_at_end")] if down)),
+        ("state hashes agree", str(report["state_hashes_agree"]).lower() + (
+            "" if report["state_hashes_agree"] is None else
+            f" (each learner holds the bits the shards served it; anchors at most {report['anchor_offset']:.2f} "
+            "of their last pull from the shards' values)")
+         + "".join(f"; {', '.join(down)} down at the end: not compared" for down in [report.get("down_at_end")] if down)),
         *((f"link {learner_id}", _link(link)) for learner_id, link in report["links"].items()),
     ]
     width = max(len(name) for name, _ in rows)

@@ -334,10 +334,10 @@ class DilocoRun:
                                   round_.round - waiter.base_version)
 
     def _deliver(self, learner: Learner, fid: int, result: Result, ready: float, versions: int) -> None:
-        """The pull of `versions` updates, or a snapshot where the syncer's history is shorter (it
-        keeps at most history_versions updates, and no chain larger than a snapshot)."""
-        chain = versions * self.update_bytes
-        nbytes = self.snapshot_bytes if versions > self.inputs.history_versions or chain > self.snapshot_bytes else chain
+        """The pull of a result `versions` versions past the learner's: one delta from the anchor
+        the syncer served it, one update's bytes however many rounds closed (docs/protocol.md,
+        "The downlink"; a learner back from a failure pulled the whole model in _repaired)."""
+        nbytes = self.update_bytes if versions > 0 else 0
         arrives = learner.down.send(ready, nbytes) if nbytes else ready + learner.down.latency_seconds
         life = learner.life
         self.queue.at(arrives, lambda: self._result_arrives(learner, life, fid, result))

@@ -172,10 +172,13 @@ class ShardCore:
 
     # ---- reads ---------------------------------------------------------------------------
 
-    def pull(self, fragment_id: int, base_version: int | None) -> PullPlan:
+    def pull(self, fragment_id: int, base_version: int | None, learner_id: str = "",
+             anchor_hash: str = "") -> PullPlan:
+        """What takes `learner_id` from the value it holds at base_version (sha256
+        `anchor_hash`) to the fragment's current value (syncer/pull.py)."""
         with self.counters.counting_refusals():
             state = self.owned.get(fragment_id)
-            return state.pulls.plan(state.committed, base_version)
+            return state.pulls.plan(state.committed, base_version, learner_id, anchor_hash)
 
     def version(self, fragment_id: int) -> int | None:
         """The fragment's version, None while unseeded (for pulls waiting on it)."""

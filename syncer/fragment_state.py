@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import AbstractContextManager, nullcontext
+from typing import Iterable
 
 import torch
 
@@ -29,11 +30,13 @@ from diloco.syncer.open_round import OpenRound, PendingContribution
 from diloco.syncer.outer import OuterOptimizer
 from diloco.syncer.pull import FP32, Pulls, ahead
 from diloco.syncer.refusal import Refusal
+from diloco.syncer.served import ServedAnchors
 from diloco.syncer.snapshot import SNAPSHOT_BYTES_PER_PARAM, ClosedRound, ContributionKey, Encoded, FragmentSnapshot
 
 
 class FragmentState:
-    def __init__(self, fragment: Fragment, sync: SyncConfig, syncer: SyncerConfig, optimizer: OuterOptimizer):
+    def __init__(self, fragment: Fragment, sync: SyncConfig, syncer: SyncerConfig, optimizer: OuterOptimizer,
+                 learner_ids: Iterable[str] = ()):
         self.fragment = fragment
         self.lock = threading.Lock()  # held by the core around every change
         self.codec = get_codec(sync.codec)
@@ -44,7 +47,7 @@ class FragmentState:
                                  sync.overlap_steps)
         self._feedback = ErrorFeedback(self.codec, fragment.numel, self.block_size)
         self.committed: FragmentSnapshot | None = None  # None until seeded
-        self.pulls = Pulls(fragment, self.block_size)
+        self.pulls = Pulls(fragment, self.codec, self.block_size, ServedAnchors(learner_ids))
         self.round = OpenRound(1, fragment.numel, syncer)
         self.logged_bytes = 0  # payload bytes of the contributions logged since the last full write
         self.failure: str | None = None  # set while a close is part way (under the lock), and left set if it fails

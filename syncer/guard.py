@@ -4,8 +4,10 @@ makes before a call reaches the core.
 - Identity (tls.mode mtls): the TLS handshake already proved the caller holds a certificate
   of the run's CA. Join, Heartbeat, Leave and PushFragment act for a learner id, so the
   certificate must name that learner (services/contract/tls.py): a certificate naming no learner is
-  UNAUTHENTICATED, one naming another learner PERMISSION_DENIED. PullFragment and Status
-  only read, so any certificate of the CA will do (the operator's, for `diloco status`).
+  UNAUTHENTICATED, one naming another learner PERMISSION_DENIED. A PullFragment that names a
+  learner moves the anchor the shard serves that learner deltas from (docs/protocol.md, "The
+  downlink"), so it is checked the same way; one naming none, and Status, only read, so any
+  certificate of the CA will do (the operator's, for `diloco status` and `diloco export`).
   In plaintext mode there is no identity to check: the config said the network is trusted.
 - Limits (config `limits`): streams in flight per peer, a push's declared size and chunk
   count, and its pace: a push that stalls for limits.push_idle_seconds, or outlasts the
@@ -45,6 +47,11 @@ class CallGuard:
     def check_learner(self, context: grpc.ServicerContext, learner_id: str) -> None:
         """A unary call made for `learner_id` (Join, Heartbeat, Leave)."""
         self._counted(self._learner_refusal(context, learner_id))
+
+    def check_puller(self, context: grpc.ServicerContext, learner_id: str) -> None:
+        """A pull: for `learner_id` where it names one, else a read anyone of the run may make."""
+        if learner_id:
+            self.check_learner(context, learner_id)
 
     def open_stream(self, context: grpc.ServicerContext) -> None:
         """Takes one of the peer's stream slots until the call ends."""

@@ -39,7 +39,8 @@ class OwnedFragments:
                 self.journal.fix_manifest(manifest, plan.digest)
             # Readers take no lock: they must never see the plan without its fragments.
             optimizer = OuterOptimizer.of_run(self.cfg)
-            self.states = {f.id: FragmentState(f, self.cfg.sync, self.cfg.syncer, optimizer)
+            self.states = {f.id: FragmentState(f, self.cfg.sync, self.cfg.syncer, optimizer,
+                                               [l.id for l in self.cfg.learners])
                            for f in plan.for_shard(self.shard_index)}
             self.plan, self.manifest = plan, manifest
 

@@ -1,5 +1,7 @@
-"""What a pull of a fragment gets: the updates since the learner's version, or the committed
-value whole when the history does not reach back that far.
+"""What a pull of a fragment gets (docs/protocol.md, "The downlink"): one delta from the anchor
+the shard last served the learner, the next update of the shards' own lineage, or the committed
+value whole; for a request without an anchor hash (an older client), the updates since its
+version, or the value whole when the history does not reach back that far.
 """
 from __future__ import annotations
 
@@ -7,10 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco.services.contract.codecs import get_codec
+from diloco.services.contract.codecs import Codec, get_codec
 from diloco.services.contract.fragments import Fragment
 from diloco.services.contract.payload import describe
+from diloco.services.contract.state import apply_update, state_hash
 from diloco.syncer.refusal import Refusal
+from diloco.syncer.served import Anchor, ServedAnchors
 from diloco.syncer.snapshot import Encoded, FragmentSnapshot
 
 FP32 = get_codec("fp32")
@@ -32,22 +36,63 @@ def ahead(fragment_id: int, version: int, base_version: int) -> Refusal:
 
 
 class Pulls:
-    """One fragment's pulls, with the fp32 payload of the last value pulled whole, as sent."""
+    """One fragment's pulls: the anchors it served (ServedAnchors), and the fp32 payload of the
+    last value pulled whole, as sent."""
 
-    def __init__(self, fragment: Fragment, block_size: int):
-        self.fragment, self.block_size = fragment, block_size
+    def __init__(self, fragment: Fragment, codec: Codec, block_size: int, served: ServedAnchors):
+        self.fragment, self.codec, self.block_size = fragment, codec, block_size
+        self.served = served
         self._whole: tuple[torch.Tensor, Encoded] | None = None
 
-    def plan(self, committed: FragmentSnapshot | None, base_version: int | None) -> PullPlan:
-        """The updates (base_version, version], or one fp32 snapshot if base_version is None
-        or older than the history reaches. Needs no lock: the committed record is immutable."""
+    def plan(self, committed: FragmentSnapshot | None, base_version: int | None, learner_id: str = "",
+             anchor_hash: str = "") -> PullPlan:
+        """What takes the caller from what it holds to the committed value. Needs no lock: the
+        committed record and the served anchors are immutable."""
         if committed is None:
             raise Refusal("unseeded", "FAILED_PRECONDITION", f"fragment {self.fragment.id} has not been seeded yet")
         if base_version is not None and base_version > committed.version:
             raise ahead(self.fragment.id, committed.version, base_version)
+        if base_version is None and self.served.tracks(learner_id):
+            return self._snapshot_for(learner_id, committed)
+        if base_version is None or not anchor_hash or not self.served.tracks(learner_id):
+            return self._chain_or_snapshot(committed, base_version)
+        anchor = self.served.held(learner_id, base_version, anchor_hash)
+        if base_version == committed.version and (anchor is not None or anchor_hash == committed.state_hash):
+            if anchor is None:  # on the lineage, as a learner holding the seed at version 0 is
+                self.served.record(learner_id, _lineage(committed))
+            return PullPlan(False, (), anchor_hash)
+        if anchor is None:  # the shard restarted, a reply was lost, or another learner's value
+            return self._snapshot_for(learner_id, committed)
+        if anchor.on_lineage and base_version == committed.version - 1 and committed.history \
+                and committed.history[-1].version == committed.version:
+            self.served.record(learner_id, _lineage(committed))  # the shared update: the shards' bits
+            return PullPlan(False, (committed.history[-1],), committed.state_hash)
+        item, received = self._delta(committed, anchor)
+        self.served.record(learner_id, received)
+        return PullPlan(False, (item,), received.state_hash)
+
+    def _delta(self, committed: FragmentSnapshot, anchor: Anchor) -> tuple[Encoded, Anchor]:
+        """One encoded delta from `anchor` to the committed value, and what the learner holds
+        after adding it (the same apply_update it uses: the same bits)."""
+        asked = committed.value - anchor.value
+        payload = self.codec.encode(asked, self.block_size)
+        decoded = self.codec.decode(payload, self.fragment.numel, self.block_size)
+        value = apply_update(anchor.value, decoded, out=torch.empty_like(anchor.value))
+        asked_rms = float(asked.norm())
+        offset = float(asked.sub_(decoded).norm()) / asked_rms if asked_rms > 0 else 0.0
+        item = Encoded(committed.version, describe(self.codec, self.fragment.numel, payload, self.block_size), payload)
+        return item, Anchor(committed.version, value, state_hash(value), False, offset)
+
+    def _chain_or_snapshot(self, committed: FragmentSnapshot, base_version: int | None) -> PullPlan:
+        """The updates (base_version, version], or one fp32 snapshot if base_version is None
+        or older than the history reaches."""
         if base_version is not None and base_version >= committed.version - len(committed.history):
             updates = tuple(u for u in committed.history if u.version > base_version)
             return PullPlan(False, updates, committed.state_hash)
+        return PullPlan(True, (self._snapshot(committed),), committed.state_hash)
+
+    def _snapshot_for(self, learner_id: str, committed: FragmentSnapshot) -> PullPlan:
+        self.served.record(learner_id, _lineage(committed))
         return PullPlan(True, (self._snapshot(committed),), committed.state_hash)
 
     def _snapshot(self, committed: FragmentSnapshot) -> Encoded:
@@ -61,3 +106,8 @@ class Pulls:
         item = Encoded(committed.version, describe(FP32, self.fragment.numel, payload, self.block_size), payload)
         self._whole = (committed.value, item)
         return item
+
+
+def _lineage(committed: FragmentSnapshot) -> Anchor:
+    """The committed value itself as a learner's anchor (no copy)."""
+    return Anchor(committed.version, committed.value, committed.state_hash, True, 0.0)

@@ -151,6 +151,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
 
     @_answer_refusals
     def PullFragment(self, request, context):
+        self.guard.check_puller(context, request.learner_id)
         self.guard.open_stream(context)
         fragment_id = request.fragment_id
         self.core.version(fragment_id)  # an unknown fragment is refused before any wait
@@ -164,7 +165,8 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         if wait > 0:
             with self._new_version:
                 self._new_version.wait_for(reached, timeout=wait)
-        plan = self.core.pull(fragment_id, request.base_version if request.HasField("base_version") else None)
+        plan = self.core.pull(fragment_id, request.base_version if request.HasField("base_version") else None,
+                              request.learner_id, request.anchor_hash)
         kind = pb.PAYLOAD_KIND_SNAPSHOT if plan.snapshot else pb.PAYLOAD_KIND_UPDATE
         for index, item in enumerate(plan.items):
             last = index == len(plan.items) - 1
@@ -181,6 +183,8 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                 fragment_id=f.id, numel=f.numel, initialized=f.initialized, version=f.version,
                 state_hash=f.state_hash, pending_contributions=f.pending_contributions,
                 merged_tokens=f.merged_tokens,
+                served=[pb.ServedAnchor(learner_id=learner_id, version=a.version, state_hash=a.state_hash,
+                                        offset=a.offset) for learner_id, a in sorted(f.served.items())],
                 last_round=pb.RoundInfo(
                     round=f.last_round.round, close_reason=f.last_round.close_reason,
                     contributors=f.last_round.contributors,

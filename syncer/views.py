@@ -8,6 +8,7 @@ from typing import Iterable
 
 from diloco.syncer.fragment_state import FragmentState
 from diloco.syncer.membership import Learner
+from diloco.syncer.served import Anchor
 from diloco.syncer.snapshot import ClosedRound
 
 
@@ -23,6 +24,7 @@ class FragmentView:
     pending_contributions: int
     last_round: ClosedRound | None
     merged_tokens: int
+    served: dict[str, Anchor]  # by learner: the anchor its last pull left (syncer/served.py)
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,8 @@ def fragment_view(state: FragmentState) -> FragmentView:
         fragment.id, fragment.numel, fragment.offset_step, tuple(s.name for s in fragment.tensors),
         committed is not None, committed.version if committed else 0,
         committed.state_hash if committed else "", state.round.count,
-        committed.last_round if committed else None, committed.merged_tokens if committed else 0)
+        committed.last_round if committed else None, committed.merged_tokens if committed else 0,
+        state.pulls.served.records())
 
 
 def learner_views(learners: Iterable[Learner], versions: dict[int, int], now: float) -> tuple[LearnerView, ...]:

@@ -42,6 +42,18 @@ def shard_fragments(cfg) -> dict[str, tuple[int, str]]:
     return state
 
 
+def served_fragments(cfg, learner_id: str) -> dict[str, tuple[int, str]]:
+    """What the shards last served `learner_id` of each fragment (docs/protocol.md, "The
+    downlink"): the anchor they recorded for it, or the fragment's value where they have none."""
+    state = {}
+    for shard in cfg.shards:
+        with ShardClient(shard.address, cfg.rpc, identity=operator(cfg)) as client:
+            for fragment in client.status(timeout=5).fragments:
+                served = {a.learner_id: (a.version, a.state_hash) for a in fragment.served}
+                state[str(fragment.fragment_id)] = served.get(learner_id, (fragment.version, fragment.state_hash))
+    return state
+
+
 def held_fragments(report: dict) -> dict[str, tuple[int, str]]:
     return {fid: (f["version"], f["state_hash"]) for fid, f in report["fragments"].items()}
 

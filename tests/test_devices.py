@@ -26,7 +26,7 @@ from diloco.learner.train import Trainer, make_optimizer, manifest, named_parame
 from diloco.services.contract.config import GPTConfig, InnerOptimizerConfig, dump_config
 from diloco.services.contract.fragments import plan_fragments, scatter
 from tests.cluster_config import running_shards, tiny_cluster
-from tests.cluster_watch import held_fragments, shard_fragments, wait_for_learners_to_finish
+from tests.cluster_watch import held_fragments, served_fragments, shard_fragments, wait_for_learners_to_finish
 
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
@@ -108,7 +108,6 @@ def test_the_builtin_learner_trains_under_bf16_with_accumulation_and_ends_with_t
     cluster.start_shards()
     cluster.start_learners()
     reports = wait_for_learners_to_finish(cluster)
-    shards = shard_fragments(cfg)
     for learner_id, report in reports.items():
         assert report["phase"] == "done" and report["steps"] == steps
         # The shards took every contribution: T grows with grad_accum_steps by default.
@@ -116,7 +115,8 @@ def test_the_builtin_learner_trains_under_bf16_with_accumulation_and_ends_with_t
         assert report["incarnations"][-1]["syncs_applied"] > 0
         first, last = report["evaluations"][0][3], report["evaluations"][-1][3]
         assert last < 0.8 * first, f"{learner_id}: validation loss {first:.3f} -> {last:.3f}"
-        assert held_fragments(report) == shards, f"{learner_id} does not hold the shards' bits"
+        assert held_fragments(report) == served_fragments(cfg, learner_id), \
+            f"{learner_id} does not hold the bits the shards served it"
 
 
 def test_tokens_per_step_and_its_default_bound_grow_with_gradient_accumulation(tmp_path):

@@ -19,13 +19,13 @@ import pytest
 from diloco.localcluster.cluster import free_ports
 from diloco.services.client import ShardClient
 from tests.cluster_config import tiny_cluster
-from tests.cluster_watch import (TIMEOUT, held_fragments, operator, read_report, shard_fragments,
+from tests.cluster_watch import (TIMEOUT, held_fragments, operator, read_report, served_fragments, shard_fragments,
                                  wait_for_learners_to_finish, wait_until)
 
 pytestmark = pytest.mark.slow
 
 
-def test_cluster_trains_and_every_learner_holds_the_shards_bits(tmp_path, cluster_factory):
+def test_cluster_trains_and_every_learner_holds_the_bits_the_shards_served_it(tmp_path, cluster_factory):
     cfg = tiny_cluster(tmp_path / "state", shards=2, learners=3, steps=200)
     cluster = cluster_factory(cfg)
     cluster.start_shards()
@@ -41,7 +41,8 @@ def test_cluster_trains_and_every_learner_holds_the_shards_bits(tmp_path, cluste
         # starts from the already trained global model, so its own first evaluation is lower.
         last = report["evaluations"][-1][3]
         assert last < 0.6 * math.log(256), f"{learner_id}: final validation loss {last:.3f}"
-        assert held_fragments(report) == shards, f"{learner_id} does not hold the shards' bits"
+        assert held_fragments(report) == served_fragments(cfg, learner_id), \
+            f"{learner_id} does not hold the bits the shards served it"
         life = report["incarnations"][-1]
         assert life["syncs_applied"] > 0 and life["bytes_up"] > 0
 
@@ -72,9 +73,8 @@ def test_killed_learner_rejoins_reports_staleness_and_the_others_never_stop(tmp_
     assert lives[1]["restored_step"] >= 50  # it resumed from its checkpoint, not from scratch
     assert lives[1]["versions_behind_at_join"] > 0  # the run moved on while it was down
     assert all(r["steps"] == 1500 for r in reports.values())
-    shards = shard_fragments(cfg)
-    for report in reports.values():
-        assert held_fragments(report) == shards
+    for learner_id, report in reports.items():
+        assert held_fragments(report) == served_fragments(cfg, learner_id)
 
 
 def test_a_learner_trains_on_while_its_rounds_wait_for_a_frozen_member(tmp_path, cluster_factory):
@@ -105,9 +105,8 @@ def test_a_learner_trains_on_while_its_rounds_wait_for_a_frozen_member(tmp_path,
     reports = wait_for_learners_to_finish(cluster)
 
     assert reports[worker.name]["incarnations"][-1]["syncs_late"] > 0
-    shards = shard_fragments(cfg)
-    for report in reports.values():
-        assert report["steps"] == 600 and held_fragments(report) == shards
+    for learner_id, report in reports.items():
+        assert report["steps"] == 600 and held_fragments(report) == served_fragments(cfg, learner_id)
 
 
 def test_sigterm_ends_a_learner_blocked_on_a_round_that_waits_for_a_dead_one(tmp_path, cluster_factory):

@@ -1,8 +1,10 @@
 """The learner's local half: model, data, inner loop, checkpoint. No syncer involved."""
 
+import gc
 import logging
 import pathlib
 import math
+import weakref
 
 import numpy as np
 import pytest
@@ -14,9 +16,11 @@ from diloco.learner.checkpoint import (CheckpointError, CheckpointWriter, checkp
 from diloco.learner.data import (FILE_SEPARATOR, CorpusShard, build_data, is_validation, load_corpus,
                           read_corpus)
 from diloco.learner.model import build_model
+import diloco.learner.known_hashes as known_hashes
 import diloco.learner.train
 from diloco.learner.train import Trainer, lr_at, manifest, named_parameters
 from diloco.services.contract.config import GPTConfig, InnerOptimizerConfig, parse_config
+from diloco.services.contract.state import state_hash
 from tests import user_plugins
 
 TINY_GPT = {"n_layer": 2, "n_head": 4, "n_embd": 64, "seq_len": 64}
@@ -489,3 +493,22 @@ def test_a_late_result_is_averaged_into_every_tensor_of_the_fragment_as_at_its_a
     for name, param in params.items():
         assert torch.equal(param, torch.full(param.shape, expected)), name
     sync.close(leave=False)
+
+
+def test_a_value_is_hashed_once_and_known_hashes_keep_no_value_alive(monkeypatch):
+    hashed = []
+    monkeypatch.setattr(known_hashes, "state_hash", lambda value: hashed.append(value) or state_hash(value))
+    hashes = known_hashes.KnownHashes()
+    anchor, pulled, later = torch.zeros(8), torch.ones(8), torch.full((8,), 2.0)
+    hashes.remember(0, pulled, "checked by the pull")  # a pull's checked hash is taken as is
+    assert hashes.of(0, pulled) == "checked by the pull" and not hashed
+    assert hashes.of(0, anchor) == hashes.of(0, anchor) == state_hash(anchor) and len(hashed) == 1
+    assert hashes.of(0, pulled) == "checked by the pull"  # the anchor held and the pull not adopted yet
+    assert hashes.of(1, anchor) == state_hash(anchor) and len(hashed) == 2  # per fragment
+    hashes.remember(0, later, "next pull")  # a third value: the least recent goes
+    assert hashes.of(0, later) == "next pull" and hashes.of(0, anchor) == state_hash(anchor)
+    assert len(hashed) == 2
+    dropped = weakref.ref(later)
+    del later
+    gc.collect()
+    assert dropped() is None

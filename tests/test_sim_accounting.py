@@ -46,7 +46,7 @@ def test_recorded_steps_past_the_restored_checkpoint_are_lost_too():
 
 
 def shard_status(*fragments: tuple[int, int, str]) -> SimpleNamespace:
-    return SimpleNamespace(fragments=[SimpleNamespace(fragment_id=fid, version=v, state_hash=h)
+    return SimpleNamespace(fragments=[SimpleNamespace(fragment_id=fid, version=v, state_hash=h, served=[])
                                       for fid, v, h in fragments])
 
 

@@ -11,6 +11,7 @@ import torch
 
 from diloco.services.client import ShardClient
 from diloco.services.cli.certs import issue_cluster_certs
+from diloco.services.contract.state import state_hash
 from diloco.services.contract.tls import learner_name, load_identity
 from diloco.services.contract.wire import pb
 from diloco.syncer.service import start_shard
@@ -50,7 +51,8 @@ def shard(tmp_path_factory):
 
 
 def _state(handle):
-    return [(f.id, f.version, f.state_hash, f.pending_contributions) for f in handle.core.status().fragments]
+    return [(f.id, f.version, f.state_hash, f.pending_contributions, sorted(f.served.items()))
+            for f in handle.core.status().fragments]
 
 
 def _refused(call, code, words, handle, reason):
@@ -71,6 +73,8 @@ def _push(client, fragment, numel, **kwargs):
 def test_learner_calls_need_that_learners_certificate(shard):
     handle, _, client, fragment, numel = shard
     operator, a_as_b = client("a", cert=""), client("b", cert="a")
+    seed_hash = state_hash(torch.ones(numel))
+    assert client("a").pull(fragment, 0, anchor_hash=seed_hash).items == []  # a holds the seed: served it
     U, P = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED
     for who, code, reason, words in ((operator, U, "unauthenticated", "spiffe://diloco/operator"),
                                      (a_as_b, P, "wrong_learner", "learner 'a''s: it may not act as learner 'b'")):
@@ -80,8 +84,12 @@ def test_learner_calls_need_that_learners_certificate(shard):
         _refused(lambda: next(who.attend()), code, words, handle, reason)
         _refused(lambda: _push(operator if who is operator else client("a"), fragment, numel,
                                learner=who.learner_id), code, words, handle, reason)
+        # A pull naming a learner moves the anchor the shard serves that learner from.
+        _refused(lambda: who.pull(fragment, 0, anchor_hash=seed_hash), code, words, handle, reason)
     # Reading needs only a certificate of the run's CA.
-    assert operator.status().fragments and operator.pull(fragment).version == 0
+    reader = client("", cert="")
+    assert operator.status().fragments and reader.pull(fragment).version == 0
+    assert reader.pull(fragment, 0, anchor_hash=seed_hash).items == []
     # The rightful learner still may.
     assert client("a").heartbeat().versions[fragment] == 0
 

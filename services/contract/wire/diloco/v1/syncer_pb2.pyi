@@ -278,18 +278,20 @@ class PushResponse(_message.Message):
     def __init__(self, result: _Optional[_Union[PushResult, str]] = ..., current_version: _Optional[int] = ..., staleness: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("learner_id", "fragment_id", "base_version", "min_version", "max_wait_seconds")
+    __slots__ = ("learner_id", "fragment_id", "base_version", "min_version", "max_wait_seconds", "anchor_hash")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_HASH_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     fragment_id: int
     base_version: int
     min_version: int
     max_wait_seconds: float
-    def __init__(self, learner_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., base_version: _Optional[int] = ..., min_version: _Optional[int] = ..., max_wait_seconds: _Optional[float] = ...) -> None: ...
+    anchor_hash: str
+    def __init__(self, learner_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., base_version: _Optional[int] = ..., min_version: _Optional[int] = ..., max_wait_seconds: _Optional[float] = ..., anchor_hash: _Optional[str] = ...) -> None: ...
 
 class PullItemHeader(_message.Message):
     __slots__ = ("kind", "version", "payload", "state_hash")
@@ -330,7 +332,7 @@ class RoundInfo(_message.Message):
     def __init__(self, round: _Optional[int] = ..., close_reason: _Optional[str] = ..., contributors: _Optional[int] = ..., closed_unix_seconds: _Optional[float] = ..., duration_seconds: _Optional[float] = ...) -> None: ...
 
 class FragmentStatus(_message.Message):
-    __slots__ = ("fragment_id", "numel", "initialized", "version", "state_hash", "pending_contributions", "last_round", "merged_tokens")
+    __slots__ = ("fragment_id", "numel", "initialized", "version", "state_hash", "pending_contributions", "last_round", "merged_tokens", "served")
     FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
@@ -339,6 +341,7 @@ class FragmentStatus(_message.Message):
     PENDING_CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     LAST_ROUND_FIELD_NUMBER: _ClassVar[int]
     MERGED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_FIELD_NUMBER: _ClassVar[int]
     fragment_id: int
     numel: int
     initialized: bool
@@ -347,7 +350,20 @@ class FragmentStatus(_message.Message):
     pending_contributions: int
     last_round: RoundInfo
     merged_tokens: int
-    def __init__(self, fragment_id: _Optional[int] = ..., numel: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., state_hash: _Optional[str] = ..., pending_contributions: _Optional[int] = ..., last_round: _Optional[_Union[RoundInfo, _Mapping]] = ..., merged_tokens: _Optional[int] = ...) -> None: ...
+    served: _containers.RepeatedCompositeFieldContainer[ServedAnchor]
+    def __init__(self, fragment_id: _Optional[int] = ..., numel: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., state_hash: _Optional[str] = ..., pending_contributions: _Optional[int] = ..., last_round: _Optional[_Union[RoundInfo, _Mapping]] = ..., merged_tokens: _Optional[int] = ..., served: _Optional[_Iterable[_Union[ServedAnchor, _Mapping]]] = ...) -> None: ...
+
+class ServedAnchor(_message.Message):
+    __slots__ = ("learner_id", "version", "state_hash", "offset")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    version: int
+    state_hash: str
+    offset: float
+    def __init__(self, learner_id: _Optional[str] = ..., version: _Optional[int] = ..., state_hash: _Optional[str] = ..., offset: _Optional[float] = ...) -> None: ...
 
 class LearnerStatus(_message.Message):
     __slots__ = ("learner_id", "region", "incarnation", "alive", "last_step", "staleness", "seconds_since_heartbeat", "tokens_per_second", "sync_step", "step_seconds", "tokens")

@@ -1,0 +1,154 @@
+"""The downlink (docs/protocol.md, "The downlink"): a pull is one delta from the anchor the
+shard served the learner, whatever number of rounds closed since; the learner then holds
+exactly the bits the shard served it, within one encoding of the shard's value. The shard's
+core on a fake clock, no gRPC."""
+import pytest
+import torch
+
+from diloco.services.contract.codecs import get_codec
+from diloco.services.contract.payload import decode_payload
+from diloco.services.contract.state import apply_update, state_hash
+from diloco.syncer.core import ShardCore
+from diloco.syncer.store import ShardStore
+from tests.shard_harness import Shard, delta, make_config
+
+INT4 = get_codec("int4")
+
+
+class Puller:
+    """A learner that only pulls (it is in the config, not joined: rounds do not wait for it),
+    applying what it gets as the learner does."""
+
+    def __init__(self, shard: Shard, learner_id: str = "b"):
+        self.shard, self.id = shard, learner_id
+        plan = shard.core.pull(0, None, learner_id)
+        assert plan.snapshot
+        self.value, self.version = decode_payload(plan.items[0].header, plan.items[0].payload), plan.items[0].version
+
+    def pull(self):
+        plan = self.shard.core.pull(0, self.version, self.id, state_hash(self.value))
+        value = self.value.clone()
+        for item in plan.items:
+            value = decode_payload(item.header, item.payload) if plan.snapshot else apply_update(
+                value, decode_payload(item.header, item.payload))
+        assert state_hash(value) == plan.state_hash  # the bits the shard served, as it recorded them
+        self.value, self.version = value, self.shard.version()
+        return plan
+
+
+def rounds(shard: Shard, count: int, scale: float = 0.01) -> None:
+    """`count` rounds closed by learner a alone (the only one joined)."""
+    for _ in range(count):
+        version = shard.version()
+        shard.push("a", 0, delta(version + 7, shard.numel(), scale), base=version)
+    assert shard.version() == version + 1
+
+
+def int4_shard(**syncer) -> Shard:
+    return Shard(make_config(codec="int4", **syncer), joined=("a",))
+
+
+def test_a_learner_several_rounds_behind_pulls_one_delta_the_size_of_one_update_not_one_per_round():
+    shard = int4_shard()
+    learner = Puller(shard)
+    rounds(shard, 6)
+    plan = learner.pull()
+    update_bytes = len(shard.core.fragments[0].committed.history[-1].payload)
+    assert not plan.snapshot and len(plan.items) == 1 and plan.items[0].version == 6
+    assert len(plan.items[0].payload) == update_bytes
+
+
+def test_after_a_pull_the_learner_is_one_encoding_of_the_delta_away_from_the_shards_value():
+    shard = int4_shard()
+    learner = Puller(shard)
+    for behind in (3, 1, 5, 2):
+        rounds(shard, behind)
+        asked = shard.value() - learner.value
+        learner.pull()
+        left = shard.value() - learner.value
+        encoding_error = asked - INT4.decode(INT4.encode(asked, 128), asked.numel(), 128)
+        assert torch.allclose(left, encoding_error, atol=1e-6)  # that delta's error, none carried over
+        assert 0 < left.norm() < 0.2 * asked.norm()
+        recorded = shard.core.fragments[0].pulls.served.records()["b"]
+        assert recorded.state_hash == state_hash(learner.value) and recorded.offset == pytest.approx(float(left.norm() / asked.norm()), rel=1e-4)
+
+
+def test_errors_do_not_accumulate_over_many_pulls():
+    shard = int4_shard()
+    learner = Puller(shard)
+    offsets = []
+    for _ in range(20):
+        rounds(shard, 2)
+        asked = (shard.value() - learner.value).norm()
+        learner.pull()
+        offsets.append(float((shard.value() - learner.value).norm() / asked))
+    assert max(offsets) < 0.2  # each pull's own error, not a sum of them
+
+
+def test_a_learner_on_the_lineage_one_version_behind_gets_the_shared_update_and_the_shards_bits():
+    shard = int4_shard()
+    learner = Puller(shard)
+    for _ in range(3):
+        rounds(shard, 1)
+        plan = learner.pull()
+        assert plan.items == (shard.core.fragments[0].committed.history[-1],)
+        assert torch.equal(learner.value, shard.value())
+
+
+def test_a_learner_already_at_the_current_value_gets_nothing():
+    shard = int4_shard()
+    learner = Puller(shard)
+    rounds(shard, 2)
+    learner.pull()
+    assert learner.pull().items == ()
+
+
+def test_a_learner_holding_the_seed_at_version_0_pulls_nothing_and_then_deltas():
+    shard = int4_shard()
+    seed = shard.seeds[0]
+    plan = shard.core.pull(0, 0, "b", state_hash(seed))
+    assert plan.items == () and plan.state_hash == state_hash(seed)
+    rounds(shard, 3)
+    plan = shard.core.pull(0, 0, "b", state_hash(seed))
+    assert len(plan.items) == 1 and not plan.snapshot
+
+
+def test_an_anchor_the_shard_did_not_serve_gets_a_snapshot():
+    shard = int4_shard()
+    learner = Puller(shard)
+    rounds(shard, 2)
+    plan = shard.core.pull(0, 0, "b", state_hash(learner.value + 1))  # not what it was served
+    assert plan.snapshot and torch.equal(decode_payload(plan.items[0].header, plan.items[0].payload), shard.value())
+    plan = shard.core.pull(0, 0, "c", state_hash(learner.value))  # another learner's anchor
+    assert plan.snapshot
+
+
+def test_a_request_without_an_anchor_hash_gets_the_updates_as_before():
+    shard = int4_shard()
+    rounds(shard, 3)
+    assert [u.version for u in shard.core.pull(0, 0, "b").items] == [1, 2, 3]
+    plan = shard.core.pull(0, 0, "stranger", "f" * 64)  # not a learner of the run: no record is kept
+    assert [u.version for u in plan.items] == [1, 2, 3]
+
+
+def test_after_a_restart_the_next_pull_is_a_snapshot_of_the_bits_served_before(tmp_path):
+    shard = Shard(make_config(codec="int4"), journal=ShardStore(tmp_path), joined=("a",))
+    learner = Puller(shard)
+    rounds(shard, 3)
+    learner.pull()
+    before = shard.value().clone()
+    core = ShardCore(shard.cfg, 0, clock=shard.clock, journal=ShardStore(tmp_path))
+    core.restore(ShardStore(tmp_path).load())
+    shard.core = core
+    plan = learner.pull()
+    assert plan.snapshot and torch.equal(learner.value, before)
+
+
+def test_a_learner_that_never_took_its_last_pull_still_gets_a_delta_from_the_anchor_before():
+    shard = int4_shard()
+    learner = Puller(shard)
+    rounds(shard, 2)
+    shard.core.pull(0, learner.version, "b", state_hash(learner.value))  # its answer is lost
+    rounds(shard, 2)
+    plan = learner.pull()  # from the anchor it still holds
+    assert not plan.snapshot and len(plan.items) == 1
