@@ -324,6 +324,25 @@ class StreamingSync:
         past_deadline = lambda: time.monotonic() >= deadline  # noqa: E731
         while not self._pull_newer_versions(wait_seconds=0.0, give_up=past_deadline)[1] and not past_deadline():
             self._stop.wait(RETRY_INITIAL_SECONDS)
+        self._take_the_shards_bits()
+
+    def _take_the_shards_bits(self) -> None:
+        """After the final pulls: a fragment whose last pull was a delta from an anchor off the
+        shards' lineage holds the shards' value less that delta's encoding error (docs/protocol.md,
+        "The downlink"); one snapshot of each such fragment, once per run, leaves the learner
+        holding the shards' exact bits, the global model an export from the shards gives."""
+        for session in self.sessions:
+            try:
+                status = session.client.status(timeout=self.cfg.rpc.deadline_seconds)
+                exact = {f.fragment_id: (f.version, f.state_hash) for f in status.fragments}
+                for pipeline in self.fragments.values():
+                    fid = pipeline.fragment.id
+                    if pipeline.session is session and fid in exact and pipeline.hash() != exact[fid]:
+                        result, value = session.pull_checked(fid, None, None)
+                        pipeline.adopt(value, result.version)
+                        self.stats.bytes_down += result.payload_bytes
+            except (grpc.RpcError, StateHashMismatch) as error:  # the shard left: keep what was served
+                log.warning("shard %d: not taking its exact final values: %s", session.index, error)
 
     def _pull_newer_versions(self, wait_seconds: float,
                              give_up: Callable[[], bool] = lambda: True) -> tuple[bool, bool]:

@@ -20,7 +20,6 @@ from diloco.localcluster.cluster import LocalCluster
 from diloco.services.contract.config import dump_config, parse_config
 from diloco.services.contract.fragments import plan_for_config
 from diloco.services.contract.state import state_hash
-from diloco.services.contract.wire import pb
 from diloco.syncer.store import shard_state_dir
 from tests.cluster_config import tiny_cluster
 from tests.cluster_watch import wait_until
@@ -216,7 +215,7 @@ def test_a_learner_restarting_from_a_checkpoint_ahead_of_a_shard_that_lost_its_s
 
 def test_a_checkpoint_whose_anchor_the_shard_did_not_serve_pulls_a_snapshot(tmp_path, cluster, learners):
     cfg = fault_config(tmp_path)
-    shards = cluster(cfg)
+    cluster(cfg)
     params = model()
     first = learners(cfg, params)
     step = train(first, params, lambda: first.fragments[0].version >= 1, "a first round")
@@ -234,6 +233,23 @@ def test_a_checkpoint_whose_anchor_the_shard_did_not_serve_pulls_a_snapshot(tmp_
     shard = fragment_status(cfg)
     assert second.fragment_hashes() == {0: (shard.version, shard.state_hash)}
     assert second.stats.hash_mismatches == 0  # known before the pull, by the anchor's hash
+
+
+def test_a_learner_that_missed_rounds_ends_holding_the_shards_exact_bits(tmp_path, cluster, learners):
+    cfg = fault_config(tmp_path, sync={"codec": "int4"}, syncer={"quorum": 1})
+    cluster(cfg)
+    learner = learners(cfg, model())  # seeds the fragment, holds version 0
+    other = cfg.learners[1]
+    with ShardClient(cfg.shards[0].address, cfg.rpc, other.id, time.time_ns(), identity=None) as client:
+        client.join(other.region, MANIFEST)
+        for version in range(3):  # three rounds of the other learner's alone (quorum 1, then grace)
+            client.push(0, 0.1 * torch.randn(256, generator=torch.Generator().manual_seed(version)), codec="int4",
+                        block_size=cfg.sync.codec_block_size, base_version=version, c_steps=4, c_tokens=1024,
+                        step_seconds=0.01)
+            wait_until(lambda: fragment_status(cfg).version > version, TIMEOUT, f"round {version + 1} to close")
+    # Its catch-up pull is one int4 delta from version 0 to 3 (off the shards' lineage by that
+    # delta's encoding error); the learner then takes the shards' exact value.
+    assert_holds_the_shards_bits(learner, cfg)
 
 
 # ---- the `diloco learner` command: what it cannot work with, it says in one line and exits 1 ----
