@@ -21,8 +21,8 @@ WORKDIR /src
 COPY . .
 # torch==2.13.0 of constraints.txt: the wheelhouse holds only its CPU build. Not needed at run
 # time and a fifth of the image: torch's C++ headers, its test binaries (torch_shm_manager is
-# no test) and its tests. Each
-# subcommand's --help imports its module, so a broken install fails the build, not a container.
+# no test) and its tests. Importing each service's module (and torchrun's) from outside the
+# sources, a broken install fails the build, not a container.
 RUN python3 -m venv --without-pip /opt/diloco \
     && pip_wheel=$(echo wheelhouse/pip-*.whl) \
     && /opt/diloco/bin/python "$pip_wheel/pip" install --quiet --no-index \
@@ -30,9 +30,7 @@ RUN python3 -m venv --without-pip /opt/diloco \
     && site=$(/opt/diloco/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
     && rm -rf "$site/torch/include" "$site/torch/test" \
     && find "$site/torch/bin" -mindepth 1 ! -name torch_shm_manager -delete \
-    && /opt/diloco/bin/diloco syncer --help >/dev/null \
-    && /opt/diloco/bin/diloco learner --help >/dev/null \
-    && /opt/diloco/bin/torchrun --help >/dev/null
+    && cd / && /opt/diloco/bin/python -c "import diloco.syncer.main, diloco.learner.main, torch.distributed.run"
 
 FROM ${BASE_IMAGE}
 ENV PYTHONUNBUFFERED=1 \

@@ -5,11 +5,13 @@
 #   scripts/fill-wheelhouse.sh [PYTHON]    (default python3; pip runs on the host)
 #
 # The wheels are for the image's Python (3.11, Linux, this machine's architecture) whatever
-# the host's Python is. Wheels already there are kept, so a second run only checks. torch is
+# the host's Python is. A wheelhouse filled for the same pins is left as it is (the stamp file
+# records them); otherwise wheels already there are kept and the rest fetched. torch is
 # the CPU build of the pin in constraints.txt: from pip's configured indexes when they carry it
 # (this project's machines keep it on disk), else from PyTorch's CPU index, $TORCH_INDEX_URL.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+self="$(realpath "$0")"
+cd "$(dirname "$self")/.."
 
 PYTHON="${1:-python3}"
 OUT=wheelhouse
@@ -21,6 +23,12 @@ for glibc in $(seq 17 36); do target+=(--platform "manylinux_2_${glibc}_$(uname 
 target+=(--platform "manylinux2014_$(uname -m)")
 
 mkdir -p "$OUT"
+stamp="$OUT/filled-for.sha256"
+pins="$(cat constraints.txt pyproject.toml "$self" | sha256sum)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$pins" ]; then
+    exit 0
+fi
+rm -f "$stamp"
 pip=("$PYTHON" -m pip download --quiet --dest "$OUT" --find-links "$OUT" "${target[@]}")
 torch="$(grep -E '^torch==' constraints.txt)+cpu"
 
@@ -40,4 +48,5 @@ print("\n".join(project["project"]["dependencies"] + project["build-system"]["re
 EOF
 echo "$torch" >>"$requirements"
 "${pip[@]}" -c constraints.txt -r "$requirements"
+echo "$pins" >"$stamp"
 echo "fill-wheelhouse.sh: $(ls "$OUT" | wc -l) wheels, $(du -sh "$OUT" | cut -f1) in $OUT/" >&2
