@@ -19,7 +19,7 @@ MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 BASE_IMAGE="${DILOCO_BASE_IMAGE:-diloco-base:$SUITE}"
 PROMETHEUS_IMAGE="${DILOCO_PROMETHEUS_IMAGE:-diloco-prometheus:$SUITE}"
 # passwd: the Dockerfile adds the image's user with groupadd and useradd.
-BASE_PACKAGES=python3,passwd
+BASE_PACKAGES="python3 passwd"
 
 fail() { echo "make-base-images.sh: $*" >&2; exit 1; }
 force=false
@@ -36,23 +36,36 @@ have() { ! $force && docker image inspect "$1" >/dev/null 2>&1; }
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-# Packages debootstrap fetched for the first image serve the second.
-mkdir -p "$work/debs"
 
-# debootstrap's root filesystem with the `include` packages, changed by the `prepare`
-# function, trimmed, and imported as `tag` with the docker import --change options that follow.
-# Each image is one layer: no Dockerfile steps on top of the import.
+# One minbase root filesystem, made when the first image needs it; each image starts as a copy.
+minbase() {
+    [ -d "$work/minbase" ] && return
+    echo "make-base-images.sh: debootstrap --variant=minbase $SUITE" >&2
+    debootstrap --variant=minbase "$SUITE" "$work/minbase" "$MIRROR" >"$work/debootstrap.log" 2>&1 \
+        || { tail -20 "$work/debootstrap.log" >&2; fail "debootstrap failed"; }
+}
+
+# The minbase with `packages` installed by its own apt (debootstrap left it the suite's package
+# lists and the host's resolv.conf), changed by the `prepare` function, trimmed, and imported as
+# `tag` with the docker import --change options that follow. Each image is one layer.
 make_image() {
-    local tag="$1" include="$2" prepare="$3"; shift 3
-    local root="$work/root-${tag//[:\/]/-}"
-    echo "make-base-images.sh: debootstrap $SUITE with $include for $tag" >&2
-    debootstrap --variant=minbase --include="$include" --cache-dir="$work/debs" \
-        "$SUITE" "$root" "$MIRROR" >"$work/debootstrap.log" 2>&1 \
-        || { tail -20 "$work/debootstrap.log" >&2; fail "debootstrap for $tag failed"; }
+    local tag="$1" packages="$2" prepare="$3"; shift 3
+    local root="$work/root"
+    minbase
+    echo "make-base-images.sh: $tag: $packages" >&2
+    cp -a "$work/minbase" "$root"
+    # No package may start a service in the chroot.
+    printf '#!/bin/sh\nexit 101\n' >"$root/usr/sbin/policy-rc.d"
+    chmod +x "$root/usr/sbin/policy-rc.d"
+    # shellcheck disable=SC2086 # the package list splits on spaces
+    chroot "$root" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        $packages >"$work/apt.log" 2>&1 || { tail -20 "$work/apt.log" >&2; fail "apt-get install $packages failed"; }
     "$prepare" "$root"
-    # What no container needs: apt's package lists and downloads, documentation, locales.
-    rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/* "$root"/var/cache/debconf/*-old \
-        "$root"/usr/share/doc "$root"/usr/share/man "$root"/usr/share/info "$root"/usr/share/locale
+    # What no container needs: apt's package lists and downloads, documentation, locales, and
+    # the host's files (docker gives each container its own resolv.conf and hostname).
+    rm -rf "$root"/usr/sbin/policy-rc.d "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/* \
+        "$root"/var/cache/debconf/*-old "$root"/usr/share/doc "$root"/usr/share/man \
+        "$root"/usr/share/info "$root"/usr/share/locale "$root"/etc/resolv.conf "$root"/etc/hostname
     tar --numeric-owner -C "$root" -c . | docker import "$@" - "$tag" >/dev/null
     rm -rf "$root"
     echo "make-base-images.sh: made $tag ($(docker image inspect -f '{{.Size}}' "$tag") bytes)" >&2

@@ -2,7 +2,8 @@
 deploy/compose/cluster.yaml (the 4-region example with compose host names), and its
 services' commands and environment really make a working run.
 
-No docker engine is needed. The last test runs every syncer and learner service's exact
+No docker engine is needed here (tests/test_compose_up.py builds the image and brings the file
+up under one). The last test runs every syncer and learner service's exact
 `command` as a local process, as the container would: the entrypoint `diloco` becomes
 `python -m diloco.services.cli`, each volume and tmpfs becomes a folder of its own, the mounted
 cluster config is a copy whose compose host names (`syncer-0:50051`) point at loopback

@@ -17,9 +17,11 @@ the base images (minutes); later runs build the image and run the cluster.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -28,7 +30,6 @@ import grpc
 import pytest
 import yaml
 
-from diloco.localcluster.cluster import free_ports
 from diloco.services.client import ShardClient
 from diloco.services.contract.config import dump_config, load_config, parse_config
 from diloco.services.contract.tls import OPERATOR, load_identity
@@ -85,26 +86,34 @@ def remove_images(ids: set[str]) -> None:
         docker("rmi", "--force", *newest_first, check=False)
 
 
+def finished_at(state: dict) -> datetime.datetime:
+    """A container's State.FinishedAt (RFC 3339 in nanoseconds; Python reads microseconds)."""
+    return datetime.datetime.fromisoformat(re.sub(r"(\.\d{6})\d*", r"\1", state["FinishedAt"]))
+
+
 class Compose:
     """docker-compose.yml plus the test's override, as a project of its own with its own image
-    tag and host ports, so it touches nothing a user's `docker-compose up` made."""
+    tag, and host ports Docker picks, so it touches nothing a user's `docker-compose up` made."""
 
     def __init__(self, folder: pathlib.Path):
         tag = f"{os.getpid()}-{int(time.time())}"
         self.project = f"dilocotest{tag.replace('-', '')}"
         self.image = f"diloco-compose-test:{tag}"
-        self.ports = dict(zip(("SYNCER_0_PORT", "SYNCER_1_PORT", "PROMETHEUS_PORT"), map(str, free_ports(3))))
         self.cfg = self.write_config(folder)
         self.override = folder / "override.yml"
         spec = compose()
         mounted = {name: {"volumes": [f"{folder / 'cluster.yaml'}:{MOUNTED_CONFIG}:ro"]}
                    for kind in ("certs", "syncer", "learner") for name in diloco_services(spec, kind)}
         self.override.write_text(yaml.safe_dump({"version": spec["version"], "services": mounted}))
-        self.env = {**os.environ, **self.ports, "DILOCO_IMAGE": self.image, "BASE_IMAGE": BASE_IMAGE,
+        # Empty: each published port is one Docker finds free (`address` asks which).
+        ports = {"SYNCER_0_PORT": "", "SYNCER_1_PORT": "", "PROMETHEUS_PORT": ""}
+        self.env = {**os.environ, **ports, "DILOCO_IMAGE": self.image, "BASE_IMAGE": BASE_IMAGE,
                     "PROMETHEUS_IMAGE": PROMETHEUS_IMAGE}
         self.learners = {name: parse_command(s["command"]).learner_id
                          for name, s in diloco_services(spec, "learner").items()}
         self.operator_dir = folder / OPERATOR
+        self.addresses: list[str] = []  # the shards' published gRPC ports: find_shards()
+        self.containers: dict[str, str] = {}  # service -> container id, until the next up or down
 
     @staticmethod
     def write_config(folder: pathlib.Path):
@@ -114,6 +123,8 @@ class Compose:
         return cfg
 
     def __call__(self, *args: str, timeout: float = 180) -> str:
+        if args[0] in ("up", "down"):
+            self.containers.clear()
         argv = ["docker-compose", "--project-name", self.project, "-f", str(COMPOSE_FILE),
                 "-f", str(self.override), *args]
         result = subprocess.run(argv, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
@@ -122,8 +133,9 @@ class Compose:
         return result.stdout
 
     def container(self, service: str) -> str:
-        (container_id,) = self("ps", "--quiet", service).split()
-        return container_id
+        if service not in self.containers:
+            (self.containers[service],) = self("ps", "--quiet", service).split()
+        return self.containers[service]
 
     def state(self, service: str) -> dict:
         """The container's State as `docker inspect` gives it (Status, ExitCode, Health)."""
@@ -141,13 +153,19 @@ class Compose:
 
     # ---- the shards, from the host --------------------------------------------------------
 
-    def shard_addresses(self) -> list[str]:
-        return [f"127.0.0.1:{self.ports[f'SYNCER_{i}_PORT']}" for i in range(len(self.cfg.shards))]
+    def address(self, service: str, port: int) -> str:
+        """host:port on this machine of a container port the compose file publishes."""
+        return self("port", service, str(port)).strip()
+
+    def find_shards(self) -> None:
+        """Where the shards' gRPC ports are published, after each `up` that starts them."""
+        self.addresses = [self.address(f"syncer-{i}", int(shard.address.rsplit(":", 1)[1]))
+                          for i, shard in enumerate(self.cfg.shards)]
 
     def statuses(self) -> list:
         identity = load_identity(self.cfg, OPERATOR, self.operator_dir)
         replies = []
-        for address in self.shard_addresses():
+        for address in self.addresses:
             with ShardClient(address, self.cfg.rpc, identity=identity) as client:
                 replies.append(client.status(timeout=5))
         return replies
@@ -185,8 +203,9 @@ def test_docker_compose_up_trains_and_a_restarted_learner_rejoins(tmp_path):
             subprocess.run(["docker-compose", "--project-name", project.project, "-f", str(COMPOSE_FILE),
                             "-f", str(project.override), "down", "--volumes", "--remove-orphans", "--timeout", "10"],
                            cwd=ROOT, env=project.env, capture_output=True, timeout=180)
+            stages.done("down --volumes")
             remove_images(image_ids() - before)
-            stages.done("clean-up")
+            stages.done("removing the images")
 
 
 def run_cluster(project: Compose, folder: pathlib.Path, stages: Stages) -> None:
@@ -197,6 +216,7 @@ def run_cluster(project: Compose, folder: pathlib.Path, stages: Stages) -> None:
     # Shards start once the certificates exist, learners once the shards are healthy.
     project("up", "--detach", "--no-build", timeout=RUN_TIMEOUT)
     project.copy_out(shard_services[0], f"{cfg.tls.dir}/{OPERATOR}", project.operator_dir)
+    project.find_shards()
     stages.done("up")
 
     def answering(condition):
@@ -210,61 +230,76 @@ def run_cluster(project: Compose, folder: pathlib.Path, stages: Stages) -> None:
         fragments = project.shard_fragments()
         return (sorted(seen) == sorted(learners.values())
                 and all(alive and step >= cfg.sync.interval_steps for _, alive, step in seen.values())
-                and len(fragments) == cfg.sync.fragments and all(v > 0 for v, _ in fragments.values())
-                and all(project.state(s)["Health"]["Status"] == "healthy" for s in [*shard_services, *learners]))
+                and len(fragments) == cfg.sync.fragments and all(v > 0 for v, _ in fragments.values()))
 
-    wait_until(lambda: answering(trained_and_synced), RUN_TIMEOUT,
-               "every learner to train and sync, and every shard and learner to be healthy", poll=1.0)
+    wait_until(lambda: answering(trained_and_synced), RUN_TIMEOUT, "every learner to train and sync", poll=1.0)
     stages.done("training and syncing")
 
-    # The operator's view from the host, through the ports the compose file publishes.
-    status = subprocess.run([sys.executable, "-m", "diloco.services.cli", "status", "--syncer",
-                             ",".join(project.shard_addresses()), "--tls-dir", str(project.operator_dir)],
-                            capture_output=True, text=True, timeout=60)
-    assert status.returncode == 0, status.stdout + status.stderr
-    assert all(learner_id in status.stdout for learner_id in learners.values()), status.stdout
-
-    # Prometheus scrapes every shard and learner over `wan`, and the recording rules give goodput.
-    prometheus = PrometheusApi(f"http://127.0.0.1:{project.ports['PROMETHEUS_PORT']}")
-    processes = len(cfg.shards) + len(cfg.learners)
-    wait_until(lambda: prometheus.value('sum(up{job=~"diloco-.*"})') == processes, 60,
-               f"Prometheus to scrape all {processes} shards and learners", poll=1.0)
-    goodput = wait_until(lambda: prometheus.value("run:diloco_learner_goodput:ratio_rate5m"), 60,
-                         "Prometheus to record goodput", poll=1.0)
-    assert 0 < goodput <= 1
-    stages.done("status and goodput")
-
-    # Stopped (SIGTERM: it checkpoints and leaves) and started again, the learner rejoins as a
-    # new incarnation and resumes.
+    # Stopped (SIGTERM: it checkpoints and leaves) and started again, a learner rejoins as a
+    # new incarnation and resumes; the rest goes on meanwhile.
     learner_id = learners[RESTARTED]
     incarnation, _, step = project.learners_seen()[learner_id]
     assert step < cfg.trainer.max_steps, f"{learner_id} finished before it was stopped: raise FAST's max_steps"
     project("stop", RESTARTED, timeout=60)
-    assert project.state(RESTARTED)["ExitCode"] == 0, project.logs()
+    assert project.state(RESTARTED)["ExitCode"] == 0, f"{RESTARTED} failed on SIGTERM"
     project("start", RESTARTED, timeout=60)
+
+    # The operator's view from the host, through the ports the compose file publishes.
+    status = subprocess.run([sys.executable, "-m", "diloco.services.cli", "status", "--syncer",
+                             ",".join(project.addresses), "--tls-dir", str(project.operator_dir)],
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert all(learner_id in status.stdout for learner_id in learners.values()), status.stdout
+
+    # Prometheus has scraped every shard and learner over `wan`, and the recording rules give goodput.
+    prometheus = PrometheusApi(f"http://{project.address('prometheus', 9090)}")
+    processes = len(cfg.shards) + len(cfg.learners)
+    wait_until(lambda: prometheus.value('count(max_over_time(up{job=~"diloco-.*"}[5m]) == 1)') == processes,
+               60, f"Prometheus to scrape all {processes} shards and learners", poll=1.0)
+    goodput = wait_until(lambda: prometheus.value("run:diloco_learner_goodput:ratio_rate5m"), 60,
+                         "Prometheus to record goodput", poll=1.0)
+    assert 0 < goodput <= 1
+    stages.done(f"a learner's stop and start, status and goodput ({goodput:.2f})")
 
     def rejoined() -> bool:
         new_incarnation, alive, _ = project.learners_seen()[learner_id]
         return new_incarnation != incarnation and alive
 
     wait_until(lambda: answering(rejoined), RUN_TIMEOUT, f"{learner_id} to rejoin", poll=1.0)
-    stages.done("a learner's stop, start and rejoin")
+    # Healthy: the shards since learners started (compose waited for it), the learner once it
+    # serves /metrics again.
+    wait_until(lambda: all(project.state(s)["Health"]["Status"] == "healthy" for s in [*shard_services, RESTARTED]),
+               60, f"the shards and {RESTARTED} to be healthy", poll=1.0)
+    stages.done("its rejoin")
 
     wait_until(lambda: all(project.state(s)["Status"] == "exited" for s in learners), RUN_TIMEOUT,
                "every learner to spend its budget and exit", poll=1.0)
     stages.done("the learners' budgets")
+    # A learner leaves once no fragment changed for its catch-up's 3 s, so one that finished
+    # while the restarted learner still trained may hold older versions: where its version is
+    # the shards', its bits are theirs. The last to finish holds every fragment as they do.
     shard_state = project.shard_fragments()
+    held, finished = {}, {}
     for service, learner_id in learners.items():
-        assert project.state(service)["ExitCode"] == 0, f"{service} failed"
+        state = project.state(service)
+        assert state["ExitCode"] == 0, f"{service} failed"
+        finished[service] = finished_at(state)
         report_path = project.copy_out(service, f"{cfg.run.state_dir}/learner-{learner_id}/report.json",
                                        folder / f"{learner_id}.json")
         report = json.loads(report_path.read_text())
         assert report["phase"] == "done" and report["steps"] == cfg.trainer.max_steps, service
-        assert held_fragments(report) == shard_state, f"{service} does not hold the shards' bits"
+        held[service] = held_fragments(report)
+        for fid, (version, state_hash) in held[service].items():
+            assert version <= shard_state[fid][0], f"{service} holds fragment {fid} at a version the shards lack"
+            if version == shard_state[fid][0]:
+                assert state_hash == shard_state[fid][1], f"{service}: fragment {fid} v{version} differs"
+    last = max(finished, key=finished.get)
+    assert held[last] == shard_state, f"{last}, the last learner to finish, does not hold the shards' bits"
 
     # State lives in volumes: after `down`, the shards come back holding what they held.
     project("down", "--timeout", "30", timeout=RUN_TIMEOUT)
-    project("up", "--detach", "--no-build", *shard_services, timeout=RUN_TIMEOUT)
+    project("up", "--detach", "--no-build", "--no-deps", *shard_services, timeout=RUN_TIMEOUT)
+    project.find_shards()
     restored = wait_until(lambda: answering(project.shard_fragments), 60, "the shards to restore", poll=1.0)
     assert restored == shard_state
     stages.done("down and the shards' restore")
