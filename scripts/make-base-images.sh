@@ -16,8 +16,8 @@ set -euo pipefail
 
 SUITE=bookworm
 MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
-BASE_IMAGE="${DILOCO_BASE_IMAGE:-diloco-base:$SUITE}"
-PROMETHEUS_IMAGE="${DILOCO_PROMETHEUS_IMAGE:-diloco-prometheus:$SUITE}"
+BASE_IMAGE="diloco-base:$SUITE"
+PROMETHEUS_IMAGE="diloco-prometheus:$SUITE"
 # passwd: the Dockerfile adds the image's user with groupadd and useradd.
 BASE_PACKAGES="python3 passwd"
 
