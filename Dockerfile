@@ -1,42 +1,42 @@
 # The diloco image: `diloco syncer ...` and `diloco learner ...` (CPU only), run by
 # docker-compose.yml and the Helm chart.
 #
+#   scripts/fill-wheelhouse.sh                     # every wheel, into wheelhouse/
 #   docker build -t ghcr.io/decoupled-diloco/diloco:0.1.0 .
+#   docker build --build-arg BASE_IMAGE=diloco-base:bookworm ...   # no registry:
+#                                                  # scripts/make-base-images.sh makes that base
+#
+# The build needs no network: pip installs from wheelhouse/ only. BASE_IMAGE is any Debian-like
+# image with Python 3.11 at python3 (pip comes from the wheelhouse).
 #
 # It runs as UID/GID 10001 and works with a read-only root filesystem: state goes to
 # /var/lib/diloco (mount a volume there), caches to $HOME=/tmp (mount a tmpfs there).
-FROM python:3.11-slim
+ARG BASE_IMAGE=python:3.11-slim
 
+# Installs into a virtual environment that the image copies in one layer: the wheels and the
+# sources stay behind in this stage.
+FROM ${BASE_IMAGE} AS install
+WORKDIR /src
+# One COPY, one layer: .dockerignore lets in only the wheelhouse and what `pip install .` reads.
+COPY . .
+# torch==2.13.0 of constraints.txt: the wheelhouse holds only its CPU build. Not needed at run
+# time and a fifth of the image: torch's C++ headers, its test binaries (torch_shm_manager is
+# no test) and its tests. Importing each service's module (and torchrun's) from outside the
+# sources, a broken install fails the build, not a container.
+RUN python3 -m venv --without-pip /opt/diloco \
+    && pip_wheel=$(echo wheelhouse/pip-*.whl) \
+    && /opt/diloco/bin/python "$pip_wheel/pip" install --quiet --no-index \
+       --find-links wheelhouse --no-compile -c constraints.txt . \
+    && site=$(/opt/diloco/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+    && rm -rf "$site/torch/include" "$site/torch/test" \
+    && find "$site/torch/bin" -mindepth 1 ! -name torch_shm_manager -delete \
+    && cd / && /opt/diloco/bin/python -c "import diloco.syncer.main, diloco.learner.main, torch.distributed.run"
+
+FROM ${BASE_IMAGE}
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/diloco/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     HOME=/tmp
-
-# torch first, in its own layer: it is by far the largest and changes least often.
-# The project's machines get torch==2.13.0 from a local wheel through their pip config;
-# a Docker build has no such config, so the CPU build comes from PyTorch's own index
-# (PyPI's default torch wheel would pull in the CUDA libraries).
-RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
-
-WORKDIR /src
-COPY pyproject.toml constraints.txt README.md ./
-COPY diloco diloco
-COPY services services
-COPY learner learner
-COPY syncer syncer
-COPY localcluster localcluster
-COPY integrations integrations
-# The planner is no service, but the package pip installs maps it (pyproject.toml).
-COPY planner planner
-# The installed 2.13.0+cpu satisfies the torch==2.13.0 pin, so pip keeps it. The
-# sources are not needed once installed; each subcommand's --help imports its module,
-# so a broken install fails the build rather than the first container.
-RUN pip install -c constraints.txt . \
-    && cd / && rm -rf /src \
-    && diloco syncer --help >/dev/null \
-    && diloco learner --help >/dev/null \
-    && torchrun --help >/dev/null
 
 # A named volume mounted on /var/lib/diloco (or /etc/diloco/tls, where compose's `certs`
 # service writes certificates) starts as a copy of this folder, owner included, so the
@@ -46,6 +46,7 @@ RUN groupadd --gid 10001 diloco \
        --shell /usr/sbin/nologin diloco \
     && mkdir -p /var/lib/diloco /etc/diloco/tls \
     && chown 10001:10001 /var/lib/diloco /etc/diloco/tls
+COPY --from=install /opt/diloco /opt/diloco
 USER 10001:10001
 # Relative state paths (run.state_dir defaults to .diloco) land on the volume too.
 WORKDIR /var/lib/diloco

@@ -20,8 +20,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt scripts/install-helm.sh
 	scripts/install-helm.sh $(VENV)/bin
 	touch $@
 
-# Debian packages the tests use (docker-compose validates docker-compose.yml); a no-op
-# when they are installed, else it needs root or sudo.
+# Debian packages the tests use (docker-compose validates docker-compose.yml, docker.io and
+# debootstrap run it: tests/test_compose_up.py); a no-op when they are installed, else it
+# needs root or sudo.
 test: install
 	scripts/install-debian-packages.sh
 	$(PY) -m pytest

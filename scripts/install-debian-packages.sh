@@ -10,9 +10,11 @@
 set -euo pipefail
 
 # docker-compose: tests/test_compose.py validates docker-compose.yml with `docker-compose config`.
+# docker.io, debootstrap: tests/test_compose_up.py runs docker-compose.yml under Debian's dockerd
+# on base images scripts/make-base-images.sh makes with debootstrap.
 # prometheus: tests/test_metrics.py and tests/test_prometheus.py run a real Prometheus server
 # (and promtool checks the rules and scrape configs).
-DEFAULT_PACKAGES=(docker-compose prometheus)
+DEFAULT_PACKAGES=(docker-compose docker.io debootstrap prometheus)
 
 packages=("$@")
 [ ${#packages[@]} -gt 0 ] || packages=("${DEFAULT_PACKAGES[@]}")

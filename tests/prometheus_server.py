@@ -43,36 +43,11 @@ def local_config(targets: pathlib.Path) -> dict:
     return config
 
 
-class Prometheus:
-    """`with Prometheus(config, folder) as prometheus: prometheus.query("up")`"""
+class PrometheusApi:
+    """The HTTP API of a Prometheus server at `url` (http://host:port)."""
 
-    def __init__(self, config: dict, folder: pathlib.Path):
-        folder.mkdir(parents=True, exist_ok=True)
-        config_path = folder / "prometheus.yml"
-        config_path.write_text(yaml.safe_dump(config))
-        self.url = f"http://127.0.0.1:{free_ports(1)[0]}"
-        self.log_path = folder / "prometheus.log"
-        self.argv = [binary("prometheus"), f"--config.file={config_path}",
-                     f"--storage.tsdb.path={folder / 'data'}",
-                     f"--web.listen-address={self.url.removeprefix('http://')}"]
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> "Prometheus":
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
-        self.wait_for(self._ready, 30, "Prometheus never became ready")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-    def _ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as reply:
-                return reply.status == 200
-        except OSError:
-            return False
+    def __init__(self, url: str):
+        self.url = url
 
     def api(self, path: str, **params) -> object:
         """The `data` of an HTTP API answer; a refused query fails the test with Prometheus' error."""
@@ -95,6 +70,38 @@ class Prometheus:
         result = self.query(expr)
         assert len(result) <= 1, f"{expr} has {len(result)} series"
         return float(result[0]["value"][1]) if result else None
+
+
+class Prometheus(PrometheusApi):
+    """`with Prometheus(config, folder) as prometheus: prometheus.query("up")`"""
+
+    def __init__(self, config: dict, folder: pathlib.Path):
+        folder.mkdir(parents=True, exist_ok=True)
+        config_path = folder / "prometheus.yml"
+        config_path.write_text(yaml.safe_dump(config))
+        super().__init__(f"http://127.0.0.1:{free_ports(1)[0]}")
+        self.log_path = folder / "prometheus.log"
+        self.argv = [binary("prometheus"), f"--config.file={config_path}",
+                     f"--storage.tsdb.path={folder / 'data'}",
+                     f"--web.listen-address={self.url.removeprefix('http://')}"]
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "Prometheus":
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
+        self.wait_for(self._ready, 30, "Prometheus never became ready")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as reply:
+                return reply.status == 200
+        except OSError:
+            return False
 
     def wait_for(self, condition, timeout: float, message: str):
         """Polls `condition()` until it returns something truthy, which it returns."""

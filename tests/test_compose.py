@@ -2,7 +2,8 @@
 deploy/compose/cluster.yaml (the 4-region example with compose host names), and its
 services' commands and environment really make a working run.
 
-No docker engine is needed. The last test runs every syncer and learner service's exact
+No docker engine is needed here (tests/test_compose_up.py builds the image and brings the file
+up under one). The last test runs every syncer and learner service's exact
 `command` as a local process, as the container would: the entrypoint `diloco` becomes
 `python -m diloco.services.cli`, each volume and tmpfs becomes a folder of its own, the mounted
 cluster config is a copy whose compose host names (`syncer-0:50051`) point at loopback
@@ -113,28 +114,29 @@ def test_docker_compose_config_validates_the_file():
 
 
 def test_dockerfile_image_is_what_compose_and_this_test_assume():
-    """The image is never built here (no docker engine): check the lines the rest relies on."""
+    """The lines the compose file and the commands below rely on (test_compose_up.py builds it)."""
     text = DOCKERFILE.read_text()
     lines = [line.strip() for line in text.splitlines()]
     assert 'ENTRYPOINT ["diloco"]' in lines and "USER 10001:10001" in lines and "HOME=/tmp" in text
-    # The image's torch is the pin every other install uses.
-    pin = next(line for line in CONSTRAINTS.read_text().splitlines() if line.startswith("torch=="))
-    assert any(line.startswith("RUN pip install") and pin in line for line in lines)
+    # The image's torch is the pin every other install uses: pip installs under constraints.txt,
+    # from the wheelhouse only.
+    install = next(line for line in lines if "pip\" install" in line)
+    assert "--no-index" in install and "-c constraints.txt" in text
+    # Compose passes the Dockerfile's default base when BASE_IMAGE is unset.
+    default = next(line.split("=", 1)[1] for line in lines if line.startswith("ARG BASE_IMAGE="))
+    assert compose()["x-diloco"]["build"]["args"]["BASE_IMAGE"] == f"${{BASE_IMAGE:-{default}}}"
     spec = compose()
     for name, service in {**diloco_services(spec, "syncer"), **diloco_services(spec, "learner")}.items():
         assert "entrypoint" not in service, f"{name}: the image's `diloco` must run the command"
 
 
-def test_every_folder_the_dockerfile_copies_is_in_the_build_context():
-    # .dockerignore leaves everything out but what it names: a folder pyproject maps and the
-    # Dockerfile copies must be named there too, or the build fails at its COPY.
+def test_build_context_holds_every_package_folder_and_the_wheelhouse():
+    # .dockerignore leaves everything out but what it names: a folder pyproject maps must be
+    # named there, or `pip install .` in the image misses it.
     allowed = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
                if line.startswith("!")}
-    copied = {line.split()[1] for line in DOCKERFILE.read_text().splitlines() if line.startswith("COPY ")
-              and len(line.split()) == 3}
     package_dirs = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
-    assert package_dirs <= copied
-    assert copied <= allowed
+    assert package_dirs | {"pyproject.toml", "constraints.txt", "wheelhouse"} <= allowed
 
 
 def test_compose_cluster_config_is_the_example_with_compose_addresses():
@@ -146,9 +148,13 @@ def test_compose_cluster_config_is_the_example_with_compose_addresses():
         del data["tls"]["dir"]
         for learner_cfg in data["learners"]:
             del learner_cfg["metrics_port"]
+        del data["links"]
         return data
 
-    assert topology(load_config(CLUSTER_CONFIG)) == topology(load_config(EXAMPLE))
+    compose_cfg = load_config(CLUSTER_CONFIG)
+    assert topology(compose_cfg) == topology(load_config(EXAMPLE))
+    # The containers share one host: every learner's sync traffic is paced to its region's link.
+    assert all(compose_cfg.link(l.id, l.region) is not None for l in compose_cfg.learners)
 
 
 def test_services_are_the_configs_processes_on_per_region_networks():
