@@ -10,7 +10,7 @@ from diloco.planner.outcome import PlanResult
 from diloco.services.contract.goodput import BADPUT, REMAINDER
 
 # The categories a planned run can have (the others belong to a real learner's loop).
-PLANNED_BADPUT = tuple(c for c in BADPUT if c not in ("startup", "evaluation", "checkpoint")) + (REMAINDER,)
+PLANNED_BADPUT = tuple(c for c in BADPUT if c not in ("evaluation", "checkpoint")) + (REMAINDER,)
 
 
 @dataclass(frozen=True)
