@@ -29,6 +29,7 @@ from typing import Callable, Iterator
 import torch
 
 from diloco.learner.schedule import LearnerSchedule
+from diloco.learner.shard_errors import RETRY_MAX_SECONDS
 from diloco.planner.events import EventQueue, VirtualClock
 from diloco.planner.failures import FailureModel, FleetChange
 from diloco.planner.inputs import PlanInputs
@@ -187,6 +188,8 @@ class DilocoRun:
         for learner in self.learners:
             self.queue.at(learner.startup_seconds, lambda learner=learner: self._started(learner, 0, first=True))
         self._next_change()
+        for outage in self.inputs.shard_outages:
+            self.queue.at(outage.at_seconds, lambda shard=outage.shard: self._shard_failed(shard))
         self.queue.run(self.inputs.duration_seconds, self._over, progress)
         return self._result()
 
@@ -287,6 +290,11 @@ class DilocoRun:
 
     def _push(self, learner: Learner, fid: int) -> None:
         fragment = learner.schedule.fragments[fid]
+        if self._shard_down(fid % self.inputs.shards, self.clock.now - self.inputs.heartbeat_seconds):
+            # A shard that is down, or back but not yet rejoined (the next heartbeat does it),
+            # fails the push at once: the sync is skipped and the next one carries its steps.
+            self._deliver(learner, fid, Result(learner.held[fid], applied=False), self.clock.now, 0)
+            return
         header = pb.PushHeader(learner_id=learner.id, incarnation=learner.incarnation, fragment_id=fid,
                                kind=pb.PUSH_KIND_OUTER_GRADIENT, base_version=learner.held[fid],
                                c_steps=fragment.steps_since_sync, c_tokens=fragment.tokens_since_sync,
@@ -299,8 +307,9 @@ class DilocoRun:
         if learner.life != life:
             return  # the learner died with the push on the wire
         fid = header.fragment_id
-        if (back := self._shard_back(fid, self.clock.now)) > self.clock.now:  # retried once it is back
-            self.queue.at(back, lambda: self._push_arrives(learner, life, header))
+        # It went down while the push was on the wire: the push fails as above.
+        if self._shard_down(fid % self.inputs.shards, self.clock.now - self.inputs.heartbeat_seconds):
+            self._deliver(learner, fid, Result(header.base_version, applied=False), self.clock.now, 0)
             return
         try:
             outcome = self.core.push(header, self.chunks)
@@ -357,17 +366,32 @@ class DilocoRun:
     def _deliver(self, learner: Learner, fid: int, result: Result, ready: float, versions: int) -> None:
         """The pull of `versions` updates, or a snapshot where the syncer's history is shorter (it
         keeps at most history_versions updates, and no chain larger than a snapshot)."""
-        ready = self._shard_back(fid, ready)
         nbytes = self._pull_bytes(versions)
         arrives = learner.down.send(ready, nbytes) if nbytes else ready + learner.down.latency_seconds
         life = learner.life
         self.queue.at(arrives, lambda: self._result_arrives(learner, life, fid, result))
 
-    def _shard_back(self, fid: int, at: float) -> float:
-        """When the shard of fragment `fid` serves again, if it is down at `at`; else `at`."""
-        shard = fid % self.inputs.shards
-        return next((o.at_seconds + o.seconds for o in self.inputs.shard_outages
-                     if o.shard == shard and o.at_seconds <= at < o.at_seconds + o.seconds), at)
+    def _shard_down(self, shard: int, at: float) -> float | None:
+        """When `shard` serves again, if it is down at `at` (or after `at`, until now)."""
+        return next((o.at_seconds + o.seconds for o in self.inputs.shard_outages if o.shard == shard
+                     and o.at_seconds <= self.clock.now and at < o.at_seconds + o.seconds), None)
+
+    def _every_shard_up(self, at: float) -> float:
+        """When a learner starting at `at` has joined every shard: one that is down (now, or by
+        the time another is back) is retried until it is, a try every RETRY_MAX_SECONDS by then."""
+        while (back := max((o.at_seconds + o.seconds for o in self.inputs.shard_outages
+                            if o.at_seconds <= at < o.at_seconds + o.seconds), default=None)) is not None:
+            at = back + RETRY_MAX_SECONDS / 2
+        return at
+
+    def _shard_failed(self, shard: int) -> None:
+        """The pulls waiting on the shard's fragments fail: those syncs are skipped (their
+        contributions are merged all the same, and the next pull brings them)."""
+        for fid in [fid for fid in self.waiters if fid % self.inputs.shards == shard]:
+            for waiter in self.waiters.pop(fid):
+                learner = self.learners[waiter.learner]
+                if learner.life == waiter.life:
+                    self._deliver(learner, fid, Result(waiter.base_version, applied=False), self.clock.now, 0)
 
     def _pull_bytes(self, versions: int) -> int:
         chain = versions * self.update_bytes
@@ -452,7 +476,8 @@ class DilocoRun:
         held = learner.checkpointed_held
         nbytes = (sum(self._pull_bytes(self.core.fragments[fid].version - version) for fid, version in held.items())
                   if held else self.snapshot_bytes * self.inputs.fragments)
-        self.queue.at(learner.down.send(self.clock.now, nbytes), lambda: self._restored(learner, life))
+        self.queue.at(learner.down.send(self._every_shard_up(self.clock.now), nbytes),
+                      lambda: self._restored(learner, life))
 
     def _restored(self, learner: Learner, life: int) -> None:
         if learner.life != life:

@@ -220,3 +220,26 @@ def test_without_arguments_the_command_plans_two_hours_of_the_documented_example
     assert goodput["dp"] < 0.3 and goodput["elastic"] > 0.8 and goodput["diloco"] > 0.8
     assert all(r["speed"]["events"] > 0 and r["speed"]["wall_seconds"] > 0 for r in results)
     assert "events/s" in capsys.readouterr().out
+
+
+def test_a_killed_learner_starts_again_and_resumes_at_its_last_checkpoint():
+    # 1 s steps after a 5 s start-up; killed at 103.5 s, after step 98: the steps since the
+    # checkpoint at 90 and half a step are lost, and its process starts again after the repair.
+    inputs = plan(hours=0.1, step_seconds=(1.0,), startup_seconds=(5.0,), checkpoint_steps=10,
+                  failures=({"learner": 0, "at_seconds": 103.5, "repair_minutes": 0.5},))
+    badput = simulate(inputs, "diloco").goodput.badput_seconds
+    assert badput["lost"] == pytest.approx(8.5)
+    assert badput["startup"] == pytest.approx(4 * 5.0 + 5.0)  # every learner's first start, and the restart
+    assert badput["down"] == pytest.approx(30.0) and 0 < badput["restore"] < 1.0
+
+
+def test_a_shard_down_skips_its_fragments_syncs_and_holds_a_restarting_learner_until_it_is_back():
+    inputs = plan(hours=0.05, shards=2, shard_outages=({"shard": 1, "at_seconds": 30.0, "seconds": 60.0},),
+                  failures=({"learner": 0, "at_seconds": 40.0, "repair_minutes": 0.1},))
+    result = simulate(inputs, "diloco")
+    badput = result.goodput.badput_seconds
+    # Repaired at 46 s, it joins every shard: shard 1 is back at 90 s, tried again by 92.5 s.
+    assert badput["restore"] == pytest.approx(92.5 - 46.0, abs=0.1)
+    assert badput["blocked"] < 1.0  # a push to the shard that is down fails at once: nobody waits
+    with pytest.raises(PlanError, match=r"shard_outages\[0\].shard: 2 is not a shard"):
+        plan(shards=2, shard_outages=({"shard": 2, "at_seconds": 1.0, "seconds": 1.0},))
