@@ -24,6 +24,7 @@ import sys
 import time
 
 import yaml
+from pydantic import TypeAdapter
 
 from diloco.planner.calibrate import CalibrationError, calibrate
 from diloco.planner.calibrate import table as calibration_table
@@ -177,7 +178,7 @@ def run_calibration(report_path: pathlib.Path, json_path: str | None) -> int:
           f"{len(inputs.shard_outages)} shard kills, {inputs.duration_seconds:.0f} s")
     print(calibration_table(rows))
     if json_path:
-        body = json.dumps({"inputs": dataclasses.asdict(inputs), "result": result.as_json(),
+        body = json.dumps({"inputs": TypeAdapter(PlanInputs).dump_python(inputs, mode="json"), "result": result.as_json(),
                            "rows": [row.as_json() for row in rows]}, indent=1)
         pathlib.Path("/dev/stdout" if json_path == "-" else json_path).write_text(body)
     return 0
