@@ -16,8 +16,9 @@ start-up time before it joins, and each step its loop's other work (step_overhea
 learner that fails ends its Attend call (the shard stops waiting for it at once) and loses the
 steps its fragments have not delivered, or those since its last checkpoint, and the step in
 progress; after its repair and start-up it rejoins with a new incarnation and pulls the whole
-model (fp32) before it trains again. A shard that is down holds its fragments' pushes and
-results until it is back.
+model (fp32) before it trains again. A shard that is down fails its fragments' pushes and
+pulls at once (those syncs are skipped, as a learner skips a sync to a shard it cannot reach),
+and a learner (re)joining waits until every shard is back.
 """
 from __future__ import annotations
 
