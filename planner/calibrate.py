@@ -2,9 +2,9 @@
 its prediction beside what the run measured.
 
 From the run's report it takes the cluster (learners, regions, shards, links), the algorithm's
-settings, the model's size, each learner's measured step time and start-up time, its loop's
-other work per step (evaluations, checkpoint copies, bookkeeping: one figure for the run) and
-the chaos schedule (each kill, and the restart after it, as an injected failure and its repair;
+settings, the model's size, each learner's measured step time and start-up time, what an
+evaluation and a checkpoint copy take (every trainer.eval_every and checkpoint_every steps) and
+the loop's other work per step (one figure each for the run), and the chaos schedule (each kill, and the restart after it, as an injected failure and its repair;
 each shard kill as a shard outage). The planner then predicts the rest: blocked, lost, restore,
 down and start-up time, goodput, bytes each way and outer steps.
 """
@@ -23,8 +23,8 @@ from diloco.services.contract.config import parse_config
 UNCAPPED_MBPS = 1000.0  # a link the run left uncapped: loopback, as fast as the processes go
 # One shard closing rounds on this machine's 2 cores (BENCHMARKS.md §5: 41 M parameters per second).
 LOCAL_SYNCER_PARAMS_PER_SECOND = 41e6
-# The run's time that the planner predicts, by category; the rest (evaluation, checkpoint copies,
-# the loop's bookkeeping) it takes from the run, as seconds per step.
+# The run's time that the planner predicts, by category; of the rest it takes how long one
+# evaluation, one checkpoint copy and one step's bookkeeping (other) take from the run.
 PREDICTED = ("startup", "restore", "blocked", "lost", "down")
 TAKEN = ("evaluation", "checkpoint", "other")
 
@@ -46,7 +46,7 @@ def inputs_from_report(report: dict) -> PlanInputs:
     steps_run = sum(learner["steps_run"] for learner in learners)
     if not steps_run:
         raise CalibrationError("no learner trained a step in the run")
-    taken = sum(report["badput_seconds"][category] for category in TAKEN)
+    per_step = {category: report["badput_seconds"][category] / steps_run for category in TAKEN}
     start = report["started_at"]
     chaos = sorted(report["chaos_events"], key=lambda event: event["time"])
     m = len(cfg.learners)
@@ -56,8 +56,10 @@ def inputs_from_report(report: dict) -> PlanInputs:
         "step_seconds": _each([learner["step_seconds"] for learner in learners]),
         "startup_seconds": _each([statistics.mean(learner["startup_seconds"]) if learner["startup_seconds"] else None
                                   for learner in learners]),
-        "step_overhead_seconds": [taken / steps_run],
-        "checkpoint_steps": cfg.trainer.checkpoint_every, "pull_at_start": True,
+        "step_overhead_seconds": [per_step["other"]], "pull_at_start": True,
+        "evaluation_every_steps": cfg.trainer.eval_every, "checkpoint_steps": cfg.trainer.checkpoint_every,
+        "evaluation_seconds": per_step["evaluation"] * cfg.trainer.eval_every,
+        "checkpoint_seconds": per_step["checkpoint"] * cfg.trainer.checkpoint_every,
         "batch_tokens": m * cfg.tokens_per_step(),
         "interval_steps": cfg.sync.interval_steps, "fragments": cfg.sync.fragments,
         "overlap_steps": cfg.sync.overlap_steps, "max_block_seconds": cfg.sync.max_block_seconds,
@@ -126,8 +128,7 @@ def compare(report: dict, inputs: PlanInputs, result: PlanResult) -> list[Row]:
     provisioned = report["provisioned_seconds"]
     measured = {category: seconds / provisioned for category, seconds in report["badput_seconds"].items()}
     rows = [Row("goodput", result.goodput.share, report["goodput"], "share")]
-    rows += [Row(category, planned[category], measured[category], "share") for category in PREDICTED]
-    rows.append(Row("evaluation, checkpoint, other", planned["other"], sum(measured[c] for c in TAKEN), "share"))
+    rows += [Row(category, planned[category], measured[category], "share") for category in PREDICTED + TAKEN]
     rows += [Row("MB up", result.bandwidth.bytes_up / 1e6, report["bytes_up"] / 1e6, "MB"),
              Row("MB down", result.bandwidth.bytes_down / 1e6, report["bytes_down"] / 1e6, "MB"),
              Row("inner steps kept", result.tokens / inputs.learner_tokens_per_step(), report["inner_steps"], "count"),

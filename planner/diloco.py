@@ -140,16 +140,12 @@ class Learner:
         self.to_apply: list[int] = []  # fragments due at the last step, in order
         self.blocked_since: float | None = None
         self.blocks = 0  # waits begun: a wait's time limit ends only its own wait
-        self.last_step_end = 0.0
+        self.last_step_end = 0.0  # or the end of the evaluation or checkpoint after it
+        self.after_step = 0.0  # the loop's work after the last step: bookkeeping, an evaluation, a checkpoint
 
     @property
     def training(self) -> bool:
         return self.phase == "training"
-
-    @property
-    def step_wall_seconds(self) -> float:
-        """A step and the loop's other work around it."""
-        return self.step_seconds + self.overhead_seconds
 
 
 class DilocoRun:
@@ -212,7 +208,7 @@ class DilocoRun:
         learner.results, learner.to_apply, learner.blocked_since = {}, [], None
         learner.last_step_end = at
         life = learner.life
-        self.queue.at(at + learner.step_wall_seconds, lambda: self._step_done(learner, life))
+        self.queue.at(at + learner.step_seconds, lambda: self._step_done(learner, life))
         self.queue.at(at, lambda: self._heartbeat(learner, life))
 
     # ---- a learner's steps ---------------------------------------------------------------
@@ -224,8 +220,7 @@ class DilocoRun:
         learner.steps += 1
         learner.tokens += learner.tokens_per_step
         self.ledger.kept += learner.step_seconds
-        if self.inputs.checkpoint_steps and learner.steps % self.inputs.checkpoint_steps == 0:
-            learner.checkpointed_steps, learner.checkpointed_held = learner.steps, dict(learner.held)
+        learner.after_step = self._after_step(learner)
         learner.last_step_end = now
         actions = learner.schedule.step_done(learner.steps - 1, learner.tokens_per_step)
         for sync in actions.start:
@@ -256,8 +251,23 @@ class DilocoRun:
                 return
             learner.to_apply.pop(0)
         life = learner.life
-        learner.last_step_end = now
-        self.queue.at(now + learner.step_wall_seconds, lambda: self._step_done(learner, life))
+        learner.last_step_end = now + learner.after_step  # the loop's work after the step, then the next one
+        self.queue.at(learner.last_step_end + learner.step_seconds, lambda: self._step_done(learner, life))
+
+    def _after_step(self, learner: Learner) -> float:
+        """The loop's work after the step just done (its syncs, then this): bookkeeping, and the
+        evaluation and checkpoint due at this step, each counted as its badput."""
+        seconds = learner.overhead_seconds
+        every = self.inputs.evaluation_every_steps
+        if every and learner.steps % every == 0:
+            self.ledger.add("evaluation", self.inputs.evaluation_seconds)
+            seconds += self.inputs.evaluation_seconds
+        every = self.inputs.checkpoint_steps
+        if every and learner.steps % every == 0:
+            learner.checkpointed_steps, learner.checkpointed_held = learner.steps, dict(learner.held)
+            self.ledger.add("checkpoint", self.inputs.checkpoint_seconds)
+            seconds += self.inputs.checkpoint_seconds
+        return seconds
 
     def _apply(self, learner: Learner, fid: int, result: Result) -> None:
         learner.schedule.result_arrived(fid, learner.steps - 1, learner.step_seconds, result.applied)
@@ -445,7 +455,7 @@ class DilocoRun:
             if learner.blocked_since is not None:
                 self.ledger.add("blocked", now - learner.blocked_since)
             else:
-                self.ledger.add("lost", now - learner.last_step_end)  # the step in progress
+                self.ledger.add("lost", max(0.0, now - learner.last_step_end))  # the step in progress
         if learner.attendance:
             # Its Attend call ends with its process: the rounds stop waiting for it now.
             self.core.absent(learner.id, learner.incarnation, learner.attendance)

@@ -67,15 +67,19 @@ class PlanInputs:
     # the global batch each (batch_tokens / M per step).
     step_seconds: tuple[Positive, ...] = (1.0,)
     batch_tokens: PositiveInt = 4 << 20
-    # A learner's own costs besides its steps (Decoupled DiLoCo; one value each, or one for all):
-    # the process's start before it joins, at the run's start and after each repair; seconds per
-    # step of its loop's other work (evaluations, checkpoint copies, bookkeeping), badput `other`.
-    # checkpoint_steps: it checkpoints every N steps, and a failure loses the steps since its
-    # last one, where it resumes (None: a failure loses the steps its fragments had not
+    # A learner's own costs besides its steps (Decoupled DiLoCo): the process's start before it
+    # joins, at the run's start and after each repair (one value each, or one for all); seconds
+    # per step of its loop's other work (bookkeeping: badput `other`). It evaluates every
+    # evaluation_every_steps steps, for evaluation_seconds, and checkpoints every
+    # checkpoint_steps steps, for checkpoint_seconds; a failure loses the steps since its last
+    # checkpoint, where it resumes (checkpoint_steps None: the steps its fragments had not
     # delivered to the syncer).
     startup_seconds: tuple[NonNegative, ...] = (0.0,)
     step_overhead_seconds: tuple[NonNegative, ...] = (0.0,)
+    evaluation_every_steps: PositiveInt | None = None
+    evaluation_seconds: NonNegative = 0.0
     checkpoint_steps: PositiveInt | None = None
+    checkpoint_seconds: NonNegative = 0.0
     # At the run's start every learner but the first (which seeds the fragments) pulls the
     # global model before its first step, as a learner process does; False: each starts from
     # the same initialised model (loaded from its own storage).

@@ -243,3 +243,13 @@ def test_a_shard_down_skips_its_fragments_syncs_and_holds_a_restarting_learner_u
     assert badput["blocked"] < 1.0  # a push to the shard that is down fails at once: nobody waits
     with pytest.raises(PlanError, match=r"shard_outages\[0\].shard: 2 is not a shard"):
         plan(shards=2, shard_outages=({"shard": 2, "at_seconds": 1.0, "seconds": 1.0},))
+
+
+def test_evaluations_and_checkpoints_pause_the_learner_at_their_steps():
+    # 1 s steps; every 10th step a 0.5 s checkpoint copy, every 50th a 2 s evaluation: a learner
+    # trains 50 steps in 54.5 s, so 165 steps in 180 s, with 3 evaluations and 16 checkpoints.
+    result = simulate(plan(hours=0.05, step_seconds=(1.0,), evaluation_every_steps=50, evaluation_seconds=2.0,
+                           checkpoint_steps=10, checkpoint_seconds=0.5), "diloco")
+    badput = result.goodput.badput_seconds
+    assert badput["evaluation"] == pytest.approx(4 * 3 * 2.0) and badput["checkpoint"] == pytest.approx(4 * 16 * 0.5)
+    assert result.goodput.kept_seconds == pytest.approx(4 * 165 * 1.0)
