@@ -9,8 +9,8 @@ from itertools import groupby
 from diloco.planner.outcome import PlanResult
 from diloco.services.contract.goodput import BADPUT, REMAINDER
 
-# The categories a planned run shows; evaluation and checkpoint only where it was given their cost.
-PLANNED_BADPUT = tuple(c for c in BADPUT if c not in ("evaluation", "checkpoint")) + (REMAINDER,)
+# The categories a planned run shows; start-up, evaluation and checkpoint only where it was given their cost.
+PLANNED_BADPUT = tuple(c for c in BADPUT if c not in ("startup", "evaluation", "checkpoint")) + (REMAINDER,)
 
 
 @dataclass(frozen=True)
