@@ -442,6 +442,48 @@ def plan_speed_verdict(section: dict) -> str:
     return f"target: under {PLAN_SPEED_TARGET_SECONDS // 60} minutes, " + verdict(plan_speed_seconds(section) < PLAN_SPEED_TARGET_SECONDS)
 
 
+CALIBRATION_SHOWN = ("goodput", "blocked", "lost", "restore", "startup", "down", "MB up", "MB down", "outer steps")
+
+
+def calibration(section: dict, out: pathlib.Path) -> list[str]:
+    lines = [f"`diloco plan --calibrate-from REPORT` ([docs/planning.md](docs/planning.md#calibrated-against-the-local-cluster)) "
+             f"configures the planner as a `diloco sim` run was and sets its prediction beside what the run measured. "
+             f"Each run: the demo's cluster ({code(section['config'])}: 4 learners, 2 shards, H = 50, P = 4, tau = 3, "
+             f"K = 4, int4, a checkpoint every 10 steps, an evaluation every 50), {section['seconds']:g} s, "
+             f"processes SIGKILLed at the given mean interval and restarted {section['restart_delay']:g} s later, one "
+             f"seed. From the run the planner takes each learner's measured step time and mean start-up time, what "
+             f"one evaluation, one checkpoint copy and one step's bookkeeping take, the links and the kill "
+             f"schedule; it predicts the rest (evaluation and checkpoint shares it then matches within a point). Each cell: planned / measured (shares of provisioned learner time; "
+             f"bytes in MB). Load: the machine's 1-minute load average at the end of the run (2 cores, shared).", ""]
+    body = []
+    for run in section["rows"]:
+        by_figure = {row["figure"]: row for row in run["rows"]}
+        cells = []
+        for figure in CALIBRATION_SHOWN:
+            row = by_figure[figure]
+            if row["unit"] == "share":
+                cells.append(f"{row['predicted']:.1%} / {row['measured']:.1%}")
+            elif row["unit"] == "MB":
+                cells.append(f"{row['predicted']:.1f} / {row['measured']:.1f}")
+            else:
+                cells.append(f"{row['predicted']:.0f} / {row['measured']:.0f}")
+        body.append([run["name"], f"{run['learner_kills']} / {run['shard_kills']}", f"{run['load_1min']:.1f}", *cells,
+                     code(run["command"])])
+    lines += table(["run", "kills: learners / shards", "load", *CALIBRATION_SHOWN, "sim command"], body)
+    lines += ["Largest difference, planned less measured, over the runs: " + ", ".join(
+        _calibration_spread(figure, [row for run in section["rows"] for row in run["rows"] if row["figure"] == figure])
+        for figure in CALIBRATION_SHOWN) + ".", ""]
+    return lines
+
+
+def _calibration_spread(figure: str, rows: list[dict]) -> str:
+    """Points for a share (the largest in size, signed), the range of planned / measured otherwise."""
+    differences = [row["difference"] for row in rows]
+    if rows[0]["unit"] == "share":
+        return f"{figure} {max(differences, key=abs) * 100:+.1f} points"
+    return f"{figure} x{min(differences):.2f} to x{max(differences):.2f}"
+
+
 def summary(results: dict) -> list[str]:
     """One headline row per section that ran, with its target or anchor and whether it was met."""
     rows = []
@@ -538,15 +580,23 @@ def summary(results: dict) -> list[str]:
                      "paper at 1.2M chips: " + ", ".join(f"{k} {pct(v)}" for k, v in p["paper"].items())
                      + f"; a day of 2.4M chips in under {PLAN_SPEED_TARGET_SECONDS // 60} minutes",
                      plan_speed_verdict(p)])
+    if "calibration" in results:
+        c = results["calibration"]
+        goodput = [next(row for row in run["rows"] if row["figure"] == "goodput") for run in c["rows"]]
+        rows.append(["10. calibration", "planned / measured goodput: " + ", ".join(
+            f"{run['name']} {g['predicted']:.1%} / {g['measured']:.1%}" for run, g in zip(c["rows"], goodput)),
+                     "the planner predicts what diloco sim measures", "-"])
     return table(["section", "headline (this run)", "target or anchor", "verdict"], rows)
 
 
 TITLES = {"quality": "1. Quality at equal tokens", "bandwidth": "2. Bandwidth", "goodput": "3. Goodput under failures",
           "overlap": "4. Overlap", "transport": "5. Transport and syncer", "recovery": "6. Recovery",
           "user_loop": "7. The API in a user's loop", "hf": "8. Hugging Face Llama on the API (CPU)",
-          "plan": "9. Planning at datacenter scale (`diloco plan`)"}
+          "plan": "9. Planning at datacenter scale (`diloco plan`)",
+          "calibration": "10. The planner against the local cluster (`diloco plan --calibrate-from`)"}
 RENDERERS = {"quality": quality, "bandwidth": bandwidth, "goodput": goodput, "overlap": overlap,
-             "transport": transport, "recovery": recovery, "user_loop": user_loop, "hf": hf, "plan": plan}
+             "transport": transport, "recovery": recovery, "user_loop": user_loop, "hf": hf, "plan": plan,
+             "calibration": calibration}
 
 
 def later_run(run: dict) -> str:

@@ -6,7 +6,7 @@ the plots under bench/plots/.
     python bench/run_all.py --quick --sections transport --out /tmp/b   # a subset, elsewhere
     python bench/run_all.py --sections user_loop,hf --merge   # run these again, keep the rest
 
-Nine sections (issues #8, #17 and #34), the first eight from real processes talking gRPC on loopback:
+Ten sections (issues #8, #17 and #34), all but the ninth from real processes talking gRPC on loopback:
 1. quality: final validation loss of the global model against data parallel (`diloco sim
    --mode dp`: one torch.distributed job, gradients averaged every step) at the same model,
    data, seed and tokens, several H, seeds for the headline rows, one learner alone;
@@ -17,7 +17,9 @@ Nine sections (issues #8, #17 and #34), the first eight from real processes talk
 6. recovery: bench/recovery.py; 7. user loop: bench/user_loop.py (the API in a plain PyTorch
 loop against the same loop with sync off); 8. hf: bench/hf_overlap.py (a Hugging Face Llama); 9. plan: `diloco plan`'s
 goodput at 150k to 2.4M chips (dp, elastic, Decoupled DiLoCo M = 2 to 16, two failure models; about
-half an hour, never in CI) and its own speed on one day of 2.4M chips.
+half an hour, never in CI) and its own speed on one day of 2.4M chips; 10. calibration: `diloco sim`
+runs of the demo's cluster at three failure rates, with shard kills and with mixed links, each
+beside `diloco plan --calibrate-from` its report.
 Commands run one after another, never two at once, so timings do not compete with each other
 (other tenants of the machine still may: timings are medians of repeats). Every row of
 BENCHMARKS.md names its command; the runner only adds where the output goes (--run-dir,
@@ -47,7 +49,8 @@ from bench.report import render  # noqa: E402
 from diloco.services.contract.config import load_config  # noqa: E402
 from diloco.localcluster.chaos import Chaos  # noqa: E402
 
-SECTIONS = ("quality", "bandwidth", "goodput", "overlap", "transport", "recovery", "user_loop", "hf", "plan")
+SECTIONS = ("quality", "bandwidth", "goodput", "overlap", "transport", "recovery", "user_loop", "hf", "plan",
+            "calibration")
 # The global model within this of data parallel at equal tokens, by M, for H <= 50 (issue 28).
 QUALITY_TARGETS = {4: 0.03, 8: 0.05}
 QUALITY_TARGET_MAX_H = 50
@@ -66,6 +69,11 @@ PLAN_CONFIG = "examples/plan/datacenter.yaml"  # the example failure model of do
 PLAN_FAILURE_MODELS = {"example": (), "milder": ("--chip-mtbf-hours", "200000")}
 # At 1.2M chips, as docs/planning.md quotes the paper (its failure model is not public).
 PAPER_PLAN = {"dp": 0.27, "elastic": 0.58, "diloco M=8": 0.88, "diloco M=16": 0.93}
+# The calibration runs: the demo as it is (checkpoints every 10 steps, an evaluation every 50), links
+# capped at 20 Mbit/s each way, or mixed per region (rates up/down and one-way latencies).
+CALIBRATION_LINKS = ("--wan-mbps", "20")
+CALIBRATION_MIXED_LINKS = ("--wan-mbps", "us-east=50/100,us-west=5/20,us-central=20,us-south=2/10",
+                           "--wan-latency-ms", "us-east=10,us-west=40,us-central=20,us-south=60")
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,9 @@ class Profile:
     hf: tuple[str, ...]  # of bench/hf_overlap.py
     plan: tuple[str, ...]  # of `diloco plan` for the goodput table, besides the config and failure model
     plan_speed: tuple[str, ...]  # of `diloco plan` for its speed figure
+    calibration_seconds: float  # each calibration run lasts this long
+    calibration_mtbfs: tuple[float, ...]  # learner failure rates (--chaos-mtbf); the middle one also with
+    calibration_shard_mtbf: float  # shard kills, and with mixed links
 
 
 SEEDS = (1, 2, 3)  # of the headline rows
@@ -115,7 +126,8 @@ FULL = Profile("full", steps=3000, quality=(
                user_loop=("--pairs", "3"), hf=("--steps", "300", "--repeats", "3"),
                plan=("--chips", "153600,307200,614400,1228800,2457600", "--learners", "2,4,8,16", "--hours", "6",
                      "--wan-gbps", "20"),
-               plan_speed=("--chips", "2457600", "--learners", "16", "--hours", "24"))
+               plan_speed=("--chips", "2457600", "--learners", "16", "--hours", "24"),
+               calibration_seconds=120, calibration_mtbfs=(200, 90, 40), calibration_shard_mtbf=40)
 QUICK = Profile("quick", steps=60, quality=(QualityRun("gpt", 2, 10, "int4"), QualityRun("gpt", 2, 25, "int4", (1, 2)),
                                              QualityRun("gpt", 2, 25, "int4", (1, 2), learner_script=PLAIN_LOOP)),
                 goodput_learners=2, goodput_seconds=20, down_shares=(0.25,), restart_delay=4.0,
@@ -125,7 +137,8 @@ QUICK = Profile("quick", steps=60, quality=(QualityRun("gpt", 2, 10, "int4"), Qu
                 recovery=("--sizes", "2x64", "--kills", "1"),
                 user_loop=("--pairs", "1", "--sizes", "demo"), hf=("--steps", "60", "--repeats", "1"),
                 plan=("--chips", "153600,307200", "--learners", "2,4", "--hours", "0.05", "--wan-gbps", "20"),
-                plan_speed=("--chips", "153600", "--learners", "4", "--hours", "0.1"))
+                plan_speed=("--chips", "153600", "--learners", "4", "--hours", "0.1"),
+                calibration_seconds=30, calibration_mtbfs=(20,), calibration_shard_mtbf=15)
 
 
 class Runner:
@@ -159,6 +172,14 @@ class Runner:
         self.run(name, shown, [sys.executable, "-m", "diloco.services.cli", "plan", "--config", PLAN_CONFIG, *flags,
                                "--quiet", "--json", str(output)])
         return {"results": json.loads(output.read_text()), "command": shlex.join(shown)}
+
+    def calibrate(self, name: str, report: dict) -> dict:
+        """`diloco plan --calibrate-from` the report of sim run `name`: its rows and the command."""
+        shown = ["diloco", "plan", "--calibrate-from", "REPORT"]
+        output = self.work / f"{name}.json"
+        self.run(name, shown, [sys.executable, "-m", "diloco.services.cli", "plan", "--calibrate-from",
+                               str(self.work / f"{report}.json"), "--json", str(output)])
+        return json.loads(output.read_text())
 
     def script(self, name: str, script: str, args: tuple[str, ...]) -> dict:
         """One bench/ script run with --json; its figures with the command that made them."""
@@ -407,6 +428,40 @@ def plan_section(runner: Runner, profile: Profile) -> dict:
             "speed": {"command": speed["command"], "rows": [plan_figures(result) for result in speed["results"]]}}
 
 
+# ---- 10: the planner against the local cluster ----------------------------------------------
+
+def calibration_runs(profile: Profile) -> list[tuple[str, list[str]]]:
+    """(name, flags of diloco sim) of each calibration run: every failure rate, then the middle
+    one with shard kills and with mixed links."""
+    middle = profile.calibration_mtbfs[len(profile.calibration_mtbfs) // 2]
+    runs = [(f"mtbf{mtbf:g}", ["--chaos-mtbf", f"{mtbf:g}", *CALIBRATION_LINKS]) for mtbf in profile.calibration_mtbfs]
+    return runs + [("shard-kills", ["--chaos-mtbf", f"{middle:g}", "--chaos-shards", f"{profile.calibration_shard_mtbf:g}",
+                                    *CALIBRATION_LINKS]),
+                   ("mixed-links", ["--chaos-mtbf", f"{middle:g}", *CALIBRATION_MIXED_LINKS])]
+
+
+def calibration_section(runner: Runner, profile: Profile) -> dict:
+    """Each run of the demo's cluster under kills, then the planner configured from its report
+    (its measured step and start-up times, links, kills) beside what it measured. One seed each;
+    the machine's load during each run is kept (other tenants share its cores)."""
+    rows = []
+    for name, flags in calibration_runs(profile):
+        sim_name = f"calibration-{name}"
+        report = runner.sim(sim_name, ["--learners", str(profile.goodput_learners), "--steps", "1000000",
+                                       "--duration", f"{profile.calibration_seconds:g}",
+                                       "--restart-delay", f"{profile.restart_delay:g}", "--seed", "1", *flags],
+                            config=GOODPUT_CONFIG)
+        load = os.getloadavg()[0]
+        planned = runner.calibrate(f"{sim_name}-plan", sim_name)
+        rows.append({"name": name, "command": report["command"], "load_1min": load, "rows": planned["rows"],
+                     "learner_kills": len(planned["inputs"]["failures"]),
+                     "shard_kills": len(planned["inputs"]["shard_outages"]),
+                     "step_seconds": planned["inputs"]["step_seconds"],
+                     "startup_seconds": planned["inputs"]["startup_seconds"]})
+    return {"config": GOODPUT_CONFIG, "seconds": profile.calibration_seconds, "restart_delay": profile.restart_delay,
+            "plan_command": "diloco plan --calibrate-from REPORT", "rows": rows}
+
+
 # ---- the machine and the whole run ---------------------------------------------------------
 
 def machine() -> dict:
@@ -470,6 +525,8 @@ def main() -> int:
         results["hf"] = runner.script("hf", "bench/hf_overlap.py", profile.hf)
     if "plan" in wanted:
         results["plan"] = plan_section(runner, profile)
+    if "calibration" in wanted:
+        results["calibration"] = calibration_section(runner, profile)
     results["runner"] = {"command": shlex.join(["python", "bench/run_all.py", *sys.argv[1:]]),
                          "wall_seconds": time.monotonic() - started}
     out = pathlib.Path(args.out)

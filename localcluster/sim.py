@@ -511,8 +511,11 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         links[learner.id] = {"region": learner.region, **link.model_dump(), "bytes": moved,
                              "bytes_per_second": moved / total("transfer_seconds") if total("transfer_seconds") else 0.0}
         per_learner[learner.id] = {"region": learner.region, "steps": kept_steps, "step_seconds": step_seconds,
-                                   "restarts": max(0, len(lives) - 1), "phase": report.get("phase"),
-                                   "evaluations": report.get("evaluations", [])}
+                                   "steps_run": steps_run, "restarts": max(0, len(lives) - 1),
+                                   "phase": report.get("phase"), "evaluations": report.get("evaluations", []),
+                                   # each life that recorded: its process start and its join and pull
+                                   "startup_seconds": [life.get("startup_seconds", 0.0) for life in lives],
+                                   "restore_seconds": [life.get("restore_seconds", 0.0) for life in lives]}
     counters = observer.counters()
     # Refused contributions: too stale, or refused for any other reason once the header said
     # outer gradient (refusals.* also counts lost seeding races, heartbeats, bad joins).
@@ -529,6 +532,7 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         "shards": len(cfg.shards),
         "regions": sorted({l.region for l in cfg.learners}),
         "wall_seconds": wall,
+        "started_at": run_started,  # unix time, as chaos_events give theirs
         "tokens": totals["tokens"],
         "inner_steps": totals["inner_steps"],
         "outer_steps": sum(f.version for s in statuses for f in s.fragments),
@@ -564,6 +568,7 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
                    "warm_restarts": args.warm_restarts,
                    "slow_learner": args.slow_learner, "max_block_seconds": cfg.sync.max_block_seconds,
                    "learner_script": str(args.learner_script) if args.learner_script else None},
+        "cluster_config": cfg.model_dump(mode="json"),  # as the processes ran it (diloco plan --calibrate-from)
     }
 
 

@@ -11,9 +11,14 @@ real metadata (base version, c_steps, c_tokens, step time); heartbeats are real 
 Modelled: time and bytes. A step takes the learner's step time; a push or pull takes its bytes
 (the codec's size of a fragment of the real model) over the learner's region link, one
 transfer at a time in each direction, plus the link's latency; a round close takes the
-fragment's parameters at the syncer's round-close throughput. A learner that fails loses the
-steps its fragments have not delivered and the step in progress; after its repair it rejoins
-with a new incarnation and pulls the whole model (fp32) before it trains again.
+fragment's parameters at the syncer's round-close throughput. A learner's process takes its
+start-up time before it joins, and each step its loop's other work (step_overhead_seconds). A
+learner that fails ends its Attend call (the shard stops waiting for it at once) and loses the
+steps its fragments have not delivered, or those since its last checkpoint, and the step in
+progress; after its repair and start-up it rejoins with a new incarnation and pulls the whole
+model (fp32) before it trains again. A shard that is down fails its fragments' pushes and
+pulls at once (those syncs are skipped, as a learner skips a sync to a shard it cannot reach),
+and a learner (re)joining waits until every shard is back.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from typing import Callable, Iterator
 import torch
 
 from diloco.learner.schedule import LearnerSchedule
+from diloco.learner.shard_errors import RETRY_MAX_SECONDS
 from diloco.planner.events import EventQueue, VirtualClock
 from diloco.planner.failures import FailureModel, FleetChange
 from diloco.planner.inputs import PlanInputs
@@ -94,6 +100,7 @@ class Waiter:
     life: int
     base_version: int
     version: int  # the version that answers it
+    asked_at: float  # when the pull reached the syncer
 
 
 @dataclass(frozen=True)
@@ -110,16 +117,21 @@ class Learner:
         self.index = index
         self.id = f"learner-{index}"
         self.step_seconds = inputs.learner_step_seconds(index)
+        self.overhead_seconds = inputs.learner_step_overhead_seconds(index)  # per step, not kept
+        self.startup_seconds = inputs.learner_startup_seconds(index)
         self.tokens_per_step = inputs.learner_tokens_per_step()
         self.region = inputs.region(index)
         link = inputs.link(index)
         self.up = Link(link.up_mbps, link.latency_ms / 1000)
         self.down = Link(link.down_mbps, link.latency_ms / 1000)
         self.incarnation = 0
+        self.attendance = 0  # its Attend call on the shard, which ends when it fails
         self.life = 0  # bumped by every failure and rejoin: events of an earlier life are void
-        self.phase = "training"  # training, restore (pulling the model), down, finished
+        self.phase = "startup"  # startup (its process), restore (pulling the model), training, down, finished
         self.phase_since = 0.0
         self.steps = self.tokens = 0
+        self.checkpointed_steps = 0  # steps as of its last checkpoint (checkpoint_steps)
+        self.checkpointed_held: dict[int, int] | None = None  # the versions that checkpoint holds
         self.lost_seconds = 0.0
         self.schedule: LearnerSchedule | None = None
         self.held: dict[int, int] = {}  # fragment -> version of the global value it holds
@@ -128,7 +140,8 @@ class Learner:
         self.to_apply: list[int] = []  # fragments due at the last step, in order
         self.blocked_since: float | None = None
         self.blocks = 0  # waits begun: a wait's time limit ends only its own wait
-        self.last_step_end = 0.0
+        self.last_step_end = 0.0  # or the end of the evaluation or checkpoint after it
+        self.after_step = 0.0  # the loop's work after the last step: bookkeeping, an evaluation, a checkpoint
 
     @property
     def training(self) -> bool:
@@ -167,13 +180,13 @@ class DilocoRun:
     # ---- the run -------------------------------------------------------------------------
 
     def run(self, progress: Callable[[float], None]) -> PlanResult:
-        for learner in self.learners:
-            self._join(learner)
+        self._join(self.learners[0])  # the first learner seeds the fragments
         self._seed()
         for learner in self.learners:
-            self._start_training(learner, at=0.0)
-        self.uptime.training(0.0, True)
+            self.queue.at(learner.startup_seconds, lambda learner=learner: self._started(learner, 0, first=True))
         self._next_change()
+        for outage in self.inputs.shard_outages:
+            self.queue.at(outage.at_seconds, lambda shard=outage.shard: self._shard_failed(shard))
         self.queue.run(self.inputs.duration_seconds, self._over, progress)
         return self._result()
 
@@ -207,6 +220,7 @@ class DilocoRun:
         learner.steps += 1
         learner.tokens += learner.tokens_per_step
         self.ledger.kept += learner.step_seconds
+        learner.after_step = self._after_step(learner)
         learner.last_step_end = now
         actions = learner.schedule.step_done(learner.steps - 1, learner.tokens_per_step)
         for sync in actions.start:
@@ -237,8 +251,23 @@ class DilocoRun:
                 return
             learner.to_apply.pop(0)
         life = learner.life
-        learner.last_step_end = now
-        self.queue.at(now + learner.step_seconds, lambda: self._step_done(learner, life))
+        learner.last_step_end = now + learner.after_step  # the loop's work after the step, then the next one
+        self.queue.at(learner.last_step_end + learner.step_seconds, lambda: self._step_done(learner, life))
+
+    def _after_step(self, learner: Learner) -> float:
+        """The loop's work after the step just done (its syncs, then this): bookkeeping, and the
+        evaluation and checkpoint due at this step, each counted as its badput."""
+        seconds = learner.overhead_seconds
+        every = self.inputs.evaluation_every_steps
+        if every and learner.steps % every == 0:
+            self.ledger.add("evaluation", self.inputs.evaluation_seconds)
+            seconds += self.inputs.evaluation_seconds
+        every = self.inputs.checkpoint_steps
+        if every and learner.steps % every == 0:
+            learner.checkpointed_steps, learner.checkpointed_held = learner.steps, dict(learner.held)
+            self.ledger.add("checkpoint", self.inputs.checkpoint_seconds)
+            seconds += self.inputs.checkpoint_seconds
+        return seconds
 
     def _apply(self, learner: Learner, fid: int, result: Result) -> None:
         learner.schedule.result_arrived(fid, learner.steps - 1, learner.step_seconds, result.applied)
@@ -272,6 +301,11 @@ class DilocoRun:
 
     def _push(self, learner: Learner, fid: int) -> None:
         fragment = learner.schedule.fragments[fid]
+        if self._shard_down(fid % self.inputs.shards, self.clock.now - self.inputs.heartbeat_seconds):
+            # A shard that is down, or back but not yet rejoined (the next heartbeat does it),
+            # fails the push at once: the sync is skipped and the next one carries its steps.
+            self._deliver(learner, fid, Result(learner.held[fid], applied=False), self.clock.now, 0)
+            return
         header = pb.PushHeader(learner_id=learner.id, incarnation=learner.incarnation, fragment_id=fid,
                                kind=pb.PUSH_KIND_OUTER_GRADIENT, base_version=learner.held[fid],
                                c_steps=fragment.steps_since_sync, c_tokens=fragment.tokens_since_sync,
@@ -284,6 +318,10 @@ class DilocoRun:
         if learner.life != life:
             return  # the learner died with the push on the wire
         fid = header.fragment_id
+        # It went down while the push was on the wire: the push fails as above.
+        if self._shard_down(fid % self.inputs.shards, self.clock.now - self.inputs.heartbeat_seconds):
+            self._deliver(learner, fid, Result(header.base_version, applied=False), self.clock.now, 0)
+            return
         try:
             outcome = self.core.push(header, self.chunks)
         except Refusal:
@@ -299,7 +337,10 @@ class DilocoRun:
             return
         self.staleness[outcome.staleness] += 1
         learner.delivered_steps[fid] = header.c_steps
-        self.waiters[fid].append(Waiter(learner.index, life, header.base_version, outcome.round))
+        # The push's answer goes back and the pull comes out: a round trip before the syncer has
+        # the pull (one latency each way, as the local cluster's links wait on every call).
+        asked_at = self.clock.now + 2 * learner.up.latency_seconds
+        self.waiters[fid].append(Waiter(learner.index, life, header.base_version, outcome.round, asked_at))
         self._answer_closed_rounds()
         self.contributions[fid, outcome.round] += 1
         if self.contributions[fid, outcome.round] == self.inputs.quorum:
@@ -330,17 +371,45 @@ class DilocoRun:
             for waiter in waiting:
                 learner = self.learners[waiter.learner]
                 if waiter.version <= round_.round and learner.life == waiter.life:
-                    self._deliver(learner, fid, Result(round_.round, True), ready,
+                    self._deliver(learner, fid, Result(round_.round, True), max(ready, waiter.asked_at),
                                   round_.round - waiter.base_version)
 
     def _deliver(self, learner: Learner, fid: int, result: Result, ready: float, versions: int) -> None:
         """The pull of a result `versions` versions past the learner's: one delta from the anchor
         the syncer served it, one update's bytes however many rounds closed (docs/protocol.md,
-        "The downlink"; a learner back from a failure pulled the whole model in _repaired)."""
-        nbytes = self.update_bytes if versions > 0 else 0
+        "The downlink")."""
+        nbytes = self._pull_bytes(versions)
         arrives = learner.down.send(ready, nbytes) if nbytes else ready + learner.down.latency_seconds
         life = learner.life
         self.queue.at(arrives, lambda: self._result_arrives(learner, life, fid, result))
+
+    def _shard_down(self, shard: int, at: float) -> float | None:
+        """When `shard` serves again, if it is down at `at` (or after `at`, until now)."""
+        return next((o.at_seconds + o.seconds for o in self.inputs.shard_outages if o.shard == shard
+                     and o.at_seconds <= self.clock.now and at < o.at_seconds + o.seconds), None)
+
+    def _every_shard_up(self, at: float) -> float:
+        """When a learner starting at `at` has joined every shard: one that is down (now, or by
+        the time another is back) is retried until it is, a try every RETRY_MAX_SECONDS by then."""
+        while (back := max((o.at_seconds + o.seconds for o in self.inputs.shard_outages
+                            if o.at_seconds <= at < o.at_seconds + o.seconds), default=None)) is not None:
+            at = back + RETRY_MAX_SECONDS / 2
+        return at
+
+    def _shard_failed(self, shard: int) -> None:
+        """The pulls waiting on the shard's fragments fail: those syncs are skipped (their
+        contributions are merged all the same, and the next pull brings them)."""
+        for fid in [fid for fid in self.waiters if fid % self.inputs.shards == shard]:
+            for waiter in self.waiters.pop(fid):
+                learner = self.learners[waiter.learner]
+                if learner.life == waiter.life:
+                    self._deliver(learner, fid, Result(waiter.base_version, applied=False), self.clock.now, 0)
+
+    def _pull_bytes(self, versions: int) -> int:
+        """One delta from the anchor the syncer served the learner, however far behind: a
+        checkpoint's anchor is among the two it keeps, as a fragment syncs less often than a
+        learner checkpoints."""
+        return self.update_bytes if versions > 0 else 0
 
     def _result_arrives(self, learner: Learner, life: int, fid: int, result: Result) -> None:
         if learner.life != life:
@@ -379,27 +448,50 @@ class DilocoRun:
         now = self.clock.now
         self.failure_count += 1
         if learner.training:
-            # Lost: each fragment's steps not delivered to the syncer, and the step in progress.
-            undelivered = sum(f.steps_since_sync - learner.delivered_steps[fid]
-                              for fid, f in learner.schedule.fragments.items())
-            self._lose(learner, undelivered * learner.step_seconds / self.inputs.fragments)
+            if self.inputs.checkpoint_steps:  # the next life trains them again: its counts go back
+                lost = learner.steps - learner.checkpointed_steps
+                learner.steps, learner.tokens = learner.checkpointed_steps, learner.tokens - lost * learner.tokens_per_step
+                self._lose(learner, lost * learner.step_seconds, rolled_back=True)
+            else:  # each fragment's steps not delivered to the syncer
+                self._lose(learner, sum(f.steps_since_sync - learner.delivered_steps[fid] for fid, f in
+                                        learner.schedule.fragments.items()) * learner.step_seconds / self.inputs.fragments)
             if learner.blocked_since is not None:
                 self.ledger.add("blocked", now - learner.blocked_since)
             else:
-                self.ledger.add("lost", now - learner.last_step_end)  # the step in progress
+                self.ledger.add("lost", max(0.0, now - learner.last_step_end))  # the step in progress
+        if learner.attendance:
+            # Its Attend call ends with its process: the rounds stop waiting for it now.
+            self.core.absent(learner.id, learner.incarnation, learner.attendance)
+            learner.attendance = 0
+            self._tick()
         self._phase(learner, "down")
         learner.life += 1
-        # Its lease runs out: rounds stop waiting for it then.
-        self.queue.at(now + self.inputs.lease_seconds + 1e-6, self._tick)
         self._training_changed()
 
     def _repaired(self, learner: Learner) -> None:
-        """Pulls the whole model, then rejoins (below)."""
+        """Its process starts again (start-up), pulls the whole model, then rejoins (below)."""
         learner.life += 1
-        self._phase(learner, "restore")
-        pulled = learner.down.send(self.clock.now, self.snapshot_bytes * self.inputs.fragments)
+        self._phase(learner, "startup")
         life = learner.life
-        self.queue.at(pulled, lambda: self._restored(learner, life))
+        self.queue.at(self.clock.now + learner.startup_seconds, lambda: self._started(learner, life))
+
+    def _started(self, learner: Learner, life: int, first: bool = False) -> None:
+        """The process is up: it pulls the global model (the first learner seeded it), only the
+        updates since its checkpoint where it has one, then joins and trains."""
+        if learner.life != life:
+            return
+        if first and (learner.index == 0 or not self.inputs.pull_at_start):
+            self._join(learner)
+            self._phase(learner, "training")
+            self._start_training(learner, self.clock.now)
+            self._training_changed()
+            return
+        self._phase(learner, "restore")
+        held = learner.checkpointed_held
+        nbytes = (sum(self._pull_bytes(self.core.fragments[fid].version - version) for fid, version in held.items())
+                  if held else self.snapshot_bytes * self.inputs.fragments)
+        self.queue.at(learner.down.send(self._every_shard_up(self.clock.now), nbytes),
+                      lambda: self._restored(learner, life))
 
     def _restored(self, learner: Learner, life: int) -> None:
         if learner.life != life:
@@ -412,9 +504,10 @@ class DilocoRun:
         self._training_changed()
 
     def _join(self, learner: Learner) -> None:
-        """A new process: a new incarnation."""
+        """A new process: a new incarnation, which holds an Attend call open."""
         learner.incarnation += 1
         self.core.join(learner.id, learner.incarnation, learner.region, self.manifest)
+        learner.attendance = self.core.attend(learner.id, learner.incarnation)
 
     def _learner_statuses(self) -> list[pb.LearnerStatus]:
         """The Status reply's learners, as a rejoining learner reads them to take its phase."""
@@ -424,15 +517,17 @@ class DilocoRun:
 
     # ---- accounting ----------------------------------------------------------------------
 
-    def _lose(self, learner: Learner, seconds: float) -> None:
-        """Steps already counted as kept that the run will not keep."""
+    def _lose(self, learner: Learner, seconds: float, rolled_back: bool = False) -> None:
+        """Steps already counted as kept that the run will not keep (`rolled_back`: already
+        taken off the learner's own step and token counts)."""
         self.ledger.kept -= seconds
         self.ledger.add("lost", seconds)
-        learner.lost_seconds += seconds
+        if not rolled_back:
+            learner.lost_seconds += seconds
 
     def _phase(self, learner: Learner, phase: str) -> None:
-        """Ends the learner's current phase: time down or restoring is badput of that name."""
-        if learner.phase in ("down", "restore"):
+        """Ends the learner's current phase: time starting, restoring or down is badput of that name."""
+        if learner.phase in ("startup", "restore", "down"):
             self.ledger.add(learner.phase, self.clock.now - learner.phase_since)
         learner.phase, learner.phase_since = phase, self.clock.now
 
@@ -466,7 +561,8 @@ class DilocoRun:
         peak = max((up.bytes_by_window[w] + down.bytes_by_window[w] for up, down in links
                     for w in set(up.bytes_by_window) | set(down.bytes_by_window)), default=0)
         return Bandwidth(total * 8 / 1e9 / end / len(links) if end else 0.0,
-                         peak * 8 / 1e9 / PEAK_WINDOW_SECONDS, total)
+                         peak * 8 / 1e9 / PEAK_WINDOW_SECONDS, total, sum(up.bytes_total for up, _ in links),
+                         sum(down.bytes_total for _, down in links))
 
 
 def simulate_diloco(inputs: PlanInputs, failures: FailureModel, progress: Callable[[float], None]) -> PlanResult:

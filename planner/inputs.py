@@ -38,6 +38,15 @@ class InjectedFailure:
 
 
 @dataclass(frozen=True, config=_STRICT)
+class ShardOutage:
+    """A syncer shard down for a while (Decoupled DiLoCo only): its fragments' pushes and results
+    wait until it is back."""
+    shard: NonNegativeInt
+    at_seconds: NonNegative
+    seconds: NonNegative
+
+
+@dataclass(frozen=True, config=_STRICT)
 class PlanInputs:
     # The defaults are the example of docs/planning.md at one fleet size, for two hours: a plan
     # in seconds that tells the modes apart. Longer runs and sweeps are asked for.
@@ -58,6 +67,23 @@ class PlanInputs:
     # the global batch each (batch_tokens / M per step).
     step_seconds: tuple[Positive, ...] = (1.0,)
     batch_tokens: PositiveInt = 4 << 20
+    # A learner's own costs besides its steps (Decoupled DiLoCo): the process's start before it
+    # joins, at the run's start and after each repair (one value each, or one for all); seconds
+    # per step of its loop's other work (bookkeeping: badput `other`). It evaluates every
+    # evaluation_every_steps steps, for evaluation_seconds, and checkpoints every
+    # checkpoint_steps steps, for checkpoint_seconds; a failure loses the steps since its last
+    # checkpoint, where it resumes (checkpoint_steps None: the steps its fragments had not
+    # delivered to the syncer).
+    startup_seconds: tuple[NonNegative, ...] = (0.0,)
+    step_overhead_seconds: tuple[NonNegative, ...] = (0.0,)
+    evaluation_every_steps: PositiveInt | None = None
+    evaluation_seconds: NonNegative = 0.0
+    checkpoint_steps: PositiveInt | None = None
+    checkpoint_seconds: NonNegative = 0.0
+    # At the run's start every learner but the first (which seeds the fragments) pulls the
+    # global model before its first step, as a learner process does; False: each starts from
+    # the same initialised model (loaded from its own storage).
+    pull_at_start: bool = False
     # Decoupled DiLoCo (H, P, tau, K, ...), as the cluster config's sync and syncer keys.
     interval_steps: PositiveInt = 24
     fragments: PositiveInt = 24
@@ -86,6 +112,10 @@ class PlanInputs:
     # learner i is in the (i mod regions)-th region named, as `diloco sim --regions` spreads them.
     links: Annotated[dict[Identifier, LinkConfig], Field(min_length=1)] | None = None
     syncer_params_per_second: Positive = 1e9
+    # The syncer's shards (fragment i is on shard i mod shards) and their outages; by default
+    # the syncer does not fail.
+    shards: PositiveInt = 1
+    shard_outages: tuple[ShardOutage, ...] = ()
     # Data parallel: checkpoint interval and reload; elastic: the pause to reconfigure.
     checkpoint_minutes: Positive = 10.0
     restore_minutes: NonNegative = 1.0
@@ -109,6 +139,12 @@ class PlanInputs:
 
     def learner_step_seconds(self, index: int) -> float:
         return self.step_seconds[index % len(self.step_seconds)]
+
+    def learner_startup_seconds(self, index: int) -> float:
+        return self.startup_seconds[index % len(self.startup_seconds)]
+
+    def learner_step_overhead_seconds(self, index: int) -> float:
+        return self.step_overhead_seconds[index % len(self.step_overhead_seconds)]
 
     def learner_tokens_per_step(self) -> int:
         return self.batch_tokens // self.num_learners
@@ -148,14 +184,15 @@ def load_inputs(data: object, source: str = "plan inputs") -> PlanInputs:
     if not isinstance(data, dict):
         raise PlanError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
     data = {key: tuple(value) if isinstance(value, list) else value for key, value in data.items()}
-    failures = []
-    for i, failure in enumerate(data.get("failures", ())):
-        try:
-            failures.append(InjectedFailure(**failure) if isinstance(failure, dict) else failure)
-        except ValidationError as error:
-            raise PlanError(f"{source}: failures[{i}]: {validation_message(error)}") from None
-    if failures:
-        data["failures"] = tuple(failures)
+    for key, kind in (("failures", InjectedFailure), ("shard_outages", ShardOutage)):
+        items = []
+        for i, item in enumerate(data.get(key, ())):
+            try:
+                items.append(kind(**item) if isinstance(item, dict) else item)
+            except ValidationError as error:
+                raise PlanError(f"{source}: {key}[{i}]: {validation_message(error)}") from None
+        if items:
+            data[key] = tuple(items)
     rates = [key for key in WAN_KEYS if key in data]
     if data.get("links") is not None and rates:
         raise PlanError(f"{source}: links: give each region's link in links or in {' and '.join(rates)}, not both")
@@ -185,8 +222,9 @@ def check_relations(inputs: PlanInputs) -> None:
     m = inputs.num_learners
     if m > inputs.chips or inputs.chips % m:
         raise PlanError(f"learners: M={m} does not divide chips={inputs.chips} into equal units")
-    if len(inputs.step_seconds) not in (1, m):
-        raise PlanError(f"step_seconds: {len(inputs.step_seconds)} values for M={m} learners (give 1 or {m})")
+    for key in ("step_seconds", "startup_seconds", "step_overhead_seconds"):
+        if len(getattr(inputs, key)) not in (1, m):
+            raise PlanError(f"{key}: {len(getattr(inputs, key))} values for M={m} learners (give 1 or {m})")
     if len(inputs.wan_latency_ms) not in (1, len(inputs.wan_gbps)):
         raise PlanError(f"wan_latency_ms: {len(inputs.wan_latency_ms)} values for {len(inputs.wan_gbps)} regions "
                         f"(wan_gbps); give 1 or one per region")
@@ -212,3 +250,6 @@ def check_relations(inputs: PlanInputs) -> None:
     for i, failure in enumerate(inputs.failures):
         if failure.learner >= m:
             raise PlanError(f"failures[{i}].learner: {failure.learner} is not a learner unit (M={m})")
+    for i, outage in enumerate(inputs.shard_outages):
+        if outage.shard >= inputs.shards:
+            raise PlanError(f"shard_outages[{i}].shard: {outage.shard} is not a shard (shards={inputs.shards})")

@@ -7,25 +7,35 @@ take comma-separated lists (in YAML, lists): every combination is simulated in e
 and --plot draws goodput against chips, one line per mode and M.
 
     diloco plan --chips 1024,16384,131072 --learners 8,16 --plot goodput.png
+
+--calibrate-from REPORT plans the run a `diloco sim` report describes (planner/calibrate.py) and
+prints the prediction beside what the run measured.
+
+    diloco plan --calibrate-from .diloco/sim/report.json
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import itertools
+import json
 import pathlib
 import sys
 import time
 
 import yaml
+from pydantic import TypeAdapter
 
+from diloco.planner.calibrate import CalibrationError, calibrate
+from diloco.planner.calibrate import table as calibration_table
 from diloco.planner.inputs import WAN_KEYS, PlanError, PlanInputs, load_file, load_inputs
 from diloco.planner.outcome import PlanResult
 from diloco.planner.report import Speed, plot, speed_table, table, write_json
 from diloco.planner.simulate import MODES, simulate
 
 SWEPT = ("chips", "learners", "chips_per_learner")  # keys that take a list of values to sweep
-OWN_SYNTAX = ("failures", "links")  # keys whose flags (--fail, --links) are not a list of values
+# Keys whose flags (--fail, --links) are not a list of values, or that only a file gives.
+OWN_SYNTAX = ("failures", "links", "shard_outages")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--links", metavar="YAML",
                         help="each region's link, as the cluster config's links: '{us-east: {up_mbps: 2000, "
                              "down_mbps: 5000, latency_ms: 30}, us-west: {...}}' (instead of --wan-gbps)")
+    parser.add_argument("--calibrate-from", metavar="REPORT",
+                        help="plan the run of this `diloco sim` report (its cluster, measured step and start-up "
+                             "times, links, kills) and print the prediction beside what it measured; with --json")
     parser.add_argument("--json", metavar="PATH", help="write every result as JSON here ('-': stdout)")
     parser.add_argument("--plot", metavar="PNG", help="plot goodput against chips, one line per mode and M")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -123,6 +136,8 @@ class Progress:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.calibrate_from:
+        return run_calibration(pathlib.Path(args.calibrate_from), args.json)
     modes = args.modes.split(",")
     try:
         if unknown := [m for m in modes if m not in MODES]:
@@ -150,4 +165,20 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(results, pathlib.Path(args.plot))
         print(f"plot: {args.plot}")
+    return 0
+
+
+def run_calibration(report_path: pathlib.Path, json_path: str | None) -> int:
+    try:
+        inputs, result, rows = calibrate(report_path)
+    except (CalibrationError, PlanError, OSError, ValueError) as error:
+        print(f"invalid: --calibrate-from {report_path}: {error}", file=sys.stderr)
+        return 2
+    print(f"the run of {report_path} planned: {inputs.num_learners} learners, {len(inputs.failures)} learner kills, "
+          f"{len(inputs.shard_outages)} shard kills, {inputs.duration_seconds:.0f} s")
+    print(calibration_table(rows))
+    if json_path:
+        body = json.dumps({"inputs": TypeAdapter(PlanInputs).dump_python(inputs, mode="json"), "result": result.as_json(),
+                           "rows": [row.as_json() for row in rows]}, indent=1)
+        pathlib.Path("/dev/stdout" if json_path == "-" else json_path).write_text(body)
     return 0

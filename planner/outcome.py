@@ -53,6 +53,8 @@ class Bandwidth:
     mean_gbps: float  # per learner, over the run
     peak_gbps: float  # the busiest minute of any learner's link
     bytes_total: int
+    bytes_up: int  # learners to the syncer
+    bytes_down: int
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from itertools import groupby
 from diloco.planner.outcome import PlanResult
 from diloco.services.contract.goodput import BADPUT, REMAINDER
 
-# The categories a planned run can have (the others belong to a real learner's loop).
+# The categories a planned run shows; start-up, evaluation and checkpoint only where it was given their cost.
 PLANNED_BADPUT = tuple(c for c in BADPUT if c not in ("startup", "evaluation", "checkpoint")) + (REMAINDER,)
 
 
@@ -26,13 +26,15 @@ class Speed:
 
 
 def table(results: list[PlanResult]) -> str:
-    header = ["mode", "M", "chips", "goodput", *PLANNED_BADPUT, "uptime", "tokens/s", "of failure-free",
+    categories = [c for c in (*BADPUT, REMAINDER)
+                  if c in PLANNED_BADPUT or any(r.goodput.badput_seconds.get(c) for r in results)]
+    header = ["mode", "M", "chips", "goodput", *categories, "uptime", "tokens/s", "of failure-free",
               "failures", "WAN Gbit/s mean/peak", "staleness 0/1/2+/refused"]
     rows = [header]
     for r in results:
         shares = r.goodput.badput_shares()
         rows.append([r.mode, str(r.learners), f"{r.chips:,}", f"{r.goodput.share:.1%}",
-                     *(f"{shares[c]:.1%}" for c in PLANNED_BADPUT), f"{r.uptime:.1%}",
+                     *(f"{shares[c]:.1%}" for c in categories), f"{r.uptime:.1%}",
                      f"{r.tokens_per_second:.3g}", f"{r.effective_share:.1%}", str(r.failures),
                      f"{r.bandwidth.mean_gbps:.2f}/{r.bandwidth.peak_gbps:.2f}" if r.bandwidth else "-",
                      _staleness(r.staleness) if r.staleness else "-"])

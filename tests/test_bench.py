@@ -15,7 +15,8 @@ from bench.report import HISTORY, TITLES, render
 from bench.run_all import merged
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SECTIONS = ("quality", "bandwidth", "goodput", "overlap", "transport", "recovery", "user_loop", "hf", "plan")
+SECTIONS = ("quality", "bandwidth", "goodput", "overlap", "transport", "recovery", "user_loop", "hf", "plan",
+            "calibration")
 
 
 def is_number(value) -> bool:
@@ -79,6 +80,12 @@ def test_committed_results_hold_every_section_with_dp_beside_diloco():
     assert [(r["mode"], r["chips"], r["learners"], r["hours"]) for r in speed] == [
         (mode, 2457600, 16, 24.0) for mode in ("dp", "elastic", "diloco")]
     assert all(is_number(r["speed"]["events_per_second"]) for r in speed)
+    runs = results["calibration"]["rows"]  # issue 34: three failure rates, shard kills, mixed links
+    assert len({run["command"].split("--chaos-mtbf ")[1].split()[0] for run in runs}) >= 3
+    assert any(run["shard_kills"] > 0 for run in runs) and any("us-west=5/20" in run["command"] for run in runs)
+    for run in runs:
+        assert run["learner_kills"] > 0 and run["rows"][0]["figure"] == "goodput"
+        assert all(is_number(row["predicted"]) and is_number(row["measured"]) for row in run["rows"])
     assert is_number(results["runner"]["wall_seconds"])
 
 
