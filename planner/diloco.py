@@ -23,30 +23,22 @@ and a learner (re)joining waits until every shard is back.
 from __future__ import annotations
 
 import math
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-import torch
-
 from diloco.learner.schedule import LearnerSchedule
-from diloco.learner.shard_errors import RETRY_MAX_SECONDS
 from diloco.planner.events import EventQueue, VirtualClock
 from diloco.planner.failures import FailureModel, FleetChange
 from diloco.planner.inputs import PlanInputs
 from diloco.planner.outcome import Bandwidth, Ledger, PlanResult, SyncerFacts, Uptime, staleness_counts
+from diloco.planner.syncer_model import FP32, FRAGMENT_NUMEL, Answer, SyncerModel
 from diloco.services.contract.codecs import get_codec
 from diloco.services.contract.config import Config, parse_config
 from diloco.services.contract.fragments import FragmentPlan, plan_for_config
 from diloco.services.contract.goodput import fragment_compute_seconds
-from diloco.services.contract.payload import describe, iter_chunks
 from diloco.services.contract.wire import pb
-from diloco.syncer.core import ShardCore
-from diloco.syncer.refusal import Refusal
-from diloco.syncer.snapshot import ClosedRound
 
-FP32 = get_codec("fp32")
-FRAGMENT_NUMEL = 1  # decisions do not depend on the tensors' size: the cores see one element
 PEAK_WINDOW_SECONDS = 60.0
 
 
@@ -91,16 +83,6 @@ class Link:
             self.bytes_by_window[window] += nbytes * overlap / (end - start)
             window += 1
         return end + self.latency_seconds
-
-
-@dataclass(frozen=True)
-class Waiter:
-    """A learner's pull for the round its contribution counts in."""
-    learner: int
-    life: int
-    base_version: int
-    version: int  # the version that answers it
-    asked_at: float  # when the pull reached the syncer
 
 
 @dataclass(frozen=True)
@@ -155,7 +137,6 @@ class DilocoRun:
         self.clock = VirtualClock()
         self.queue = EventQueue(self.clock)
         self.cfg = core_config(inputs)
-        self.core = ShardCore(self.cfg, 0, clock=self.clock, wall_clock=self.clock)
         self.manifest = [(f"fragment.{i}", (FRAGMENT_NUMEL,)) for i in range(inputs.fragments)]
         self.plan: FragmentPlan = plan_for_config(self.cfg, self.manifest)
         self.learners = [Learner(i, inputs) for i in range(inputs.num_learners)]
@@ -164,29 +145,22 @@ class DilocoRun:
         numel = math.ceil(inputs.model_parameters / inputs.fragments)  # balanced fragments
         self.update_bytes = codec.encoded_size(numel, inputs.codec_block_size)
         self.snapshot_bytes = FP32.encoded_size(numel, inputs.codec_block_size)
-        self.close_seconds = numel / inputs.syncer_params_per_second
-        self.waiters: dict[int, list[Waiter]] = defaultdict(list)
-        self.closed: list[tuple[int, ClosedRound]] = []
-        self.core.round_listeners.append(lambda fid, closed: self.closed.append((fid, closed)))
-        self.contributions: Counter[tuple[int, int]] = Counter()  # (fragment, round): pushes merged
-        self.staleness: Counter[int] = Counter()
-        self.refused_stale = 0
+        self.syncer = SyncerModel(inputs, self.cfg, self.clock, self.queue, self.learners, self.answer_pull,
+                                  close_seconds=numel / inputs.syncer_params_per_second)
+        self.core = self.syncer.core
         self.failure_count = 0
-        zeros = FP32.encode(torch.zeros(FRAGMENT_NUMEL), inputs.codec_block_size)
-        self.payload = describe(FP32, FRAGMENT_NUMEL, zeros, inputs.codec_block_size)
-        self.chunks = list(iter_chunks(zeros))
         self._changes: Iterator[FleetChange] = failures.changes()
 
     # ---- the run -------------------------------------------------------------------------
 
     def run(self, progress: Callable[[float], None]) -> PlanResult:
         self._join(self.learners[0])  # the first learner seeds the fragments
-        self._seed()
+        self.syncer.seed(self.learners[0], [f.id for f in self.plan.fragments])
         for learner in self.learners:
             self.queue.at(learner.startup_seconds, lambda learner=learner: self._started(learner, 0, first=True))
         self._next_change()
         for outage in self.inputs.shard_outages:
-            self.queue.at(outage.at_seconds, lambda shard=outage.shard: self._shard_failed(shard))
+            self.queue.at(outage.at_seconds, lambda shard=outage.shard: self.syncer.shard_failed(shard))
         self.queue.run(self.inputs.duration_seconds, self._over, progress)
         return self._result()
 
@@ -194,12 +168,6 @@ class DilocoRun:
         """A budget run is over once no learner is training and none has yet to finish."""
         return (self.inputs.target_tokens is not None and any(l.phase == "finished" for l in self.learners)
                 and not any(l.phase in ("training", "restore") for l in self.learners))
-
-    def _seed(self) -> None:
-        for fragment in self.plan.fragments:
-            header = pb.PushHeader(learner_id=self.learners[0].id, incarnation=1, fragment_id=fragment.id,
-                                   kind=pb.PUSH_KIND_SEED, base_version=0, payload=self.payload)
-            self.core.push(header, self.chunks)
 
     def _start_training(self, learner: Learner, at: float) -> None:
         learner.schedule = LearnerSchedule(self.cfg, self.plan, self.clock)
@@ -294,22 +262,22 @@ class DilocoRun:
         self._phase(learner, "finished")
         learner.life += 1
         self.core.leave(learner.id, learner.incarnation)
-        self._tick()  # rounds no longer wait for it
+        self.syncer.tick()  # rounds no longer wait for it
         self._training_changed()
 
     # ---- syncs ---------------------------------------------------------------------------
 
     def _push(self, learner: Learner, fid: int) -> None:
         fragment = learner.schedule.fragments[fid]
-        if self._shard_down(fid % self.inputs.shards, self.clock.now - self.inputs.heartbeat_seconds):
+        if self.syncer.shard_down(fid % self.inputs.shards, self.clock.now - self.inputs.heartbeat_seconds):
             # A shard that is down, or back but not yet rejoined (the next heartbeat does it),
             # fails the push at once: the sync is skipped and the next one carries its steps.
-            self._deliver(learner, fid, Result(learner.held[fid], applied=False), self.clock.now, 0)
+            self.answer_pull(learner, fid, Answer(learner.held[fid], False, self.clock.now, 0))
             return
         header = pb.PushHeader(learner_id=learner.id, incarnation=learner.incarnation, fragment_id=fid,
                                kind=pb.PUSH_KIND_OUTER_GRADIENT, base_version=learner.held[fid],
                                c_steps=fragment.steps_since_sync, c_tokens=fragment.tokens_since_sync,
-                               step_seconds=learner.step_seconds, payload=self.payload)
+                               step_seconds=learner.step_seconds, payload=self.syncer.payload)
         arrives = learner.up.send(self.clock.now, self.update_bytes)
         life = learner.life
         self.queue.at(arrives, lambda: self._push_arrives(learner, life, header))
@@ -318,92 +286,26 @@ class DilocoRun:
         if learner.life != life:
             return  # the learner died with the push on the wire
         fid = header.fragment_id
-        # It went down while the push was on the wire: the push fails as above.
-        if self._shard_down(fid % self.inputs.shards, self.clock.now - self.inputs.heartbeat_seconds):
-            self._deliver(learner, fid, Result(header.base_version, applied=False), self.clock.now, 0)
+        outcome = self.syncer.push(learner, header, learner.up.latency_seconds)
+        if outcome is None:  # the sync failed: skipped, the next push carries its steps
+            self.answer_pull(learner, fid, Answer(header.base_version, False, self.clock.now, 0))
             return
-        try:
-            outcome = self.core.push(header, self.chunks)
-        except Refusal:
-            self._deliver(learner, fid, Result(header.base_version, applied=False), self.clock.now, 0)
-            return
+        learner.delivered_steps[fid] = header.c_steps  # refused stale: counted lost here, not again if it fails
         if outcome.result == pb.PUSH_RESULT_REFUSED_STALE:
             # The learner re-anchors on the current value: the fragment's steps are lost.
-            self.refused_stale += 1
-            learner.delivered_steps[fid] = header.c_steps  # counted lost here, not again if it fails
             self._lose(learner, fragment_compute_seconds(header.c_steps, header.step_seconds, 1, self.inputs.fragments))
-            self._deliver(learner, fid, Result(outcome.current_version, True), self.clock.now,
-                          outcome.current_version - header.base_version)
-            return
-        self.staleness[outcome.staleness] += 1
-        learner.delivered_steps[fid] = header.c_steps
-        # The push's answer goes back and the pull comes out: a round trip before the syncer has
-        # the pull (one latency each way, as the local cluster's links wait on every call).
-        asked_at = self.clock.now + 2 * learner.up.latency_seconds
-        self.waiters[fid].append(Waiter(learner.index, life, header.base_version, outcome.round, asked_at))
-        self._answer_closed_rounds()
-        self.contributions[fid, outcome.round] += 1
-        if self.contributions[fid, outcome.round] == self.inputs.quorum:
-            self._tick_after_grace(fid, outcome.round)
+            self.answer_pull(learner, fid, Answer(outcome.current_version, True, self.clock.now,
+                                                  outcome.current_version - header.base_version))
 
-    def _tick_after_grace(self, fid: int, round_number: int) -> None:
-        """Ticks when quorum and grace may close the round, again while it stays open (an
-        adaptive grace window may have grown)."""
-        def tick() -> None:
-            self._tick()
-            if self.core.fragments[fid].version < round_number:
-                self._tick_after_grace(fid, round_number)
-        self.queue.at(self.clock.now + self.core.fragments[fid].grace.seconds() + 1e-9, tick)
-
-    def _tick(self) -> None:
-        self.core.tick()
-        self._answer_closed_rounds()
-
-    def _answer_closed_rounds(self) -> None:
-        """Each round the core closed answers the pulls waiting for it, once the syncer has
-        computed it (round-close throughput)."""
-        closed, self.closed = self.closed, []
-        for fid, round_ in closed:
-            ready = self.clock.now + self.close_seconds
-            waiting = self.waiters[fid]
-            self.waiters[fid] = [w for w in waiting if w.version > round_.round]
-            self.contributions.pop((fid, round_.round), None)
-            for waiter in waiting:
-                learner = self.learners[waiter.learner]
-                if waiter.version <= round_.round and learner.life == waiter.life:
-                    self._deliver(learner, fid, Result(round_.round, True), max(ready, waiter.asked_at),
-                                  round_.round - waiter.base_version)
-
-    def _deliver(self, learner: Learner, fid: int, result: Result, ready: float, versions: int) -> None:
-        """The pull of a result `versions` versions past the learner's: one delta from the anchor
-        the syncer served it, one update's bytes however many rounds closed (docs/protocol.md,
-        "The downlink")."""
-        nbytes = self._pull_bytes(versions)
+    def answer_pull(self, learner: Learner, fid: int, answer: Answer) -> None:
+        """A pull's answer `answer.versions` versions past the learner's: one delta from the
+        anchor the syncer served it, one update's bytes however many rounds closed
+        (docs/protocol.md, "The downlink"), down the learner's link."""
+        nbytes = self._pull_bytes(answer.versions)
+        ready = answer.ready
         arrives = learner.down.send(ready, nbytes) if nbytes else ready + learner.down.latency_seconds
-        life = learner.life
+        life, result = learner.life, Result(answer.version, answer.applied)
         self.queue.at(arrives, lambda: self._result_arrives(learner, life, fid, result))
-
-    def _shard_down(self, shard: int, at: float) -> float | None:
-        """When `shard` serves again, if it is down at `at` (or after `at`, until now)."""
-        return next((o.at_seconds + o.seconds for o in self.inputs.shard_outages if o.shard == shard
-                     and o.at_seconds <= self.clock.now and at < o.at_seconds + o.seconds), None)
-
-    def _every_shard_up(self, at: float) -> float:
-        """When a learner starting at `at` has joined every shard: one that is down (now, or by
-        the time another is back) is retried until it is, a try every RETRY_MAX_SECONDS by then."""
-        while (back := max((o.at_seconds + o.seconds for o in self.inputs.shard_outages
-                            if o.at_seconds <= at < o.at_seconds + o.seconds), default=None)) is not None:
-            at = back + RETRY_MAX_SECONDS / 2
-        return at
-
-    def _shard_failed(self, shard: int) -> None:
-        """The pulls waiting on the shard's fragments fail: those syncs are skipped (their
-        contributions are merged all the same, and the next pull brings them)."""
-        for fid in [fid for fid in self.waiters if fid % self.inputs.shards == shard]:
-            for waiter in self.waiters.pop(fid):
-                learner = self.learners[waiter.learner]
-                if learner.life == waiter.life:
-                    self._deliver(learner, fid, Result(waiter.base_version, applied=False), self.clock.now, 0)
 
     def _pull_bytes(self, versions: int) -> int:
         """One delta from the anchor the syncer served the learner, however far behind: a
@@ -463,7 +365,7 @@ class DilocoRun:
             # Its Attend call ends with its process: the rounds stop waiting for it now.
             self.core.absent(learner.id, learner.incarnation, learner.attendance)
             learner.attendance = 0
-            self._tick()
+            self.syncer.tick()
         self._phase(learner, "down")
         learner.life += 1
         self._training_changed()
@@ -490,7 +392,7 @@ class DilocoRun:
         held = learner.checkpointed_held
         nbytes = (sum(self._pull_bytes(self.core.fragments[fid].version - version) for fid, version in held.items())
                   if held else self.snapshot_bytes * self.inputs.fragments)
-        self.queue.at(learner.down.send(self._every_shard_up(self.clock.now), nbytes),
+        self.queue.at(learner.down.send(self.syncer.every_shard_up(self.clock.now), nbytes),
                       lambda: self._restored(learner, life))
 
     def _restored(self, learner: Learner, life: int) -> None:
@@ -500,7 +402,7 @@ class DilocoRun:
         self._join(learner)
         self._phase(learner, "training")
         self._start_training(learner, self.clock.now)
-        learner.schedule.join_in_phase(self._learner_statuses(), learner.id, learner.steps)
+        learner.schedule.join_in_phase(self.syncer.learner_statuses(), learner.id, learner.steps)
         self._training_changed()
 
     def _join(self, learner: Learner) -> None:
@@ -508,12 +410,6 @@ class DilocoRun:
         learner.incarnation += 1
         self.core.join(learner.id, learner.incarnation, learner.region, self.manifest)
         learner.attendance = self.core.attend(learner.id, learner.incarnation)
-
-    def _learner_statuses(self) -> list[pb.LearnerStatus]:
-        """The Status reply's learners, as a rejoining learner reads them to take its phase."""
-        return [pb.LearnerStatus(learner_id=l.id, alive=l.alive, last_step=l.step, sync_step=l.sync_step,
-                                 seconds_since_heartbeat=l.seconds_since_heartbeat, step_seconds=l.step_seconds)
-                for l in self.core.status().learners]
 
     # ---- accounting ----------------------------------------------------------------------
 
@@ -553,7 +449,7 @@ class DilocoRun:
         failure_free = sum(l.tokens_per_step / l.step_seconds for l in self.learners)
         return PlanResult("diloco", self.inputs.chips, len(self.learners), end, self.ledger.goodput(),
                           self.uptime.share(end), round(kept_tokens), failure_free, self.failure_count,
-                          self._bandwidth(end), staleness_counts(self.staleness, self.refused_stale), syncer)
+                          self._bandwidth(end), staleness_counts(self.syncer.staleness, self.syncer.refused_stale), syncer)
 
     def _bandwidth(self, end: float) -> Bandwidth:
         links = [(l.up, l.down) for l in self.learners]
