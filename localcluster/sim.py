@@ -616,7 +616,7 @@ def print_summary(report: dict, report_path: pathlib.Path) -> None:
             "" if report["state_hashes_agree"] is None else
             f" (each learner holds the bits the shards served it; anchors at most {report['anchor_offset']:.2f} "
             "of their last pull from the shards' values)")
-         + "".join(f"; {', '.join(down)} down at the end: not compared" for down in [report.get("down_at_end")] if down)),
+         + (f"; {', '.join(report['down_at_end'])} down at the end: not compared" if report.get("down_at_end") else "")),
         *((f"link {learner_id}", _link(link)) for learner_id, link in report["links"].items()),
     ]
     width = max(len(name) for name, _ in rows)
