@@ -177,6 +177,20 @@ class TrainerConfig(_Section):
     precision: Literal["fp32", "bf16"] = "fp32"
 
 
+class IslandConfig(_Section):
+    """Replica groups of each learner island (docs/reliability.md, "Losing a replica group"). One
+    group is the island as one process (or one torchrun job) that fails as a whole. With R > 1
+    each group is a process of its own, the groups average gradients every step through torchft,
+    and any group but 0 (the one that syncs) may die and rejoin while the others train on."""
+    replica_groups: PositiveInt = 1
+    # How long a gradient average waits for a group that stopped answering before the step is
+    # dropped and the island reconfigures without it.
+    timeout_seconds: PositiveFloat = 10.0
+    # The lighthouse (torchft's membership service) drops a group whose heartbeats stop for this
+    # long: most of the pause the survivors see after a loss.
+    heartbeat_timeout_seconds: PositiveFloat = 2.0
+
+
 class GPTConfig(_Section):
     """The built-in byte-level models: GPT (learner/model.py) or a Llama-style decoder
     (learner/llama.py: RMSNorm, rotary positions, SwiGLU)."""
@@ -279,6 +293,7 @@ class Config(_Section):
     sync: SyncConfig = SyncConfig()
     syncer: SyncerConfig = SyncerConfig()
     trainer: TrainerConfig = TrainerConfig()
+    island: IslandConfig = IslandConfig()
     model: ModelSpec = GPTConfig()
     data: Union[Factory, CorpusConfig] = CorpusConfig()
     rpc: RpcConfig = RpcConfig()
@@ -320,10 +335,11 @@ class Config(_Section):
         return self.trainer.batch_size * self.trainer.grad_accum_steps * self.model.seq_len
 
     def max_tokens_per_step(self) -> int:
-        """T: syncer.max_tokens_per_step, or tokens_per_step() (one process of the built-in GPT)."""
+        """T: syncer.max_tokens_per_step, or tokens_per_step() of every replica group of an island
+        (one process each, the built-in GPT)."""
         if self.syncer.max_tokens_per_step is not None:
             return self.syncer.max_tokens_per_step
-        return self.tokens_per_step()
+        return self.tokens_per_step() * self.island.replica_groups
 
     def syncs_per_fragment(self) -> float:
         """How often each fragment is synced in the run: a learner's inner steps, over H. The
