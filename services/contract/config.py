@@ -137,8 +137,8 @@ class SyncerConfig(_Section):
     max_update_norm: PositiveFloat = 1.0e4  # pushes whose decoded L2 norm is larger are refused
     # The most tokens one learner (every process of its island) trains on per inner step: bounds
     # what its pushes and heartbeats may claim (syncer/claims.py). None: Config.tokens_per_step()
-    # (trainer.batch_size x trainer.grad_accum_steps x model.seq_len), the built-in GPT with one
-    # process per island; required with a model factory.
+    # (trainer.batch_size x trainer.grad_accum_steps x model.seq_len) x island.replica_groups, the
+    # built-in GPT with one process per replica group; required with a model factory.
     max_tokens_per_step: PositiveInt | None = None
 
 
