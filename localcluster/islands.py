@@ -88,7 +88,8 @@ def recoveries(chaos_events: list[dict], changes: list[dict], names: list[str], 
     for kill in (e for e in chaos_events if e["event"] == "kill" and e["kind"] == "replica"
                  and names[e["index"]].startswith(f"{learner_id}-group-")):
         after = [c for c in changes if c["time"] >= kill["time"]]
-        fewer = next((c for c in after if c["groups"] < _groups_before(changes, kill["time"])), None)
+        # The first change after the kill, if it is the loss (a group still starting was not in).
+        fewer = after[0] if after and after[0]["groups"] < _groups_before(changes, kill["time"]) else None
         restart = next((e["time"] for e in chaos_events if e["event"] == "restart" and e["kind"] == "replica"
                         and e["index"] == kill["index"] and e["time"] >= kill["time"]), None)
         more = next((c for c in after if restart is not None and c["time"] >= restart

@@ -532,6 +532,7 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
                              "bytes_per_second": moved / total("transfer_seconds") if total("transfer_seconds") else 0.0}
         per_learner[learner.id] = {"region": learner.region, "steps": kept_steps, "step_seconds": step_seconds,
                                    "steps_run": steps_run, "restarts": max(0, len(lives) - 1),
+                                   "blocked_seconds": total("blocked_seconds"),
                                    "phase": report.get("phase"), "evaluations": report.get("evaluations", []),
                                    # each life that recorded: its process start and its join and pull
                                    "startup_seconds": [life.get("startup_seconds", 0.0) for life in lives],
@@ -585,7 +586,8 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         "config": {"model": cfg.model_name(), "H": cfg.sync.interval_steps, "P": cfg.sync.fragments, "tau": cfg.sync.overlap_steps,
                    "codec": cfg.sync.codec, "K": cfg.syncer.quorum, "wan_mbps": cfg.rpc.wan_mbps,
                    "chaos_mtbf": args.chaos_mtbf, "restart_delay": args.restart_delay,
-                   "warm_restarts": args.warm_restarts,
+                   "warm_restarts": args.warm_restarts, "replica_groups": cfg.island.replica_groups,
+                   "chaos_replicas": args.chaos_replicas,
                    "slow_learner": args.slow_learner, "max_block_seconds": cfg.sync.max_block_seconds,
                    "learner_script": str(args.learner_script) if args.learner_script else None},
         "cluster_config": cfg.model_dump(mode="json"),  # as the processes ran it (diloco plan --calibrate-from)

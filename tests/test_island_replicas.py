@@ -5,16 +5,19 @@ restart, and every group and the shards agree on the bits at the end; an island 
 group dies is a learner failure, restarted from its checkpoint as any learner is."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 
+from diloco.localcluster.islands import recoveries
+from diloco.services.contract.config import dump_config
 from tests.cluster_config import tiny_cluster
 from tests.cluster_watch import (TIMEOUT, held_fragments, read_report, served_fragments, wait_for_learners_to_finish,
                                  wait_until)
 from tests.test_learner_cluster import _step_of
-
-pytestmark = pytest.mark.slow
 
 PAUSE_BOUND = 10.0  # seconds: the lighthouse drops a silent group after island.heartbeat_timeout_seconds (2)
 
@@ -29,6 +32,7 @@ def island_cluster(tmp_path, cluster_factory, steps: int):
     return cfg, cluster
 
 
+@pytest.mark.slow
 def test_an_island_trains_on_without_a_killed_group_which_rejoins_with_its_state(tmp_path, cluster_factory):
     cfg, cluster = island_cluster(tmp_path, cluster_factory, steps=900)
     island, other = cluster.learners
@@ -63,6 +67,7 @@ def test_an_island_trains_on_without_a_killed_group_which_rejoins_with_its_state
         assert held_fragments(report) == served_fragments(cfg, learner_id)
 
 
+@pytest.mark.slow
 def test_an_island_whose_every_group_dies_is_a_learner_failure(tmp_path, cluster_factory):
     cfg, cluster = island_cluster(tmp_path, cluster_factory, steps=500)
     island, _ = cluster.learners
@@ -81,3 +86,33 @@ def test_an_island_whose_every_group_dies_is_a_learner_failure(tmp_path, cluster
     for learner_id, report in reports.items():
         assert report["phase"] == "done" and report["steps"] == 500
         assert held_fragments(report) == served_fragments(cfg, learner_id)
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--replica-group", "2", "--lighthouse", "http://127.0.0.1:1"], "--replica-group 2: island.replica_groups is 2 (groups 0 to 1)"),
+    (["--replica-group", "1"], "give the island's lighthouse (--lighthouse or $TORCHFT_LIGHTHOUSE)"),
+])
+def test_a_replica_group_that_cannot_be_one_is_refused_before_it_starts(tmp_path, flags, expected):
+    config = tmp_path / "cluster.yaml"
+    config.write_text(dump_config(tiny_cluster(tmp_path / "state", island={"replica_groups": 2})))
+    env = {k: v for k, v in os.environ.items() if k != "TORCHFT_LIGHTHOUSE"}
+    result = subprocess.run([sys.executable, "-m", "diloco.services.cli", "learner", "--config", str(config),
+                             "--learner-id", "us-east-0", "--region", "us-east", *flags],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2 and expected in result.stderr, result.stderr
+    assert not (tmp_path / "state").exists()  # nothing started, nothing written
+
+
+def test_a_loss_is_timed_from_the_kill_to_the_first_step_without_the_group_and_back():
+    changes = [{"time": 10.0, "step": 1, "groups": 2}, {"time": 52.0, "step": 300, "groups": 1},
+               {"time": 61.0, "step": 350, "groups": 2}]
+    events = [{"event": "kill", "kind": "replica", "index": 0, "time": 50.0},
+              {"event": "restart", "kind": "replica", "index": 0, "time": 55.0},
+              {"event": "kill", "kind": "replica", "index": 1, "time": 70.0}]  # another island's group
+    (found,) = recoveries(events, changes, ["us-east-0-group-1", "us-east-10-group-1"], "us-east-0")
+    assert found == {"group": "us-east-0-group-1", "killed_at": 50.0, "trained_again_seconds": 2.0,
+                     "rejoined_seconds_after_restart": 6.0}
+    # A group killed while it was not in the island yet: no loss to time.
+    (starting,) = recoveries([{"event": "kill", "kind": "replica", "index": 0, "time": 5.0}], changes,
+                             ["us-east-0-group-1"], "us-east-0")
+    assert starting["trained_again_seconds"] is None
