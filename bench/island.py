@@ -64,11 +64,14 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0,
                         help="island.heartbeat_timeout_seconds: how long a dead group's silence takes to notice")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="a config override for both runs (diloco sim --set)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     flags = ["--learners", "2", "--replica-groups", str(args.replica_groups), "--steps", str(args.steps),
              "--seed", str(args.seed), "--restart-delay", "3",
-             "--set", f"island.heartbeat_timeout_seconds={args.heartbeat_timeout}"]
+             "--set", f"island.heartbeat_timeout_seconds={args.heartbeat_timeout}",
+             *(flag for override in args.overrides for flag in ("--set", override))]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in (("without_failures", []), ("groups_killed", ["--chaos-replicas", str(args.chaos_replicas)])):

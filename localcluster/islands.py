@@ -82,21 +82,22 @@ class Islands:
 
 def recoveries(chaos_events: list[dict], changes: list[dict], names: list[str], learner_id: str) -> list[dict]:
     """For each kill of one of `learner_id`'s groups: how long its leader took to train again
-    without it (the first step with fewer groups) and to train with it again (the first step with
-    more groups after its restart), from the leader's record of the groups in each step."""
+    without it (the first step with fewer groups) and, from the start of the life that came back
+    (a group killed again while starting has several), to train with it again, from the leader's
+    record of the groups in each step."""
     found = []
     for kill in (e for e in chaos_events if e["event"] == "kill" and e["kind"] == "replica"
                  and names[e["index"]].startswith(f"{learner_id}-group-")):
         after = [c for c in changes if c["time"] >= kill["time"]]
         # The first change after the kill, if it is the loss (a group still starting was not in).
         fewer = after[0] if after and after[0]["groups"] < _groups_before(changes, kill["time"]) else None
-        restart = next((e["time"] for e in chaos_events if e["event"] == "restart" and e["kind"] == "replica"
-                        and e["index"] == kill["index"] and e["time"] >= kill["time"]), None)
-        more = next((c for c in after if restart is not None and c["time"] >= restart
-                     and fewer is not None and c["groups"] > fewer["groups"]), None)
+        more = next((c for c in after if fewer is not None and c["groups"] > fewer["groups"]), None)
+        restart = max((e["time"] for e in chaos_events if e["event"] == "restart" and e["kind"] == "replica"
+                       and e["index"] == kill["index"] and more is not None and e["time"] <= more["time"]),
+                      default=None)
         found.append({"group": names[kill["index"]], "killed_at": kill["time"],
                       "trained_again_seconds": None if fewer is None else fewer["time"] - kill["time"],
-                      "rejoined_seconds_after_restart": None if more is None else more["time"] - restart})
+                      "rejoined_seconds_after_restart": None if restart is None else more["time"] - restart})
     return found
 
 
