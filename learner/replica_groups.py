@@ -92,13 +92,15 @@ class ReplicaGroups:
             self._manager.start_quorum()
             present = torch.tensor([int(self.leader)], dtype=torch.int64, device=self.device)
             self._manager.allreduce(present, reduce_op=ReduceOp.SUM).wait()
-            if self._manager.errored() or present.item() == 1:
-                break  # an errored step is dropped at commit, whoever is in
+            if self._manager.errored():
+                break  # the step is dropped at commit, whoever is in
+            if present.item() == 1:
+                self._met_leader = True
+                break
             if self._met_leader:
                 raise IslandBroken(f"replica group {self.rank}: the island's leader (group 0) left; "
-                                 "the island stops, as a learner failure")
+                                   "the island stops, as a learner failure")
             time.sleep(WAIT_FOR_LEADER_SECONDS)
-        self._met_leader = True
         groups = self._manager.num_participants()
         if groups != self._groups_now:
             self.changes.append({"time": time.time(), "step": self._manager.current_step(), "groups": groups})

@@ -15,6 +15,7 @@ import pytest
 from diloco.localcluster.islands import recoveries
 from diloco.services.contract.config import dump_config
 from tests.cluster_config import tiny_cluster
+from tests.sim_command import run_sim
 from tests.cluster_watch import (TIMEOUT, held_fragments, read_report, served_fragments, wait_for_learners_to_finish,
                                  wait_until)
 from tests.test_learner_cluster import _step_of
@@ -86,6 +87,18 @@ def test_an_island_whose_every_group_dies_is_a_learner_failure(tmp_path, cluster
     for learner_id, report in reports.items():
         assert report["phase"] == "done" and report["steps"] == 500
         assert held_fragments(report) == served_fragments(cfg, learner_id)
+
+
+@pytest.mark.slow
+def test_diloco_sim_runs_islands_of_replica_groups_under_chaos_and_reports_each_loss(tmp_path):
+    report = run_sim(tmp_path, "--learners", "2", "--shards", "1", "--steps", "400", "--replica-groups", "2",
+                     "--chaos-replicas", "8", "--restart-delay", "1", "--seed", "3")
+    assert report["config"]["replica_groups"] == 2 and report["state_hashes_agree"]
+    assert report["restarts"]["learners"] == 0  # a group's loss is not a learner's
+    kills = [e for e in report["chaos_events"] if e["kind"] == "replica" and e["event"] == "kill"]
+    recoveries = [r for island in report["islands"].values() for r in island["recoveries"]]
+    assert len(recoveries) == len(kills) > 0
+    assert all(r["trained_again_seconds"] < PAUSE_BOUND for r in recoveries if r["trained_again_seconds"] is not None)
 
 
 @pytest.mark.parametrize("flags, expected", [
