@@ -73,6 +73,9 @@ class FragmentPipeline:
         self.local_at_apply: HostCopy | None = None
         # Why the last push did not get through, and what the shard asked: None once one did.
         self.undelivered: tuple[Remedy, str] | None = None
+        # The last push's time from its start until the shard held it, until the training
+        # thread takes it for the schedule (LearnerSchedule.pushed): as soon as it is known.
+        self.push_seconds: float | None = None
         self._on_gpu = any(p.is_cuda for p in context.params.values())
         self._lock = threading.Lock()  # anchor and version are read as a pair by a rejoin
 
@@ -101,6 +104,11 @@ class FragmentPipeline:
         started = time.perf_counter()
         wait([self.in_flight], timeout=limit)
         return time.perf_counter() - started
+
+    def take_push_seconds(self) -> float | None:
+        """The last push's time, once (None: no push got through since the last call)."""
+        seconds, self.push_seconds = self.push_seconds, None
+        return seconds
 
     def result_in(self) -> bool:
         return self.in_flight.done()
@@ -189,7 +197,9 @@ class FragmentPipeline:
         # Delivered: the shard holds this contribution, so the residual stays as compressed
         # and the round's result is what comes next, however long the shard takes to give it.
         self.pushed.set()
-        outcome = SyncOutcome(None, version, push_result, bytes_up=payload_bytes)
+        outcome = SyncOutcome(None, version, push_result, bytes_up=payload_bytes,
+                              push_seconds=time.perf_counter() - started)
+        self.push_seconds = outcome.push_seconds
         try:
             if push_result == pb.PUSH_RESULT_REFUSED_STALE:  # too stale to merge: re-anchor to the current value
                 result, value = session.retry(lambda: session.pull_checked(fragment_id, version, anchor),

@@ -7,14 +7,18 @@ sync.mix_alpha and t_p the offset of fragment p in the plan:
     start      after inner step t when (t + sync_offset) % H == t_p, unless a sync of p is
                in flight or the schedule holds (a held step: hold -= 1, sync_offset -= 1)
     apply at   step t + tau; the training thread waits for the result there, tau = 0 as long
-               as it takes, else at most max_block_seconds per sync in all; a result still out
-               is late: the fragment and its counters are kept as they are at that moment
+               as it takes, else at most max_block_seconds per sync in all (not at all with
+               wait_for_own_link false while its own transfers outlast the overlap: own >=
+               tau, below); a result still out is late: the fragment and its counters are
+               kept as they are at that moment
     merge      anchor <- g,  theta <- alpha * theta_at_apply + (1 - alpha) * g
                                       (+ theta - theta_at_apply for a late result)
     counters   c_steps, c_tokens: reset by an applied result; a late one keeps what was
                trained since its apply step (the next outer gradient carries those steps)
+    own link   own = 2 * (a push's upload seconds) / step seconds, a moving average: the steps
+               one sync's own transfers take (its pull carries about a push's bytes)
     phase      lead = steps trained past the apply step + steps the wait was worth
-                      - steps held since the sync started
+                      - steps held since the sync started - max(0, own - tau)
                hold = max(hold, min(lead, H // (2P)))
     budget     run_tokens = own tokens + the others' heard tokens
                             + the others' heard rate * (now - heard at)
@@ -24,7 +28,11 @@ sync.mix_alpha and t_p the offset of fragment p in the plan:
 A result is late because the others reached its round after this learner did: holding the
 schedule for the lead lets this learner's syncs fall back into phase with theirs instead of
 waiting at every round. The cap keeps one very late round (a member that died holds it for
-its lease) from stopping this learner syncing.
+its lease) from stopping this learner syncing. Or it is late because this learner's own link
+is slow: holding would push its syncs later still, so that part is no lead; and waiting
+only idles it (its result cannot come sooner), so a run may choose (wait_for_own_link false)
+to merge its results late instead, keeping the steps trained meanwhile, while the staleness
+rules take its contributions as they come.
 
 Time comes from an injected clock. Everything is called from the training thread, except
 heard_run_tokens (heartbeat threads), which replaces one immutable record.
@@ -40,6 +48,8 @@ import torch
 from diloco.services.contract.config import Config, SyncConfig
 from diloco.services.contract.fragments import FragmentPlan
 from diloco.services.contract.wire import pb
+
+OWN_LINK_SMOOTHING = 0.2  # weight of the newest push in the own-link average
 
 
 def merged_fragment(alpha: float, global_value: torch.Tensor, local: torch.Tensor,
@@ -184,6 +194,9 @@ class LearnerSchedule:
         self.sync_offset = 0  # the schedule runs at step + sync_offset
         self._phase_heard: tuple[float, float] | None = None  # (when, the others' step time): joined, not yet stepped
         self.hold = 0  # steps the schedule is yet to stand still
+        self._tau = cfg.sync.overlap_steps
+        self._wait_for_own_link = cfg.sync.wait_for_own_link
+        self.own_link_steps: float | None = None  # own, above: the steps its own transfers take per sync
         self._heard: HeardRunTokens | None = None
 
     def step_done(self, step: int, tokens: int) -> StepActions:
@@ -212,8 +225,25 @@ class LearnerSchedule:
                              if not self.fragments[f.id].in_flight)
             for sync in starting:
                 self.fragments[sync.fragment_id].start(step)
-        due = tuple(DueResult(fid, f.wait_limit()) for fid, f in self.fragments.items() if f.due_for_apply(step))
+        due = tuple(DueResult(fid, self.wait_limit(fid)) for fid, f in self.fragments.items() if f.due_for_apply(step))
         return StepActions(held, starting, due)
+
+    def wait_limit(self, fragment_id: int) -> float | None:
+        """How long the training thread may wait for the fragment's due result now (None: as
+        long as it takes; 0: train on, the result is merged late)."""
+        if (not self._wait_for_own_link and self._tau > 0 and self.own_link_steps is not None
+                and self.own_link_steps >= self._tau):
+            return 0.0
+        return self.fragments[fragment_id].wait_limit()
+
+    def pushed(self, upload_seconds: float, step_seconds: float) -> None:
+        """A push of this learner took `upload_seconds` from its start until the shard held it,
+        while a step took `step_seconds`."""
+        if step_seconds <= 0:
+            return
+        sample = 2 * upload_seconds / step_seconds
+        own = self.own_link_steps
+        self.own_link_steps = sample if own is None else own + OWN_LINK_SMOOTHING * (sample - own)
 
     def since_last_sync(self, fragment_id: int) -> SyncStart:
         """A push now of the fragment: the steps and tokens trained since its last applied sync
@@ -249,6 +279,7 @@ class LearnerSchedule:
         that much later: the schedule holds for that lead."""
         self.fragments[fragment_id].waited(waited)
         late_steps, lead_steps = self.fragments[fragment_id].arrived(step, step_seconds, applied)
+        lead_steps -= max(0, round(self.own_link_steps or 0) - self._tau)  # the own link's part is no lead
         if lead_steps > 0:
             self.hold = max(self.hold, min(lead_steps, self._max_hold))
         return late_steps > 0

@@ -223,6 +223,9 @@ class StreamingSync:
         self.tokens += tokens
         self.step_seconds = step_seconds
         self.tokens_per_second = tokens / step_seconds if step_seconds > 0 else 0.0
+        for pipeline in self.fragments.values():
+            if (seconds := pipeline.take_push_seconds()) is not None:
+                self.schedule.pushed(seconds, step_seconds)
         actions = self.schedule.step_done(step, tokens)
         if actions.held:
             self.stats.held_steps += 1

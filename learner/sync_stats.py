@@ -21,6 +21,7 @@ class SyncOutcome:
     bytes_up: int = 0
     bytes_down: int = 0
     seconds: float = 0.0
+    push_seconds: float | None = None  # from the push's start until the shard held it; None: no push got through
     reanchored: bool = False  # the anchor is the shard's value after it lost the one we held
     staged: torch.Tensor | None = None  # the anchor in pinned memory (a model on a GPU): copied there without a wait
 
@@ -40,6 +41,8 @@ class SyncStats:
     bytes_up: int = 0
     bytes_down: int = 0
     transfer_seconds: float = 0.0  # time pushes and pulls spent on the wire
+    pushes: int = 0  # outer gradients the shards held
+    push_seconds: float = 0.0  # summed over them: from the push's start until the shard held it
     versions_behind_at_join: int = 0
     reanchored: int = 0  # fragments taken from a shard that served them below our version
     hash_mismatches: int = 0  # pulls whose result did not have the shard's hash: pulled again whole
@@ -60,6 +63,9 @@ class SyncStats:
         self.bytes_up += outcome.bytes_up
         self.bytes_down += outcome.bytes_down
         self.transfer_seconds += outcome.seconds
+        if outcome.push_seconds is not None:
+            self.pushes += 1
+            self.push_seconds += outcome.push_seconds
         if not outcome.reanchored:
             name = pb.PushResult.Name(outcome.push_result)
             self.push_results[name] = self.push_results.get(name, 0) + 1

@@ -532,6 +532,7 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
                              "bytes_per_second": moved / total("transfer_seconds") if total("transfer_seconds") else 0.0}
         per_learner[learner.id] = {"region": learner.region, "steps": kept_steps, "step_seconds": step_seconds,
                                    "steps_run": steps_run, "restarts": max(0, len(lives) - 1),
+                                   "push_seconds": total("push_seconds") / total("pushes") if total("pushes") else None,
                                    "blocked_seconds": total("blocked_seconds"),
                                    "phase": report.get("phase"), "evaluations": report.get("evaluations", []),
                                    # each life that recorded: its process start and its join and pull

@@ -2,7 +2,8 @@
 its prediction beside what the run measured.
 
 From the run's report it takes the cluster (learners, regions, shards, links), the algorithm's
-settings, the model's size, each learner's measured step time and start-up time, what an
+settings, the model's size, each learner's measured step time, start-up time and a push's time
+besides the wire (compressing, the call, the shard's durable write), what an
 evaluation and a checkpoint copy take (every trainer.eval_every and checkpoint_every steps) and
 the loop's other work per step (one figure each for the run), and the chaos schedule (each kill, and the restart after it, as an injected failure and its repair;
 each shard kill as a shard outage). The planner then predicts the rest: blocked, lost, restore,
@@ -11,6 +12,7 @@ down and start-up time, goodput, bytes each way and outer steps.
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import statistics
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from diloco.planner.inputs import PlanInputs, load_inputs
 from diloco.planner.outcome import PlanResult
 from diloco.planner.simulate import simulate
+from diloco.services.contract.codecs import get_codec
 from diloco.services.contract.config import parse_config
 
 UNCAPPED_MBPS = 1000.0  # a link the run left uncapped: loopback, as fast as the processes go
@@ -57,12 +60,14 @@ def inputs_from_report(report: dict) -> PlanInputs:
         "startup_seconds": _each([statistics.mean(learner["startup_seconds"]) if learner["startup_seconds"] else None
                                   for learner in learners]),
         "step_overhead_seconds": [per_step["other"]], "pull_at_start": True,
+        "push_overhead_seconds": [_push_overhead(report, cfg, learner) for learner in cfg.learners],
         "evaluation_every_steps": cfg.trainer.eval_every, "checkpoint_steps": cfg.trainer.checkpoint_every,
         "evaluation_seconds": per_step["evaluation"] * cfg.trainer.eval_every,
         "checkpoint_seconds": per_step["checkpoint"] * cfg.trainer.checkpoint_every,
         "batch_tokens": m * cfg.tokens_per_step(),
         "interval_steps": cfg.sync.interval_steps, "fragments": cfg.sync.fragments,
         "overlap_steps": cfg.sync.overlap_steps, "max_block_seconds": cfg.sync.max_block_seconds,
+        "wait_for_own_link": cfg.sync.wait_for_own_link,
         "quorum": cfg.syncer.quorum, "grace_mode": cfg.syncer.grace.mode, "grace_seconds": cfg.syncer.grace.seconds,
         "max_staleness": cfg.syncer.max_staleness, "lease_seconds": cfg.syncer.lease_seconds,
         "heartbeat_seconds": cfg.trainer.heartbeat_seconds, "history_versions": cfg.syncer.history_versions,
@@ -82,6 +87,19 @@ def _each(values: list[float | None]) -> list[float]:
     """One value per learner; a learner without one (it never trained) gets the others' mean."""
     known = [v for v in values if v]
     return [v if v else statistics.mean(known) if known else 0.0 for v in values]
+
+
+def _push_overhead(report: dict, cfg, learner) -> float:
+    """A learner's mean push time less what its bytes take on its link (a round trip for the
+    call, one fragment's encoded size at its rate); 0 if it pushed nothing."""
+    measured = report["per_learner"][learner.id].get("push_seconds")
+    if measured is None:
+        return 0.0
+    link = report["links"][learner.id]
+    numel = math.ceil(report["model_parameters"] / cfg.sync.fragments)
+    wire_bytes = get_codec(cfg.sync.codec).encoded_size(numel, cfg.sync.codec_block_size)
+    wire = wire_bytes * 8 / ((link["up_mbps"] or UNCAPPED_MBPS) * 1e6) + 2 * link["latency_ms"] / 1000
+    return max(measured - wire, 0.0)
 
 
 def _links(report: dict, cfg) -> dict:

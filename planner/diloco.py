@@ -52,7 +52,7 @@ def core_config(inputs: PlanInputs) -> Config:
                      for i in range(m)],
         "sync": {"fragments": inputs.fragments, "interval_steps": inputs.interval_steps,
                  "overlap_steps": inputs.overlap_steps, "codec": "fp32",
-                 "max_block_seconds": inputs.max_block_seconds},
+                 "max_block_seconds": inputs.max_block_seconds, "wait_for_own_link": inputs.wait_for_own_link},
         "syncer": {"quorum": inputs.quorum, "max_staleness": inputs.max_staleness,
                    "grace": {"mode": inputs.grace_mode, "seconds": inputs.grace_seconds},
                    "lease_seconds": inputs.lease_seconds, "history_versions": inputs.history_versions,
@@ -100,6 +100,7 @@ class Learner:
         self.id = f"learner-{index}"
         self.step_seconds = inputs.learner_step_seconds(index)
         self.overhead_seconds = inputs.learner_step_overhead_seconds(index)  # per step, not kept
+        self.push_overhead_seconds = inputs.learner_push_overhead_seconds(index)
         self.startup_seconds = inputs.learner_startup_seconds(index)
         self.tokens_per_step = inputs.learner_tokens_per_step()
         self.region = inputs.region(index)
@@ -205,11 +206,10 @@ class DilocoRun:
         now = self.clock.now
         while learner.to_apply:
             fid = learner.to_apply[0]
-            fragment = learner.schedule.fragments[fid]
             if fid in learner.results:
                 self._apply(learner, fid, learner.results.pop(fid))
-            elif (limit := fragment.wait_limit()) == 0:
-                fragment.missed()  # trains on; applied at the first step after it arrives
+            elif (limit := learner.schedule.wait_limit(fid)) == 0:
+                learner.schedule.fragments[fid].missed()  # trains on; applied at the first step after it arrives
             else:
                 learner.blocked_since = now
                 learner.blocks += 1
@@ -278,15 +278,17 @@ class DilocoRun:
                                kind=pb.PUSH_KIND_OUTER_GRADIENT, base_version=learner.held[fid],
                                c_steps=fragment.steps_since_sync, c_tokens=fragment.tokens_since_sync,
                                step_seconds=learner.step_seconds, payload=self.syncer.payload)
-        arrives = learner.up.send(self.clock.now, self.update_bytes)
-        life = learner.life
-        self.queue.at(arrives, lambda: self._push_arrives(learner, life, header))
+        arrives = learner.up.send(self.clock.now + learner.push_overhead_seconds, self.update_bytes)
+        life, upload_seconds = learner.life, arrives - self.clock.now
+        self.queue.at(arrives, lambda: self._push_arrives(learner, life, header, upload_seconds))
 
-    def _push_arrives(self, learner: Learner, life: int, header: pb.PushHeader) -> None:
+    def _push_arrives(self, learner: Learner, life: int, header: pb.PushHeader, upload_seconds: float) -> None:
         if learner.life != life:
             return  # the learner died with the push on the wire
+        learner.schedule.pushed(upload_seconds, learner.step_seconds)
         fid = header.fragment_id
-        outcome = self.syncer.push(learner, header, learner.up.latency_seconds)
+        outcome = self.syncer.push(learner, header, learner.up.latency_seconds,
+                                   self.update_bytes / learner.up.bytes_per_second)
         if outcome is None:  # the sync failed: skipped, the next push carries its steps
             self.answer_pull(learner, fid, Answer(header.base_version, False, self.clock.now, 0))
             return

@@ -76,6 +76,9 @@ class PlanInputs:
     # delivered to the syncer).
     startup_seconds: tuple[NonNegative, ...] = (0.0,)
     step_overhead_seconds: tuple[NonNegative, ...] = (0.0,)
+    # A push's own time besides the wire (compressing the outer gradient, the call, the shard's
+    # durable write), before its bytes go out: the learner's schedule counts it with the wire.
+    push_overhead_seconds: tuple[NonNegative, ...] = (0.0,)
     evaluation_every_steps: PositiveInt | None = None
     evaluation_seconds: NonNegative = 0.0
     checkpoint_steps: PositiveInt | None = None
@@ -93,6 +96,7 @@ class PlanInputs:
     grace_seconds: NonNegative = 1.0
     max_staleness: NonNegativeInt = 4
     max_block_seconds: NonNegative = 2.0
+    wait_for_own_link: bool = True
     lease_seconds: Positive = 10.0  # how long a dead learner is waited for
     # How often learners report their step (the cluster config's trainer.heartbeat_seconds): a
     # rejoining learner takes its phase from these reports, so their age matters.
@@ -145,6 +149,9 @@ class PlanInputs:
 
     def learner_step_overhead_seconds(self, index: int) -> float:
         return self.step_overhead_seconds[index % len(self.step_overhead_seconds)]
+
+    def learner_push_overhead_seconds(self, index: int) -> float:
+        return self.push_overhead_seconds[index % len(self.push_overhead_seconds)]
 
     def learner_tokens_per_step(self) -> int:
         return self.batch_tokens // self.num_learners
@@ -222,7 +229,7 @@ def check_relations(inputs: PlanInputs) -> None:
     m = inputs.num_learners
     if m > inputs.chips or inputs.chips % m:
         raise PlanError(f"learners: M={m} does not divide chips={inputs.chips} into equal units")
-    for key in ("step_seconds", "startup_seconds", "step_overhead_seconds"):
+    for key in ("step_seconds", "startup_seconds", "step_overhead_seconds", "push_overhead_seconds"):
         if len(getattr(inputs, key)) not in (1, m):
             raise PlanError(f"{key}: {len(getattr(inputs, key))} values for M={m} learners (give 1 or {m})")
     if len(inputs.wan_latency_ms) not in (1, len(inputs.wan_gbps)):

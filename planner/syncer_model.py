@@ -8,6 +8,7 @@ fails the pushes and pulls of a shard that is down.
 """
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -83,7 +84,8 @@ class SyncerModel:
                                    kind=pb.PUSH_KIND_SEED, base_version=0, payload=self.payload)
             self.core.push(header, self.chunks)
 
-    def push(self, learner: Pulling, header: pb.PushHeader, uplink_latency: float) -> PushOutcome | None:
+    def push(self, learner: Pulling, header: pb.PushHeader, uplink_latency: float,
+             transfer_seconds: float) -> PushOutcome | None:
         """A push reaching the syncer: the core's outcome, or None when the sync failed (its
         shard is down, or back but not yet rejoined: the learner's next heartbeat does it; or
         the core refused it). A merged push's pull waits for its round; a stale one is
@@ -92,7 +94,7 @@ class SyncerModel:
         if self.shard_down(fid % self.inputs.shards, self.clock.now - self.inputs.heartbeat_seconds):
             return None
         try:
-            outcome = self.core.push(header, self.chunks)
+            outcome = self.core.push(header, self.chunks, transfer_seconds)
         except Refusal:
             return None
         if outcome.result == pb.PUSH_RESULT_REFUSED_STALE:
@@ -107,6 +109,9 @@ class SyncerModel:
         self.contributions[fid, outcome.round] += 1
         if self.contributions[fid, outcome.round] == self.inputs.quorum:
             self._tick_after_grace(fid, outcome.round)
+        close_by = self.core.fragments[fid].round.close_by
+        if close_by > self.clock.now and math.isfinite(close_by):  # a contributor's deadline (syncer/grace.py)
+            self.queue.at(close_by + 1e-9, self.tick)
         return outcome
 
     def _tick_after_grace(self, fid: int, round_number: int) -> None:

@@ -124,14 +124,16 @@ class ShardCore:
 
     # ---- pushes --------------------------------------------------------------------------
 
-    def push(self, header: pb.PushHeader, chunks: Iterable[pb.Chunk]) -> PushOutcome:
+    def push(self, header: pb.PushHeader, chunks: Iterable[pb.Chunk],
+             transfer_seconds: float | None = None) -> PushOutcome:
         """One push: its header, then its payload's chunks as the wire numbers them (the
         reassembly checks each index against the header). Returns only once an admitted
         contribution is durable. Whatever the header alone can refuse is refused before a
-        chunk is read."""
+        chunk is read. `transfer_seconds`: how long the payload took on the wire, where the
+        clock cannot see it (the planner's stands still during a call); None: timed here."""
         with self.counters.counting_refusals():
             try:
-                return self._push(header, iter(chunks))
+                return self._push(header, iter(chunks), transfer_seconds)
             except Refusal as refusal:
                 # A contribution refused. Not one: a seed that lost the race to seed its
                 # fragment, or the retry of a contribution already merged (a duplicate).
@@ -141,7 +143,7 @@ class ShardCore:
             finally:
                 self.last_push_at = self.clock()
 
-    def _push(self, header: pb.PushHeader, chunks: Iterator[pb.Chunk]) -> PushOutcome:
+    def _push(self, header: pb.PushHeader, chunks: Iterator[pb.Chunk], transfer_seconds: float | None) -> PushOutcome:
         state = self.checks.check_header(header)
         assembler = reassembler(header.payload)
         if header.kind == pb.PUSH_KIND_OUTER_GRADIENT:
@@ -154,7 +156,8 @@ class ShardCore:
             spool = NullSpool()
         started = self.clock()
         payload = receive(assembler, chunks, spool)
-        transfer_seconds = self.clock() - started
+        if transfer_seconds is None:
+            transfer_seconds = self.clock() - started
         if header.kind == pb.PUSH_KIND_SEED:
             return self.admission.seed(state, finite_value(state, header.payload, payload))
         if header.kind == pb.PUSH_KIND_RESTORE:

@@ -96,10 +96,11 @@ class FragmentState:
     # ---- the open round ------------------------------------------------------------------
 
     def admit(self, key: ContributionKey, header: pb.PayloadHeader, chunks: tuple[bytes, ...], weight: float,
-              tokens: int, now: float, transfer_seconds: float) -> None:
+              tokens: int, now: float, transfer_seconds: float, step_seconds: float) -> None:
         """Adds a checked outer gradient (finite, within the norm bound) to the open round."""
         self.restorable = False
-        self.round.admit(key, PendingContribution(header, chunks, weight, tokens), now, transfer_seconds)
+        self.round.admit(key, PendingContribution(header, chunks, weight, tokens), now, transfer_seconds,
+                         self.grace.close_by(now, step_seconds, transfer_seconds))
         self.logged_bytes += sum(len(chunk) for chunk in chunks)
 
     # ---- the next committed state ------------------------------------------------------
@@ -201,4 +202,5 @@ class FragmentState:
     def observe_close(self, round_: OpenRound, close_seconds: float) -> None:
         self.grace.quorum_seconds.observe(round_.quorum_seconds)
         self.grace.sync_seconds.observe(round_.mean_transfer_seconds + close_seconds)
+        self.grace.close_seconds.observe(close_seconds)
 

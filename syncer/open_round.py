@@ -37,6 +37,7 @@ class OpenRound:
         self.first_at: float | None = None
         self.quorum_at: float | None = None  # when the K-th distinct learner contributed
         self.transfer_seconds = 0.0  # summed over contributions
+        self.close_by = math.inf  # the earliest of its contributors' deadlines (syncer/grace.py)
 
     @property
     def count(self) -> int:
@@ -51,10 +52,11 @@ class OpenRound:
         return self.transfer_seconds / self.count if self.count else 0.0
 
     def admit(self, key: ContributionKey, contribution: PendingContribution, now: float,
-              transfer_seconds: float) -> None:
+              transfer_seconds: float, close_by: float = math.inf) -> None:
         self.contributions[key] = contribution
         self.contributors.add(key.learner_id)
         self.transfer_seconds += transfer_seconds
+        self.close_by = min(self.close_by, close_by)
         if self.first_at is None:
             self.first_at = now
         if self.quorum_at is None and len(self.contributors) >= self.quorum:
@@ -64,7 +66,8 @@ class OpenRound:
                      member_ids: frozenset[str] = frozenset(), departed_ids: frozenset[str] = frozenset()
                      ) -> str | None:
         """"all" once every live learner has contributed; "quorum_grace" once at least K
-        have and the grace window has passed since the K-th; "all_left" once every learner
+        have and the grace window has passed since the K-th, or a contributor's deadline has
+        come (syncer/grace.py); "all_left" once every learner
         that joined has left the run and the contributors with them (nobody is left to add to
         the round: its contributions would never be merged). With nobody live (say, just
         after a shard restart, before learners rejoin) only these two can close."""
@@ -72,7 +75,7 @@ class OpenRound:
             return None
         if live_ids and live_ids <= self.contributors:
             return "all"
-        if self.quorum_at is not None and now - self.quorum_at >= grace_seconds:
+        if self.quorum_at is not None and (now - self.quorum_at >= grace_seconds or now >= self.close_by):
             return "quorum_grace"
         if not member_ids and departed_ids and self.contributors <= departed_ids:
             return "all_left"

@@ -1,6 +1,7 @@
 """The learner's decisions, driven directly with a fake clock: when fragments sync, when and how
 results are applied, holding the schedule, c_steps and c_tokens, the run's token budget and
 the phase of the others. No gRPC, no threads, no sleeping."""
+import pytest
 import torch
 
 from diloco.learner.schedule import LearnerSchedule, merged_fragment, phase_of_the_others
@@ -20,12 +21,13 @@ class FakeClock:
         return self.now
 
 
-def make_schedule(fragments=2, interval_steps=4, overlap_steps=1, max_block_seconds=2.0, max_run_tokens=None):
+def make_schedule(fragments=2, interval_steps=4, overlap_steps=1, max_block_seconds=2.0, max_run_tokens=None,
+                  wait_for_own_link=True):
     cfg = parse_config({
         "shards": [{"address": "127.0.0.1:1"}],
         "learners": [{"id": "a", "region": "r"}],
         "sync": {"fragments": fragments, "interval_steps": interval_steps, "overlap_steps": overlap_steps,
-                 "max_block_seconds": max_block_seconds},
+                 "max_block_seconds": max_block_seconds, "wait_for_own_link": wait_for_own_link},
         "trainer": {"max_run_tokens": max_run_tokens},
     })
     clock = FakeClock()
@@ -192,6 +194,28 @@ def test_a_skipped_sync_keeps_every_step_for_the_next_outer_gradient_and_does_no
     assert not schedule.fragments[0].in_flight and schedule.hold == 0
 
 
+def test_a_learner_whose_own_transfers_outlast_the_overlap_waits_unless_told_not_to():
+    waits, _ = make_schedule(fragments=1, overlap_steps=2, max_block_seconds=2.0)
+    schedule, _ = make_schedule(fragments=1, overlap_steps=2, max_block_seconds=2.0, wait_for_own_link=False)
+    for s in (waits, schedule):
+        start_one(s)
+        assert s.wait_limit(0) == 2.0
+        s.pushed(upload_seconds=0.3, step_seconds=0.1)  # 3 steps a push: with the pull, 6 against tau = 2
+    assert schedule.own_link_steps == pytest.approx(6)
+    assert waits.wait_limit(0) == 2.0 and schedule.wait_limit(0) == 0.0
+    for _ in range(30):  # its link got faster: it waits for its results again
+        schedule.pushed(upload_seconds=0.01, step_seconds=0.1)
+    assert schedule.wait_limit(0) == 2.0
+
+
+def test_with_tau_zero_a_slow_link_still_waits_for_every_result():
+    schedule, _ = make_schedule(fragments=1, overlap_steps=0, wait_for_own_link=False)
+    start_one(schedule)
+    for _ in range(10):
+        schedule.pushed(upload_seconds=1.0, step_seconds=0.1)
+    assert schedule.wait_limit(0) is None
+
+
 # --- holding the schedule to fall back into phase ------------------------------------------
 
 def late_by(schedule, steps, waited_seconds=0.0, step_seconds=0.1):
@@ -204,6 +228,14 @@ def late_by(schedule, steps, waited_seconds=0.0, step_seconds=0.1):
     schedule.fragments[0].waited(waited_seconds)
     schedule.result_arrived(0, apply_at + steps, step_seconds, applied=True)
     return apply_at + steps
+
+
+def test_lateness_the_own_link_explains_is_no_lead_to_hold_for():
+    schedule, _ = make_schedule(fragments=1, interval_steps=16, overlap_steps=1)
+    for _ in range(20):  # its own transfers take 3 steps a sync: 2 past tau
+        schedule.pushed(upload_seconds=0.15, step_seconds=0.1)
+    late_by(schedule, 3)
+    assert schedule.hold == 1  # 3 steps late, 2 of them its own link's
 
 
 def test_a_late_result_holds_the_schedule_for_the_steps_it_was_late():

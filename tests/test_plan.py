@@ -63,6 +63,21 @@ def test_a_slow_downlink_alone_blocks_learners_that_a_fast_uplink_does_not_save(
     assert uneven.goodput.badput_shares()["blocked"] > 0.05
 
 
+def test_mixed_links_cost_no_more_than_every_link_at_the_slowest():
+    """The paper's operating point (12B, H = P = 24, tau = 2, int4): rounds close in time for the
+    5 Gbit/s learners; a 2 Gbit/s link cannot bring a sync back within tau steps, so those
+    learners wait for their results, or (wait_for_own_link false) merge them late."""
+    def goodput(gbps, **inputs):
+        data = {k: v for k, v in load_file(EXAMPLE).items() if k not in ("wan_gbps", "wan_latency_ms")}
+        data.update(chips=16384, learners=4, chip_mtbf_hours=None, hours=0.05,
+                    links={f"r{i}": {"up_mbps": g * 1000, "down_mbps": g * 1000, "latency_ms": 30}
+                           for i, g in enumerate(gbps)}, **inputs)
+        return simulate(load_inputs(data), "diloco").goodput.share
+    slowest, mixed = goodput((2, 2, 2, 2)), goodput((2, 5, 2, 5))
+    assert mixed > slowest + 0.02 and slowest < 0.9, (mixed, slowest)
+    assert goodput((2, 5, 2, 5), wait_for_own_link=False) > 0.99
+
+
 def test_the_command_takes_links_that_replace_the_files_numbered_regions(capsys):
     links = "{us-east: {up_mbps: 2000, down_mbps: 5000, latency_ms: 30}, us-west: {up_mbps: 5000, down_mbps: 5000}}"
     assert main(["plan", "--config", str(EXAMPLE), "--chips", "1024", "--learners", "4", "--hours", "0.01",

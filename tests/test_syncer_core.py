@@ -71,6 +71,38 @@ def test_quorum_closes_only_after_the_grace_window():
     assert (last.close_reason, last.contributors, last.duration_seconds) == ("quorum_grace", 2, pytest.approx(4.0))
 
 
+def adaptive_shard_after_slow_steps():
+    """A shard whose adaptive grace, from one round of 10-second steps, waits seconds."""
+    shard = Shard(make_config(quorum=1, grace={"mode": "adaptive", "seconds": 60.0}))
+    for learner in LEARNERS:
+        shard.push(learner, 0, delta(1, shard.numel()), step_seconds=10.0)
+    assert shard.version() == 1 and shard.core.fragments[0].grace.seconds() > 4
+    return shard
+
+
+def test_a_round_closes_in_time_for_the_contributors_already_in_it():
+    shard = adaptive_shard_after_slow_steps()
+    # A fast learner (2 s steps, tau = 1, 0.2 s on the wire each way) needs the close by
+    # gamma * (2 - 2 * 0.2 - 0) = 0.8 s after its push arrived, whatever the averages say.
+    shard.core.push(*shard.push_parts("a", 0, delta(2, shard.numel()), base=1, step_seconds=2.0),
+                    transfer_seconds=0.2)
+    shard.clock.advance(0.79)
+    assert shard.core.tick() == [] and shard.version() == 1
+    shard.clock.advance(0.02)
+    assert shard.core.tick() == [0] and shard.version() == 2
+
+
+def test_a_contributor_whose_own_link_outlasts_the_overlap_sets_no_deadline():
+    shard = adaptive_shard_after_slow_steps()
+    # 1.5 s on the wire each way against 2 s of overlap: late whatever the round does.
+    shard.core.push(*shard.push_parts("b", 0, delta(2, shard.numel()), base=1, step_seconds=2.0),
+                    transfer_seconds=1.5)
+    shard.clock.advance(1.0)
+    assert shard.core.tick() == [] and shard.version() == 1  # the window the averages give
+    shard.clock.advance(shard.core.fragments[0].grace.seconds())
+    assert shard.core.tick() == [0]
+
+
 def test_dead_learner_is_not_waited_for():
     shard = Shard(make_config(quorum=1, lease_seconds=2.0, grace={"mode": "fixed", "seconds": 60.0}))
     shard.clock.advance(1.5)

@@ -85,6 +85,10 @@ class SyncConfig(_Section):
     # trains on and applies the result when it arrives (tau = 0 always waits: lockstep).
     # Bounded, because learners blocked on each other's rounds could otherwise wait forever.
     max_block_seconds: Annotated[float, Field(ge=0.0)] = 2.0
+    # A learner whose own push and pull take longer than tau steps (a slow link) cannot have
+    # its results in time: true waits for them all the same (late results cost quality,
+    # docs/protocol.md); false trains on and merges them late, never idle for its own link.
+    wait_for_own_link: bool = True
     codec: str = "int4"
     codec_block_size: PositiveInt = 128
     fragmentation: Literal["balanced", "strided"] = "balanced"
