@@ -13,7 +13,9 @@ SGD with lr 1), so the shards average the learners' parameters while each learne
 optimizer state.
 
 Chaos (`--chaos-mtbf`, `--chaos-shards`) SIGKILLs processes at exponentially
-distributed intervals and restarts each after `--restart-delay`. WAN emulation
+distributed intervals and restarts each after `--restart-delay`. With `--replica-groups R` each
+learner is an island of R replica groups (localcluster/islands.py), and `--chaos-replicas` kills
+groups other than the one that syncs: the island trains on without the group until it rejoins. WAN emulation
 (`--wan-mbps`, `--wan-latency-ms`, or the config's `links`) paces each learner's sync client
 at its region's rate each way, n bytes in n / rate seconds, and makes each push and pull wait
 the one-way latency out and back (localcluster/wan.py: WanLink); no root, no namespaces needed.
