@@ -86,13 +86,16 @@ class DecoupledDiLoCo:
                 the main thread only)
     finish_signals  signals that end the run for this learner as if its budget were spent:
                 should_stop, and leaving delivers, leaves and pulls until a stop signal
+    island      the processes of this learner: default the torchrun ranks of the default
+                process group (learner/island.py); the built-in learner passes its replica
+                groups (learner/replica_groups.py) when island.replica_groups > 1
     """
 
     def __init__(self, model: nn.Module, config: str | os.PathLike | Config, learner_id: str, *,
                  region: str | None = None, state_dir: str | os.PathLike | None = None,
                  tls_dir: str | os.PathLike | None = None, catch_up_seconds: float = 3.0,
                  enabled: bool = True, stop_signals: tuple[signal.Signals, ...] = (signal.SIGTERM,),
-                 finish_signals: tuple[signal.Signals, ...] = (signal.SIGUSR1,)):
+                 finish_signals: tuple[signal.Signals, ...] = (signal.SIGUSR1,), island: Island | None = None):
         self._process_started = process_started()
         if not isinstance(model, nn.Module):
             raise TypeError(f"DecoupledDiLoCo: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -111,7 +114,7 @@ class DecoupledDiLoCo:
         self.params: dict[str, torch.Tensor] = {}  # the synced tensors, taken on entering
         self.enabled = enabled
         self.catch_up_seconds = catch_up_seconds
-        self.island = Island()
+        self.island = island or Island()
         self.state_dir = pathlib.Path(state_dir or pathlib.Path(self.cfg.run.state_dir) / f"learner-{learner_id}")
         self._tls_dir = tls_dir
         self._stop_signals = StopSignals(stop_signals, finish_signals)
@@ -380,6 +383,7 @@ class DecoupledDiLoCo:
             or run_over or self._stop_signals.finish.is_set()
 
     def _write_report(self, phase: str, background: bool = False) -> None:
+        self.report.island = self.island.record()
         self.report.write(phase, self.steps, self.tokens, self.island.world_size, self.sync, background)
 
     def write_report(self) -> None:

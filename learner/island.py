@@ -16,6 +16,11 @@ import torch.distributed as dist
 from diloco.services.contract.fragments import FragmentPlan, gather, scatter
 
 
+class IslandBroken(RuntimeError):
+    """This process cannot go on as part of its island of replica groups (its leader left, or it
+    missed what the leader shared): it exits, and a restarted one rejoins with the island's state."""
+
+
 class Island:
     """The ranks of the default process group (the caller initialises it, as DDP needs it)."""
 
@@ -68,6 +73,10 @@ class Island:
         values = [None] * self.world_size
         dist.all_gather_object(values, value)
         return values
+
+    def record(self) -> dict | None:
+        """Nothing for the report: the ranks fail together (an island of replica groups records)."""
+        return None
 
     def verify_identical(self, params: dict[str, torch.Tensor]) -> None:
         """Checks that every rank holds the same bits (diloco learner --verify-island)."""

@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from diloco.learner.api import DecoupledDiLoCo
 from diloco.learner.checkpoint import CheckpointError, CheckpointWriter, load_checkpoint
 from diloco.learner.device import DeviceUnavailable, local_rank, resolve_device
+from diloco.learner.island import IslandBroken
 from diloco.learner.sync import JoinRefused
 from diloco.learner.train import Trainer
 from diloco.services.contract.config import ConfigError, load_config
@@ -61,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "refuses: it would train the learner's whole budget again)")
     parser.add_argument("--no-sync", action="store_true",
                         help="train alone, never talking to the syncer (a baseline for benchmarks)")
+    parser.add_argument("--replica-group", type=int, default=0, metavar="G",
+                        help="with island.replica_groups > 1: which replica group of the island this process is "
+                             "(0 syncs with the shards; the others heal from it)")
+    parser.add_argument("--lighthouse", default=os.environ.get("TORCHFT_LIGHTHOUSE"), metavar="URL",
+                        help="with island.replica_groups > 1: the island's torchft lighthouse, e.g. "
+                             "http://127.0.0.1:29510 (default: $TORCHFT_LIGHTHOUSE)")
     parser.add_argument("--data-parallel", action="store_true",
                         help="under torchrun with one process per learner of the config: data parallel "
                              "training, rank r on learner r's data, gradients averaged every step, no syncer")
@@ -87,27 +94,37 @@ def run(args: argparse.Namespace) -> int:
         print(f"invalid: --data-parallel runs one process per learner of {args.config} ({len(cfg.learners)}), "
               f"this job has {world_size} (torchrun --nproc-per-node)", file=sys.stderr)
         return 2
+    problem = replica_group_problem(cfg, args, world_size)
+    if problem:
+        print(f"invalid: {problem}", file=sys.stderr)
+        return 2
     if world_size > 1:
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL's collectives run on the current GPU
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    rank = dist.get_rank() if world_size > 1 else 0
+    rank = dist.get_rank() if world_size > 1 else args.replica_group
     cache_dir = pathlib.Path(cfg.run.state_dir) / "cache"
     if args.data_parallel:  # learner r's data and sampling stream
         trainer = Trainer.from_config(cfg, cfg.learners[rank].id, cache_dir=cache_dir, device=device)
     else:
         trainer = Trainer.from_config(cfg, learner.id, rank=rank, cache_dir=cache_dir, device=device)
     checkpoints = CheckpointWriter(state_dir / "checkpoint.pt")
-    try:  # every rank: the model, the optimizer and its own data
-        checkpoint = load_checkpoint(checkpoints.path, start_fresh=args.start_fresh)
+    try:  # every rank: the model, the optimizer and its own data (a replica group: the leader's own)
+        checkpoint = load_checkpoint(checkpoints.path, start_fresh=args.start_fresh) if args.replica_group == 0 else None
     except CheckpointError as error:
         log.error("learner %s: %s", learner.id, error)
         return FAILED
     if checkpoint:
         trainer.restore(checkpoint, rank)
+    island = join_replica_groups(cfg, args, trainer, device) if cfg.island.replica_groups > 1 else None
     sync = DecoupledDiLoCo(trainer.synced_module, cfg, learner.id, state_dir=state_dir, tls_dir=args.tls_dir,
                            catch_up_seconds=args.catch_up_seconds, enabled=not (args.no_sync or args.data_parallel),
-                           stop_signals=(signal.SIGTERM, signal.SIGINT))
+                           # SIGTERM ends a replica group other than the leader at once: it holds nothing
+                           # the island lacks, and may be waiting for a leader that has left.
+                           stop_signals=(signal.SIGTERM, signal.SIGINT) if args.replica_group == 0 else (),
+                           island=island)
+    if island:
+        island.keep_state(lambda: island_state(trainer, sync), lambda state: load_island_state(state, trainer, sync))
     if checkpoint and "diloco" in checkpoint["extra"]:
         sync.load_state_dict(checkpoint["extra"]["diloco"])
     try:
@@ -125,11 +142,16 @@ def run(args: argparse.Namespace) -> int:
     except JoinRefused as refused:  # not in the run, another model or other settings
         log.error("learner %s stops: %s", learner.id, refused)
         code = FAILED
+    except IslandBroken as broken:  # a replica group that cannot go on: restarted, it rejoins
+        log.error("learner %s: %s", learner.id, broken)
+        code = FAILED
     finally:
         checkpoints.wait()
+        if island:
+            island.close()
         if world_size > 1:
             dist.destroy_process_group()
-    if world_size > 1:
+    if world_size > 1 or island:
         exit_rank(code)
     return code
 
@@ -155,6 +177,8 @@ def train(args: argparse.Namespace, trainer: Trainer, sync: DecoupledDiLoCo, che
                 evaluate()
     while not sync.should_stop:
         stats = trainer.train_step()
+        if not stats.committed:  # a replica group died during it: no step, the survivors go on
+            continue
         applied = sync.step(stats.tokens, stats.seconds)
         if args.verify_island and applied:
             sync.island.verify_identical(sync.params)
@@ -167,6 +191,8 @@ def train(args: argparse.Namespace, trainer: Trainer, sync: DecoupledDiLoCo, che
             with sync.timed("checkpoint"):
                 save()
                 sync.write_report()  # what it keeps, should it die before the end
+    if args.verify_island or sync.cfg.island.replica_groups > 1:  # replica groups always check at the end
+        sync.island.verify_identical(sync.params)
     ranks = sync.island.gather(trainer.rank_state())  # before rank 0 catches up: the others stop here
     if not sync.island.leader:
         return 0
@@ -186,6 +212,47 @@ def train(args: argparse.Namespace, trainer: Trainer, sync: DecoupledDiLoCo, che
     log.info("learner %s %s at step %d", report.learner_id, "finished" if sync.budget_spent else "stopped",
              trainer.step)
     return 0
+
+
+def replica_group_problem(cfg, args: argparse.Namespace, world_size: int) -> str | None:
+    """What is wrong with this process as a replica group of its island (None: nothing)."""
+    groups = cfg.island.replica_groups
+    if groups == 1:
+        return None if args.replica_group == 0 else \
+            f"--replica-group {args.replica_group}: island.replica_groups is 1 in {args.config}"
+    if not 0 <= args.replica_group < groups:
+        return f"--replica-group {args.replica_group}: island.replica_groups is {groups} (groups 0 to {groups - 1})"
+    if world_size > 1 or args.data_parallel:
+        return (f"island.replica_groups {groups}: each replica group is one process, not a torchrun job "
+                f"(this one has WORLD_SIZE {world_size}) nor --data-parallel")
+    if not args.lighthouse:
+        return f"island.replica_groups {groups}: give the island's lighthouse (--lighthouse or $TORCHFT_LIGHTHOUSE)"
+    return None
+
+
+def join_replica_groups(cfg, args: argparse.Namespace, trainer: Trainer, device: torch.device):
+    """This process as replica group --replica-group of the island; the trainer averages its
+    gradients with the other groups' (torchft is imported only here)."""
+    # torchft logs every step's quorum and commit at INFO (Python and Rust): its warnings are enough.
+    os.environ.setdefault("RUST_LOG", "warn")
+    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    from diloco.learner.replica_groups import ReplicaGroups
+    groups = ReplicaGroups(args.replica_group, cfg.island, args.lighthouse, device)
+    trainer.replicas = groups
+    return groups
+
+
+def island_state(trainer: Trainer, sync: DecoupledDiLoCo) -> dict:
+    """What a group joining the island receives: the model, the inner optimizer, the counters."""
+    return {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
+            "counters": [trainer.step, trainer.tokens, sync.steps, sync.tokens]}
+
+
+def load_island_state(state: dict, trainer: Trainer, sync: DecoupledDiLoCo) -> None:
+    trainer.model.load_state_dict(state["model"])
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.step, trainer.tokens, sync.steps, sync.tokens = state["counters"]
 
 
 def exit_rank(code: int) -> None:

@@ -29,6 +29,7 @@ class Report:
         self.evaluations: list[list[float]] = saved.get("evaluations", [])  # [unix time, step, tokens, loss]
         self.incarnations: list[dict] = saved.get("incarnations", [])
         self.island_checks = 0  # rank-equality checks passed (diloco learner --verify-island)
+        self.island: dict | None = None  # an island of replica groups: its groups' changes
         self.current: dict = {}
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="report")
         self._written: Future | None = None
@@ -90,6 +91,8 @@ class Report:
                 "steps": steps, "tokens": tokens, "world_size": world_size, "parameters": self.parameters,
                 "island_checks": self.island_checks,
                 "evaluations": self.evaluations, "incarnations": self.incarnations}
+        if self.island:
+            body["island"] = self.island
         if sync:
             body["fragments"] = {str(fid): {"version": v, "state_hash": h}
                                  for fid, (v, h) in sync.fragment_hashes().items()}

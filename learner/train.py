@@ -26,6 +26,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -38,6 +39,9 @@ from diloco.learner.data import DataSource, build_data
 from diloco.learner.model import build_model
 from diloco.services.contract.config import Config, InnerOptimizerConfig, TrainerConfig
 
+if TYPE_CHECKING:  # torchft is imported only by islands of replica groups
+    from diloco.learner.replica_groups import ReplicaGroups
+
 log = logging.getLogger(__name__)
 
 
@@ -48,6 +52,7 @@ class StepStats:
     seconds: float  # wall time of the whole step, data included
     lr: float
     grad_norm: float  # total L2 norm of the gradients before clipping
+    committed: bool = True  # False: a replica group failed during the step, which was dropped
 
 
 def lr_at(step: int, opt: InnerOptimizerConfig, max_steps: int) -> float:
@@ -99,6 +104,9 @@ class Trainer:
         self.cfg = cfg
         self.slowdown = slowdown  # a step lasts slowdown x its compute time (LearnerConfig.slowdown)
         self.forward_module = forward_module if forward_module is not None else model
+        # An island of replica groups (learner/replica_groups.py) averages gradients and decides
+        # whether each step counts; None: this process (with DDP, its torchrun job) alone.
+        self.replicas: ReplicaGroups | None = None
         # What the run syncs and exports: a transformers model under its own parameter names.
         self.synced_module = synced_module(model)
         self.device = next(model.parameters()).device
@@ -120,6 +128,8 @@ class Trainer:
 
     def train_step(self) -> StepStats:
         started = time.perf_counter()
+        if self.replicas:
+            self.replicas.begin_step()  # a group behind takes the island's state (its step too) here
         lr = lr_at(self.step, self.cfg.inner_optimizer, self.cfg.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -134,9 +144,14 @@ class Trainer:
                 (loss / micro_batches).backward()
             loss_sum += loss.detach().double()  # read once per step: .item() waits for the device
             tokens += x.numel()
+        if self.replicas:
+            self.replicas.average_gradients(self.model.parameters())
         # With clipping off the norm is still measured (max_norm=inf scales by exactly 1).
         max_norm = self.cfg.inner_optimizer.grad_clip or math.inf
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if self.replicas and not self.replicas.commit():
+            return StepStats(loss=loss_sum.item() / micro_batches, tokens=0, seconds=time.perf_counter() - started,
+                             lr=lr, grad_norm=grad_norm.item(), committed=False)
         self.optimizer.step()
         if self.slowdown > 1.0:  # emulated slower hardware: the step takes longer, for real
             time.sleep((self.slowdown - 1.0) * (time.perf_counter() - started))

@@ -207,9 +207,14 @@ class LocalCluster:
         # until then a finished learner keeps following the global values. A learner script
         # (the user's own loop) is given the config and its id, and must stop on SIGTERM.
         learner = ([sys.executable, str(learner_script)] if learner_script else cli + ["learner"])
+        argv = {l.id: learner + ["--config", str(self.config_path), "--learner-id", l.id]
+                + ([] if learner_script else ["--region", l.region, "--catch-up-seconds", "86400"])
+                for l in cfg.learners}
+        # Islands of replica groups: each learner process is its island's group 0.
+        from diloco.localcluster.islands import Islands  # it builds on Proc, defined here
+        self.islands = Islands(cfg, run_dir, argv) if cfg.island.replica_groups > 1 else None
         self.learners = [
-            Proc(l.id, learner + ["--config", str(self.config_path), "--learner-id", l.id]
-                 + ([] if learner_script else ["--region", l.region, "--catch-up-seconds", "86400"]),
+            Proc(l.id, argv[l.id] + (self.islands.group_flags(l.id, 0) if self.islands else []),
                  run_dir / "logs" / f"{l.id}.log", env=dict(learner_env or {}), warm_restarts=warm_restarts)
             for l in cfg.learners]
 
@@ -224,6 +229,8 @@ class LocalCluster:
         wait_serving(self.cfg.shards[index].address, timeout, self.operator, self.shards[index])
 
     def start_learners(self) -> None:
+        if self.islands:
+            self.islands.start()
         for proc in self.learners:
             proc.start()
 
@@ -246,12 +253,14 @@ class LocalCluster:
     def stop(self, timeout: float = 30) -> None:
         """Learners first (they leave cleanly), then shards (they flush state)."""
         self.stop_learners(timeout)
+        if self.islands:
+            self.islands.stop(timeout)
         for proc in self.shards:
             proc.terminate(timeout)
 
     def kill_now(self) -> None:
         """SIGKILL to every process, without waiting (a stop() under way reaps them): for a
         signal handler that interrupted that stop()."""
-        for proc in self.learners + self.shards:
+        for proc in self.learners + self.shards + (self.islands.processes if self.islands else []):
             proc.send(signal.SIGKILL)
             proc.kill_standby()

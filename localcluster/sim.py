@@ -13,7 +13,9 @@ SGD with lr 1), so the shards average the learners' parameters while each learne
 optimizer state.
 
 Chaos (`--chaos-mtbf`, `--chaos-shards`) SIGKILLs processes at exponentially
-distributed intervals and restarts each after `--restart-delay`. WAN emulation
+distributed intervals and restarts each after `--restart-delay`. With `--replica-groups R` each
+learner is an island of R replica groups (localcluster/islands.py), and `--chaos-replicas` kills
+groups other than the one that syncs: the island trains on without the group until it rejoins. WAN emulation
 (`--wan-mbps`, `--wan-latency-ms`, or the config's `links`) paces each learner's sync client
 at its region's rate each way, n bytes in n / rate seconds, and makes each push and pull wait
 the one-way latency out and back (localcluster/wan.py: WanLink); no root, no namespaces needed.
@@ -44,6 +46,7 @@ from diloco.localcluster import data_parallel
 from diloco.localcluster.chaos import Chaos
 from diloco.localcluster.cluster import ExitedBeforeServing, LocalCluster, Proc, free_ports
 from diloco.localcluster.interrupt import Interrupted, StopSignals, ends_early
+from diloco.localcluster.islands import recoveries
 from diloco.localcluster.wan import apply_link_flags
 from diloco.services.contract.config import (Config, ConfigError, ConfigLoader, LinkConfig, check_factories,
                                              load_config, parse_config)
@@ -76,6 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, help="stop after this many seconds even if not done")
     parser.add_argument("--chaos-mtbf", type=float, help="mean seconds between SIGKILLs of each learner")
     parser.add_argument("--chaos-shards", type=float, help="mean seconds between SIGKILLs of each shard")
+    parser.add_argument("--replica-groups", type=int, metavar="R",
+                        help="replica groups per learner island (island.replica_groups): R processes under "
+                             "torchft, group 0 syncs; losing another group costs the island a pause, not a restart")
+    parser.add_argument("--chaos-replicas", type=float, metavar="MTBF",
+                        help="mean seconds between SIGKILLs of each replica group other than a leader (group 0)")
     parser.add_argument("--restart-delay", type=float, default=5.0, help="seconds a killed process stays down")
     parser.add_argument("--warm-restarts", action="store_true",
                         help="a killed learner's next life is a standby that imported torch and the learner "
@@ -125,6 +133,8 @@ def build_config(base: Config, args: argparse.Namespace, run_dir: pathlib.Path) 
         apply_override(data, override)
     if args.steps:
         data["trainer"]["max_steps"] = args.steps
+    if args.replica_groups:
+        data.setdefault("island", {})["replica_groups"] = args.replica_groups
     apply_link_flags(data, args.wan_mbps, args.wan_latency_ms, regions)
     if args.mode == "param-avg":
         # Every step synced by every learner, uncompressed, the global model the
@@ -143,9 +153,12 @@ def build_config(base: Config, args: argparse.Namespace, run_dir: pathlib.Path) 
     return cfg
 
 
-def check_learner_script(args: argparse.Namespace) -> None:
+def check_learner_script(args: argparse.Namespace, cfg: Config) -> None:
     if args.learner_script is None:
         return
+    if cfg.island.replica_groups > 1:
+        raise ConfigError("--learner-script: islands of replica groups (island.replica_groups > 1) run the "
+                          "built-in learner")
     if args.mode == "dp":
         raise ConfigError("--learner-script: --mode dp runs the built-in learner under torchrun; run your "
                           "script under torchrun yourself for its data-parallel baseline")
@@ -209,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         run_dir = pathlib.Path(args.run_dir)
         cfg = build_config(base, args, run_dir)
         check_factories(cfg)
-        check_learner_script(args)
+        check_learner_script(args, cfg)
     except ConfigError as error:  # the previous run's folder is left as it was
         print(f"invalid: {error}", file=sys.stderr)
         return 2
@@ -290,6 +303,8 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
     observer = Observer(cfg, cluster.operator)
     learner_chaos = Chaos("learner", len(cluster.learners), args.chaos_mtbf, args.restart_delay, rng, started)
     shard_chaos = Chaos("shard", len(cluster.shards), args.chaos_shards, args.restart_delay, rng, started)
+    replica_chaos = Chaos("replica", len(cluster.islands.groups) if cluster.islands else 0, args.chaos_replicas,
+                          args.restart_delay, rng, started)
     startup_failures = StartupFailures(cluster)
     finished_at: dict[str, float] = {}
     timeline: list[dict] = []  # goodput over time
@@ -338,6 +353,8 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
                 for downtime in shard_chaos.due_restarts(now):
                     cluster.restart_shard(downtime.proc_index)
                     shard_chaos.restarted(downtime, time.time())
+                if cluster.islands:
+                    cluster.islands.supervise(replica_chaos, now, set(finished_at))
                 done = sum(observer.steps.values())
                 timeline.append({"time": now - started, "steps": done})
                 if progress:
@@ -372,6 +389,11 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
         finished_at.setdefault(proc.name, max(stopping, lives[-1].get("training_ended_at", stopping)))
     report = summarise(cfg, args, reports, observer, learner_chaos, shard_chaos,
                        {name: at - started for name, at in finished_at.items()}, wall, timeline, started)
+    if cluster.islands:
+        report["chaos_events"] += replica_chaos.events
+        report["islands"] = {learner_id: {**reports[learner_id].get("island", {}), "recoveries": recoveries(
+            replica_chaos.events, reports[learner_id].get("island", {}).get("changes", []),
+            [proc.name for proc in cluster.islands.groups], learner_id)} for learner_id in reports}
     report.update(outcome)
     observer.close()
     report["final_eval_loss"] = evaluate_global_model(cluster)
@@ -567,7 +589,8 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         "config": {"model": cfg.model_name(), "H": cfg.sync.interval_steps, "P": cfg.sync.fragments, "tau": cfg.sync.overlap_steps,
                    "codec": cfg.sync.codec, "K": cfg.syncer.quorum, "wan_mbps": cfg.rpc.wan_mbps,
                    "chaos_mtbf": args.chaos_mtbf, "restart_delay": args.restart_delay,
-                   "warm_restarts": args.warm_restarts,
+                   "warm_restarts": args.warm_restarts, "replica_groups": cfg.island.replica_groups,
+                   "chaos_replicas": args.chaos_replicas,
                    "slow_learner": args.slow_learner, "max_block_seconds": cfg.sync.max_block_seconds,
                    "learner_script": str(args.learner_script) if args.learner_script else None},
         "cluster_config": cfg.model_dump(mode="json"),  # as the processes ran it (diloco plan --calibrate-from)
@@ -620,6 +643,7 @@ def print_summary(report: dict, report_path: pathlib.Path) -> None:
             "of their last pull from the shards' values)")
          + (f"; {', '.join(report['down_at_end'])} down at the end: not compared" if report.get("down_at_end") else "")),
         *((f"link {learner_id}", _link(link)) for learner_id, link in report["links"].items()),
+        *((f"island {learner_id}", _island(island)) for learner_id, island in report.get("islands", {}).items()),
     ]
     width = max(len(name) for name, _ in rows)
     print()
@@ -637,6 +661,18 @@ def _link(link: dict) -> str:
     return (f"{link['region']}: up {rate(link['up_mbps'])} / down {rate(link['down_mbps'])} Mbit/s, "
             f"latency {link['latency_ms']:g} ms; measured {link['bytes_per_second'] / 1e6:.3f} MB/s "
             f"({link['bytes_per_second'] * 8 / 1e6:.2f} Mbit/s) over {link['bytes'] / 1e6:.2f} MB")
+
+
+def _island(island: dict) -> str:
+    """An island of replica groups: its groups, the steps dropped, each loss's pause and rejoin."""
+    def seconds(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.1f} s"
+
+    losses = "; ".join(f"{r['group']} killed: trained again after {seconds(r['trained_again_seconds'])}, "
+                       f"back {seconds(r['rejoined_seconds_after_restart'])} after its restart"
+                       for r in island["recoveries"])
+    return (f"{island.get('replica_groups', '?')} replica groups, {island.get('dropped_steps', 0)} steps dropped"
+            + (f"; {losses}" if losses else ""))
 
 
 def _losses(report: dict) -> str:

@@ -84,6 +84,9 @@ def mutate(path: str, value):
     ("links", {"us-east": {"up": 5.0}}, "links.us-east.up: unknown key"),
     ("links", {"US East": {"up_mbps": 5.0}}, "links.US East: String should match pattern"),
     ("learners.0.link", {"down_mbps": "fast"}, "learners[0].link.down_mbps: Input should be a valid number"),
+    ("island", {"replica_groups": 0}, "island.replica_groups: Input should be greater than 0"),
+    ("island", {"replica_group": 2}, "island.replica_group: unknown key"),
+    ("island", {"heartbeat_timeout_seconds": 0}, "island.heartbeat_timeout_seconds: Input should be greater than 0"),
 ])
 def test_bad_values_are_refused_naming_the_key(path, value, expected):
     with pytest.raises(ConfigError) as info:
@@ -223,3 +226,10 @@ def test_config_check_says_the_model_is_the_default_when_the_config_names_none(t
     assert "model      gpt 2 layers x 128, context 128 (the default: the config has no model:)" in capsys.readouterr().out
     assert main(["config", "check", str(EXAMPLE)]) == 0
     assert "(the default" not in capsys.readouterr().out
+
+
+def test_the_default_token_bound_covers_every_replica_group_of_an_island():
+    data = example()
+    one = parse_config(data)
+    data["island"] = {"replica_groups": 3}
+    assert parse_config(data).max_tokens_per_step() == 3 * one.max_tokens_per_step() == 3 * one.tokens_per_step()

@@ -115,6 +115,7 @@ def renders(helm) -> dict[str, list[dict]]:
     jobs["everything"] = dict(release="diloco", sets=EVERYTHING)
     jobs["job"] = dict(release="learners-us-west", files=RELEASES["learners-us-west"],
                        sets=["learners.workload=Job"])
+    jobs["groups"] = dict(release="diloco", sets=["config.island.replica_groups=2", "learners.gpus=2"])
     with ThreadPoolExecutor(max_workers=4) as pool:
         futures = {name: pool.submit(template, helm, **kw) for name, kw in jobs.items()}
         return {name: future.result() for name, future in futures.items()}
@@ -299,6 +300,7 @@ def test_schema_knows_exactly_the_keys_of_the_projects_config():
     assert keys(s["rpc"]) == fields(c.RpcConfig)
     assert keys(s["links"]["additionalProperties"]) == fields(c.LinkConfig)
     assert keys(s["limits"]) == fields(c.LimitsConfig)
+    assert keys(s["island"]) == fields(c.IslandConfig)
     assert s["sync"]["properties"]["codec"]["enum"] == list(CODEC_NAMES)
 
 
@@ -404,6 +406,20 @@ def test_learners_as_an_indexed_job_take_the_completion_index_as_id(renders):
         argv = run_entrypoint(job, f"learners-us-west-learner-{index}-x7k2p",
                               JOB_COMPLETION_INDEX=str(index))
         assert flag(argv, "--learner-id") == f"us-west-{index}" and f"us-west-{index}" in listed
+
+
+def test_an_island_of_replica_groups_is_a_container_per_group_beside_its_lighthouse(renders):
+    pod = one(renders["groups"], "StatefulSet", "-learner")["spec"]["template"]["spec"]
+    lighthouse, leader, group = pod["containers"]
+    assert [c["name"] for c in pod["containers"]] == ["lighthouse", "learner", "group-1"]
+    assert lighthouse["command"][:1] == ["torchft_lighthouse"] and "127.0.0.1:29510" in lighthouse["command"]
+    assert flag(lighthouse["command"], "--heartbeat_timeout_ms") == "2000"
+    for index, c in enumerate((leader, group)):
+        assert flag(c["args"], "--replica-group") == str(index)
+        assert flag(c["args"], "--lighthouse") == "http://127.0.0.1:29510"
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1  # learners.gpus split over the groups
+    assert "ports" in leader and "ports" not in group  # group 0 alone serves /metrics and syncs
+    assert cluster_config(renders["groups"])["island"]["replica_groups"] == 2
 
 
 def test_learner_islands_get_torchrun_gpus_and_region_placement(renders):
@@ -529,6 +545,9 @@ BAD_VALUES = [
     ("cluster.shards=30", "cluster.shards (30) is more than config.sync.fragments (24)"),
     ('json:cluster.syncerAddresses=["a:1"]', "cluster.syncerAddresses has 1 entries but cluster.shards is 2"),
     ("learners.gpus=1,learners.torchrun.nprocPerNode=2", "nprocPerNode (2) is more than learners.gpus (1)"),
+    ("config.island.replica_groups=2,learners.gpus=2,learners.torchrun.nprocPerNode=2",
+     "each replica group is one process"),
+    ("config.island.replica_groups=2,learners.gpus=3", "learners.gpus (3) does not split evenly"),
     ("syncer.enabled=false,learners.enabled=false", "this release would deploy nothing"),
     ("learners.workload=Job,learners.persistence.enabled=true",
      "learners.persistence.enabled needs learners.workload=StatefulSet"),

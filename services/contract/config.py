@@ -141,8 +141,8 @@ class SyncerConfig(_Section):
     max_update_norm: PositiveFloat = 1.0e4  # pushes whose decoded L2 norm is larger are refused
     # The most tokens one learner (every process of its island) trains on per inner step: bounds
     # what its pushes and heartbeats may claim (syncer/claims.py). None: Config.tokens_per_step()
-    # (trainer.batch_size x trainer.grad_accum_steps x model.seq_len), the built-in GPT with one
-    # process per island; required with a model factory.
+    # (trainer.batch_size x trainer.grad_accum_steps x model.seq_len) x island.replica_groups, the
+    # built-in GPT with one process per replica group; required with a model factory.
     max_tokens_per_step: PositiveInt | None = None
 
 
@@ -179,6 +179,20 @@ class TrainerConfig(_Section):
     device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] = "auto"
     # bf16: forward and loss under torch.autocast(bfloat16); weights and optimizer stay fp32.
     precision: Literal["fp32", "bf16"] = "fp32"
+
+
+class IslandConfig(_Section):
+    """Replica groups of each learner island (docs/reliability.md, "Losing a replica group"). One
+    group is the island as one process (or one torchrun job) that fails as a whole. With R > 1
+    each group is a process of its own, the groups average gradients every step through torchft,
+    and any group but 0 (the one that syncs) may die and rejoin while the others train on."""
+    replica_groups: PositiveInt = 1
+    # How long a gradient average waits for a group that stopped answering before the step is
+    # dropped and the island reconfigures without it.
+    timeout_seconds: PositiveFloat = 10.0
+    # The lighthouse (torchft's membership service) drops a group whose heartbeats stop for this
+    # long: most of the pause the survivors see after a loss.
+    heartbeat_timeout_seconds: PositiveFloat = 2.0
 
 
 class GPTConfig(_Section):
@@ -283,6 +297,7 @@ class Config(_Section):
     sync: SyncConfig = SyncConfig()
     syncer: SyncerConfig = SyncerConfig()
     trainer: TrainerConfig = TrainerConfig()
+    island: IslandConfig = IslandConfig()
     model: ModelSpec = GPTConfig()
     data: Union[Factory, CorpusConfig] = CorpusConfig()
     rpc: RpcConfig = RpcConfig()
@@ -324,10 +339,11 @@ class Config(_Section):
         return self.trainer.batch_size * self.trainer.grad_accum_steps * self.model.seq_len
 
     def max_tokens_per_step(self) -> int:
-        """T: syncer.max_tokens_per_step, or tokens_per_step() (one process of the built-in GPT)."""
+        """T: syncer.max_tokens_per_step, or tokens_per_step() of every replica group of an island
+        (one process each, the built-in GPT)."""
         if self.syncer.max_tokens_per_step is not None:
             return self.syncer.max_tokens_per_step
-        return self.tokens_per_step()
+        return self.tokens_per_step() * self.island.replica_groups
 
     def syncs_per_fragment(self) -> float:
         """How often each fragment is synced in the run: a learner's inner steps, over H. The

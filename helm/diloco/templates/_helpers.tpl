@@ -110,7 +110,7 @@ Sections are written in a fixed order so the file reads like examples/*.yaml.
 {{ toYaml (dict "shards" $shards) }}
 {{ toYaml (dict "learners" $learners) }}
 {{ toYaml (dict "tls" (dict "mode" $v.tls.mode)) }}
-{{- range $section := list "sync" "syncer" "trainer" "model" "data" "rpc" "limits" }}
+{{- range $section := list "sync" "syncer" "trainer" "model" "data" "rpc" "limits" "island" }}
 {{- if hasKey $v.config $section }}
 {{ toYaml (dict $section (get $v.config $section)) }}
 {{- end }}
@@ -216,6 +216,13 @@ all refuse such values before anything reaches the cluster.
 {{- $nproc := int $v.learners.torchrun.nprocPerNode -}}
 {{- if and (gt $gpus 0) (gt $nproc $gpus) -}}
 {{- fail (printf "learners.torchrun.nprocPerNode (%d) is more than learners.gpus (%d): nccl needs one GPU per process" $nproc $gpus) -}}
+{{- end -}}
+{{- $groups := int (dig "island" "replica_groups" 1 $v.config) -}}
+{{- if and (gt $groups 1) (gt $nproc 1) -}}
+{{- fail (printf "config.island.replica_groups (%d): each replica group is one process, so learners.torchrun.nprocPerNode must be 1 (it is %d)" $groups $nproc) -}}
+{{- end -}}
+{{- if and (gt $groups 1) (ne (mod $gpus $groups) 0) -}}
+{{- fail (printf "learners.gpus (%d) does not split evenly over config.island.replica_groups (%d): each group takes gpus / groups" $gpus $groups) -}}
 {{- end -}}
 {{- end -}}
 {{- /* Relations services/contract/config.py also checks at start-up; caught here before a deploy. */ -}}

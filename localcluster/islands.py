@@ -1,0 +1,106 @@
+"""Islands of replica groups in a local cluster (config island.replica_groups > 1).
+
+Each learner island is its replica groups, one process each, and a torchft lighthouse
+(localcluster/lighthouse.py) that decides which groups are in. The cluster's learner process is
+group 0, the leader that syncs (LocalCluster.learners, as for any learner); this module starts
+the lighthouses and the other groups, and, like a supervisor (Kubernetes' restart policy in a
+deployment), restarts a group that died or exited with an error after the restart delay. A group
+that exits 0 has finished with its island. `diloco sim --chaos-replicas` kills groups other
+than the leader; the leader's kills are a learner's (`--chaos-mtbf`).
+"""
+from __future__ import annotations
+
+import logging
+import pathlib
+import sys
+
+from diloco.localcluster.chaos import Chaos
+from diloco.localcluster.cluster import Proc, free_ports
+from diloco.services.contract.config import Config
+
+log = logging.getLogger(__name__)
+
+
+class Islands:
+    """The lighthouses and the replica groups besides each leader, of every learner."""
+
+    def __init__(self, cfg: Config, run_dir: pathlib.Path, learner_argv: dict[str, list[str]]):
+        groups, island = cfg.island.replica_groups, cfg.island
+        ports = free_ports(len(cfg.learners))
+        self.lighthouse_urls = {l.id: f"http://127.0.0.1:{port}" for l, port in zip(cfg.learners, ports)}
+        # Waits for a straggler (a leader evaluating, say) long enough that the groups do not
+        # form a quorum without it; a dead group is dropped once its heartbeats stop.
+        self.lighthouses = [
+            Proc(f"{l.id}-lighthouse", [sys.executable, "-m", "diloco.localcluster.lighthouse", "--min_replicas", "1",
+                                        "--bind", f"127.0.0.1:{port}", "--join_timeout_ms", "60000",
+                                        "--heartbeat_timeout_ms", str(int(island.heartbeat_timeout_seconds * 1000)),
+                                        "--quorum_tick_ms", "50"],
+                 run_dir / "logs" / f"{l.id}-lighthouse.log", env={"RUST_LOG": "warn"})
+            for l, port in zip(cfg.learners, ports)]
+        self.groups = [  # every group but each leader, learner by learner
+            Proc(f"{l.id}-group-{g}", learner_argv[l.id] + self.group_flags(l.id, g),
+                 run_dir / "logs" / f"{l.id}-group-{g}.log")
+            for l in cfg.learners for g in range(1, groups)]
+
+    def group_flags(self, learner_id: str, group: int) -> list[str]:
+        return ["--replica-group", str(group), "--lighthouse", self.lighthouse_urls[learner_id]]
+
+    def start(self) -> None:
+        for proc in self.lighthouses + self.groups:
+            proc.start()
+
+    def supervise(self, chaos: Chaos, now: float, finished: set[str]) -> None:
+        """One pass of the supervisor and of the groups' chaos: a group that died is restarted
+        after the restart delay; chaos kills a group now and then, but not once its island is done."""
+        for i, proc in enumerate(self.groups):
+            if proc.name.rsplit("-group-", 1)[0] in finished:
+                chaos.retire(i)
+            if i not in chaos.down and proc.returncode not in (None, 0):
+                log.warning("replica group %s exited with %s; restarting it", proc.name, proc.returncode)
+                chaos.killed(i, now)
+        for i in chaos.due_kills(now):
+            self.groups[i].kill()
+            chaos.killed(i, now)
+            log.info("chaos: killed replica group %s", self.groups[i].name)
+        for downtime in chaos.due_restarts(now):
+            self.groups[downtime.proc_index].start()
+            chaos.restarted(downtime, now)
+
+    def stop(self, timeout: float) -> None:
+        """The groups (their leaders stopped them, or SIGTERM does), then the lighthouses."""
+        for proc in self.groups:
+            proc.request_stop()
+        for proc in self.groups:
+            proc.wait_or_kill(timeout)
+        for proc in self.lighthouses:
+            proc.terminate(timeout)
+
+    @property
+    def processes(self) -> list[Proc]:
+        return self.lighthouses + self.groups
+
+
+def recoveries(chaos_events: list[dict], changes: list[dict], names: list[str], learner_id: str) -> list[dict]:
+    """For each kill of one of `learner_id`'s groups: how long its leader took to train again
+    without it (the first step with fewer groups) and, from the start of the life that came back
+    (a group killed again while starting has several), to train with it again, from the leader's
+    record of the groups in each step."""
+    found = []
+    for kill in (e for e in chaos_events if e["event"] == "kill" and e["kind"] == "replica"
+                 and names[e["index"]].startswith(f"{learner_id}-group-")):
+        after = [c for c in changes if c["time"] >= kill["time"]]
+        # The first change after the kill, if it is the loss (a group still starting was not in).
+        fewer = after[0] if after and after[0]["groups"] < _groups_before(changes, kill["time"]) else None
+        more = next((c for c in after if fewer is not None and c["groups"] > fewer["groups"]), None)
+        restart = max((e["time"] for e in chaos_events if e["event"] == "restart" and e["kind"] == "replica"
+                       and e["index"] == kill["index"] and more is not None and e["time"] <= more["time"]),
+                      default=None)
+        found.append({"group": names[kill["index"]], "killed_at": kill["time"],
+                      "trained_again_seconds": None if fewer is None else fewer["time"] - kill["time"],
+                      "rejoined_seconds_after_restart": None if restart is None else more["time"] - restart})
+    return found
+
+
+def _groups_before(changes: list[dict], at: float) -> int:
+    before = [c["groups"] for c in changes if c["time"] < at]
+    return before[-1] if before else 0

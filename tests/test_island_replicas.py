@@ -1,0 +1,131 @@
+"""Islands of replica groups as real processes (learner/replica_groups.py, torchft over gloo on
+loopback): SIGKILL a group other than the leader and the island trains on without it within
+seconds, the other learner never waits, the group rejoins with the island's state after its
+restart, and every group and the shards agree on the bits at the end; an island whose every
+group dies is a learner failure, restarted from its checkpoint as any learner is."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from diloco.localcluster.islands import recoveries
+from diloco.services.contract.config import dump_config
+from tests.cluster_config import tiny_cluster
+from tests.sim_command import run_sim
+from tests.cluster_watch import (TIMEOUT, held_fragments, read_report, served_fragments, wait_for_learners_to_finish,
+                                 wait_until)
+from tests.test_learner_cluster import _step_of
+
+PAUSE_BOUND = 10.0  # seconds: the lighthouse drops a silent group after island.heartbeat_timeout_seconds (2)
+
+
+def island_cluster(tmp_path, cluster_factory, steps: int):
+    cfg = tiny_cluster(tmp_path / "state", shards=1, learners=2, steps=steps,
+                       trainer={"checkpoint_every": 25, "eval_every": 250},
+                       island={"replica_groups": 2, "heartbeat_timeout_seconds": 2.0})
+    cluster = cluster_factory(cfg)
+    cluster.start_shards()
+    cluster.start_learners()
+    return cfg, cluster
+
+
+@pytest.mark.slow
+def test_an_island_trains_on_without_a_killed_group_which_rejoins_with_its_state(tmp_path, cluster_factory):
+    cfg, cluster = island_cluster(tmp_path, cluster_factory, steps=900)
+    island, other = cluster.learners
+    group = cluster.islands.groups[0]  # us-east-0's group 1
+    assert group.name == f"{island.name}-group-1"
+    wait_until(lambda: _step_of(cfg, island.name) >= 60, TIMEOUT, "the island to pass step 60")
+    group.kill()
+    killed_at, step_at_kill, other_at_kill = time.time(), _step_of(cfg, island.name), _step_of(cfg, other.name)
+    # The leader goes on without it: its steps move on within the bound, and the other learner
+    # trained through the island's pause.
+    wait_until(lambda: _step_of(cfg, island.name) >= step_at_kill + 10, PAUSE_BOUND, "the island to train on")
+    assert island.running and other.running
+    assert _step_of(cfg, other.name) > other_at_kill + 10
+    time.sleep(1.0)
+    group.start()  # repaired: it heals from the leader and trains with it again
+    wait_until(lambda: [c for c in read_report(cluster, island.name).get("island", {}).get("changes", [])
+                        if c["time"] > killed_at and c["groups"] == 2], TIMEOUT, "the group to rejoin")
+    reports = wait_for_learners_to_finish(cluster)
+    wait_until(lambda: group.returncode is not None, 30, "the group to end with its island")
+    assert group.returncode == 0, f"the rejoined group failed: see {group.log_path}"
+
+    record = reports[island.name]["island"]
+    fewer = next(c for c in record["changes"] if c["time"] > killed_at and c["groups"] == 1)
+    assert fewer["time"] - killed_at < PAUSE_BOUND
+    assert record["verified"]["groups"] == 2  # both groups ended holding the same bits
+    assert len(reports[island.name]["incarnations"]) == 1  # the learner never restarted
+    # Tokens pushed are those trained: one group's for the steps it trained alone, two otherwise.
+    per_group = cfg.tokens_per_step()
+    assert per_group * 900 < reports[island.name]["tokens"] < 2 * per_group * 900
+    for learner_id, report in reports.items():
+        assert report["phase"] == "done" and report["steps"] == 900
+        assert held_fragments(report) == served_fragments(cfg, learner_id)
+
+
+@pytest.mark.slow
+def test_an_island_whose_every_group_dies_is_a_learner_failure(tmp_path, cluster_factory):
+    cfg, cluster = island_cluster(tmp_path, cluster_factory, steps=500)
+    island, _ = cluster.learners
+    group = cluster.islands.groups[0]
+    wait_until(lambda: _step_of(cfg, island.name) >= 60, TIMEOUT, "the island to pass step 60")
+    island.kill()
+    group.kill()
+    island.start()  # as a learner is restarted: from its checkpoint
+    group.start()
+    reports = wait_for_learners_to_finish(cluster)
+    wait_until(lambda: group.returncode is not None, 30, "the group to end with its island")
+    assert group.returncode == 0, f"see {group.log_path}"
+    lives = reports[island.name]["incarnations"]
+    assert len(lives) == 2 and lives[1]["restored_step"] >= 50
+    assert reports[island.name]["island"]["verified"]["groups"] == 2
+    for learner_id, report in reports.items():
+        assert report["phase"] == "done" and report["steps"] == 500
+        assert held_fragments(report) == served_fragments(cfg, learner_id)
+
+
+@pytest.mark.slow
+def test_diloco_sim_runs_islands_of_replica_groups_under_chaos_and_reports_each_loss(tmp_path):
+    report = run_sim(tmp_path, "--learners", "2", "--shards", "1", "--steps", "400", "--replica-groups", "2",
+                     "--chaos-replicas", "8", "--restart-delay", "1", "--seed", "3")
+    assert report["config"]["replica_groups"] == 2 and report["state_hashes_agree"]
+    assert report["restarts"]["learners"] == 0  # a group's loss is not a learner's
+    kills = [e for e in report["chaos_events"] if e["kind"] == "replica" and e["event"] == "kill"]
+    recoveries = [r for island in report["islands"].values() for r in island["recoveries"]]
+    assert len(recoveries) == len(kills) > 0
+    assert all(r["trained_again_seconds"] < PAUSE_BOUND for r in recoveries if r["trained_again_seconds"] is not None)
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--replica-group", "2", "--lighthouse", "http://127.0.0.1:1"], "--replica-group 2: island.replica_groups is 2 (groups 0 to 1)"),
+    (["--replica-group", "1"], "give the island's lighthouse (--lighthouse or $TORCHFT_LIGHTHOUSE)"),
+])
+def test_a_replica_group_that_cannot_be_one_is_refused_before_it_starts(tmp_path, flags, expected):
+    config = tmp_path / "cluster.yaml"
+    config.write_text(dump_config(tiny_cluster(tmp_path / "state", island={"replica_groups": 2})))
+    env = {k: v for k, v in os.environ.items() if k != "TORCHFT_LIGHTHOUSE"}
+    result = subprocess.run([sys.executable, "-m", "diloco.services.cli", "learner", "--config", str(config),
+                             "--learner-id", "us-east-0", "--region", "us-east", *flags],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2 and expected in result.stderr, result.stderr
+    assert not (tmp_path / "state").exists()  # nothing started, nothing written
+
+
+def test_a_loss_is_timed_from_the_kill_to_the_first_step_without_the_group_and_back():
+    changes = [{"time": 10.0, "step": 1, "groups": 2}, {"time": 52.0, "step": 300, "groups": 1},
+               {"time": 61.0, "step": 350, "groups": 2}]
+    events = [{"event": "kill", "kind": "replica", "index": 0, "time": 50.0},
+              {"event": "restart", "kind": "replica", "index": 0, "time": 55.0},
+              {"event": "kill", "kind": "replica", "index": 1, "time": 70.0}]  # another island's group
+    (found,) = recoveries(events, changes, ["us-east-0-group-1", "us-east-10-group-1"], "us-east-0")
+    assert found == {"group": "us-east-0-group-1", "killed_at": 50.0, "trained_again_seconds": 2.0,
+                     "rejoined_seconds_after_restart": 6.0}
+    # A group killed while it was not in the island yet: no loss to time.
+    (starting,) = recoveries([{"event": "kill", "kind": "replica", "index": 0, "time": 5.0}], changes,
+                             ["us-east-0-group-1"], "us-east-0")
+    assert starting["trained_again_seconds"] is None
