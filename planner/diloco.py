@@ -106,7 +106,7 @@ class Learner:
         self.tokens_per_step = inputs.learner_tokens_per_step()  # every slice training
         transfer = inputs.model_parameters * STATE_BYTES_PER_PARAMETER * 8 / (inputs.island_gbps * 1e9)
         self.island = Island(inputs.slices_per_learner, clock, ledger, inputs.island_reconfigure_seconds,
-                             self.startup_seconds, transfer)
+                             self.startup_seconds, transfer, inputs.island_leader_slice)
         self.region = inputs.region(index)
         link = inputs.link(index)
         self.up = Link(link.up_mbps, link.latency_ms / 1000)
@@ -197,7 +197,7 @@ class DilocoRun:
     def _next_step(self, learner: Learner, ready: float) -> None:
         """The next step starts once the learner is ready and its island is not reconfiguring."""
         learner.last_step_end = learner.island.next_step_start(ready)
-        if learner.last_step_end > ready:  # its island pauses: it takes its phase from the others, as on a rejoin
+        if self.inputs.island_rephase and learner.last_step_end > ready:  # its island pauses
             learner.schedule.join_in_phase(self.syncer.learner_statuses(), learner.id, learner.steps)
         life, aborts = learner.life, learner.aborts
         self.queue.at(learner.last_step_end + learner.step_seconds, lambda: self._step_done(learner, life, aborts))

@@ -130,9 +130,15 @@ class PlanInputs:
     # A learner of several slices (an island): the pause when a slice leaves or rejoins (its
     # replica groups agree a new quorum and build new communicators, no process restarts), and
     # the rate at which a repaired slice receives the learner's state from a peer slice in its
-    # data centre (one host's NIC; a slice's hosts can copy their shards in parallel).
+    # data centre (one host's NIC; a slice's hosts can copy their shards in parallel). As the
+    # island is built, slice 0 alone syncs with the shards, so losing it fails the learner
+    # (False: any slice but the last may fail, a leader that fails over), and after a pause
+    # the learner syncs on at its own step count (True: it takes its phase from the others
+    # again, as a rejoining learner does; with H = P nothing else brings it back in phase).
     island_reconfigure_seconds: NonNegative = 10.0
     island_gbps: Positive = 100.0
+    island_leader_slice: bool = True
+    island_rephase: bool = False
     # The run's length: one of hours (wall time), steps (global steps at the full batch) or
     # tokens (neither: DEFAULT_HOURS).
     hours: Positive | None = None

@@ -5,14 +5,17 @@ without a failed one: an elastic island, as torchft's replica groups make one in
   (`island_reconfigure_seconds`) and lose the step in progress, then
   train on at the same step time on their share of the learner's batch; the learner's pushes
   carry the tokens trained, so the syncer's merge weighs them by what was trained. After a
-  pause the learner takes its phase from the others, as a rejoining learner does (without it,
-  each pause would shift its syncs away from theirs for good: planner/diloco.py).
+  pause the learner syncs on at its own step count, a pause behind the others' schedule
+  (with `island_rephase`, it takes its phase from them again as a rejoining learner does:
+  planner/diloco.py).
 - A repaired slice starts (`startup_seconds`), receives the learner's state from a peer slice in
   the data centre (STATE_BYTES_PER_PARAMETER per parameter at `island_gbps`) while the others
   train, and joins at the next step boundary, with another pause.
 - A failure that leaves no slice training is a learner failure, as for a learner of one slice:
   down until one of its slices is repaired, then it starts, pulls the model from the syncer and
-  rejoins, with every slice repaired by then.
+  rejoins, with every slice repaired by then. With `island_leader_slice` (the island as built,
+  docs/reliability.md "Losing a replica group"), slice 0 alone syncs with the shards and holds
+  the sync's state: its failure is a learner failure too, until it is repaired.
 
 This keeps one learner's slices, the share of the learner that trains over time, and the time
 its other slices spend out of it and all of them paused; planner/diloco.py drives it from the
@@ -36,7 +39,7 @@ STATE_BYTES_PER_PARAMETER = 16
 class SliceFailed(enum.Enum):
     QUIET = "the learner trains on as it was (the slice was not training)"
     RECONFIGURE = "a training slice left: the step in progress is lost, the next waits for the pause"
-    LEARNER_FAILED = "no slice of the learner is left to train"
+    LEARNER_FAILED = "no slice of the learner is left to train, or its leader slice failed"
 
 
 @dataclass
@@ -49,8 +52,9 @@ class Outside:
 
 class Island:
     def __init__(self, slices: int, clock: VirtualClock, ledger: Ledger, pause_seconds: float,
-                 startup_seconds: float, transfer_seconds: float):
+                 startup_seconds: float, transfer_seconds: float, leader: bool):
         self.slices = slices
+        self.leader = 0 if leader else None  # the slice the learner cannot lose
         self.clock, self.ledger = clock, ledger
         self.pause_seconds = pause_seconds
         self.startup_seconds = startup_seconds
@@ -70,7 +74,8 @@ class Island:
 
     @property
     def healthy(self) -> bool:
-        return len(self.broken) < self.slices
+        """Whether the learner can start: its leader slice is up (without one: any slice)."""
+        return self.leader not in self.broken if self.leader is not None else len(self.broken) < self.slices
 
     def share_seconds(self, start: float, end: float) -> float:
         """The learner's seconds from start to end, times the share of it that was training
@@ -140,7 +145,7 @@ class Island:
         self.training.discard(k)
         self.outside[k] = Outside(now)
         self._share_changed()
-        if not self.training:
+        if not self.training or k == self.leader:
             return SliceFailed.LEARNER_FAILED
         self.resume_at = now + self.pause_seconds
         return SliceFailed.RECONFIGURE

@@ -33,7 +33,7 @@ from diloco.planner.outcome import PlanResult
 from diloco.planner.report import Speed, plot, speed_table, table, write_json
 from diloco.planner.simulate import MODES, simulate
 
-SWEPT = ("chips", "learners", "chips_per_learner")  # keys that take a list of values to sweep
+SWEPT = ("chips", "learners", "chips_per_learner", "slices_per_learner")  # keys that take a list of values to sweep
 # Keys whose flags (--fail, --links) are not a list of values, or that only a file gives.
 OWN_SYNTAX = ("failures", "links", "shard_outages")
 
