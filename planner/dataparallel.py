@@ -1,4 +1,5 @@
 """The data-parallel baselines, walked from one fleet change (a failure, a repair) to the next.
+Their slices are the fleet's failure units: M x S (planner/failures.py).
 
 - dp: every step needs every slice. A failure stops the whole job until every slice is up
   again (down, for every slice); the job then reloads its last checkpoint (restore) and the
@@ -52,9 +53,9 @@ def segments(failures: FailureModel, end: float) -> Iterator[Segment]:
 
 
 def simulate_dp(inputs: PlanInputs, failures: FailureModel, progress: Progress) -> PlanResult:
-    m = inputs.num_learners
-    step = max(inputs.learner_step_seconds(u) for u in range(m))
-    own_steps = sum(inputs.learner_step_seconds(u) for u in range(m))
+    m = inputs.num_slices
+    step = max(inputs.slice_step_seconds(u) for u in range(m))
+    own_steps = sum(inputs.slice_step_seconds(u) for u in range(m))
     # The training time that trains the run's tokens; inf for a run of fixed wall time.
     needed = inputs.target_tokens / inputs.batch_tokens * step if inputs.target_tokens else math.inf
     checkpoint = inputs.checkpoint_minutes * 60
@@ -89,12 +90,13 @@ def simulate_dp(inputs: PlanInputs, failures: FailureModel, progress: Progress) 
     ledger.kept = steps * own_steps
     ledger.add("blocked", steps * (m * step - own_steps))
     ledger.provisioned = end * m
-    return PlanResult("dp", inputs.chips, m, end, ledger.goodput(), uptime.share(end),
-                      round(steps * inputs.batch_tokens), inputs.batch_tokens / step, count, step_seconds=step)
+    return PlanResult("dp", inputs.chips, inputs.num_learners, end, ledger.goodput(), uptime.share(end),
+                      round(steps * inputs.batch_tokens), inputs.batch_tokens / step, count, step_seconds=step,
+                      slices=inputs.slices_per_learner)
 
 
 def simulate_elastic(inputs: PlanInputs, failures: FailureModel, progress: Progress) -> PlanResult:
-    m = inputs.num_learners
+    m = inputs.num_slices
     units = frozenset(range(m))
     target = inputs.target_tokens or math.inf
     ledger, uptime = Ledger(), Uptime()
@@ -115,9 +117,9 @@ def simulate_elastic(inputs: PlanInputs, failures: FailureModel, progress: Progr
         pause = min(pause_left, length)
         ledger.add("restore", pause * len(up))
         pause_left -= pause
-        step = max(inputs.learner_step_seconds(u) for u in up)
-        own = sum(inputs.learner_step_seconds(u) for u in up)
-        tokens_per_step = inputs.learner_tokens_per_step() * len(up)
+        step = max(inputs.slice_step_seconds(u) for u in up)
+        own = sum(inputs.slice_step_seconds(u) for u in up)
+        tokens_per_step = inputs.learner_tokens_per_step() * len(up) / inputs.slices_per_learner
         available = length - pause  # inf: the last segment of a budget run
         needed = math.ceil((target - tokens) / tokens_per_step) if target < math.inf else math.inf
         if needed * step <= available:
@@ -134,6 +136,6 @@ def simulate_elastic(inputs: PlanInputs, failures: FailureModel, progress: Progr
         if tokens >= target:
             break
     ledger.provisioned = end * m
-    failure_free = inputs.batch_tokens / max(inputs.learner_step_seconds(u) for u in units)
-    return PlanResult("elastic", inputs.chips, m, end, ledger.goodput(), uptime.share(end), round(tokens),
-                      failure_free, count)
+    failure_free = inputs.batch_tokens / max(inputs.slice_step_seconds(u) for u in units)
+    return PlanResult("elastic", inputs.chips, inputs.num_learners, end, ledger.goodput(), uptime.share(end),
+                      round(tokens), failure_free, count, slices=inputs.slices_per_learner)

@@ -18,7 +18,8 @@ steps its fragments have not delivered, or those since its last checkpoint, and 
 progress; after its repair and start-up it rejoins with a new incarnation and pulls the whole
 model (fp32) before it trains again. A shard that is down fails its fragments' pushes and
 pulls at once (those syncs are skipped, as a learner skips a sync to a shard it cannot reach),
-and a learner (re)joining waits until every shard is back.
+and a learner (re)joining waits until every shard is back. A learner of several slices trains
+on without a failed one, on fewer tokens per step (planner/island.py).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from diloco.learner.schedule import LearnerSchedule
 from diloco.planner.events import EventQueue, VirtualClock
 from diloco.planner.failures import FailureModel, FleetChange
 from diloco.planner.inputs import PlanInputs
+from diloco.planner.island import STATE_BYTES_PER_PARAMETER, Island, SliceFailed
 from diloco.planner.outcome import Bandwidth, Ledger, PlanResult, SyncerFacts, Uptime, staleness_counts
 from diloco.planner.syncer_model import FP32, FRAGMENT_NUMEL, Answer, SyncerModel
 from diloco.services.contract.codecs import get_codec
@@ -95,14 +97,17 @@ class Result:
 class Learner:
     """One learner unit: its schedule (the real one) and what the simulation tracks around it."""
 
-    def __init__(self, index: int, inputs: PlanInputs):
+    def __init__(self, index: int, inputs: PlanInputs, clock: VirtualClock, ledger: Ledger):
         self.index = index
         self.id = f"learner-{index}"
         self.step_seconds = inputs.learner_step_seconds(index)
         self.overhead_seconds = inputs.learner_step_overhead_seconds(index)  # per step, not kept
         self.push_overhead_seconds = inputs.learner_push_overhead_seconds(index)
         self.startup_seconds = inputs.learner_startup_seconds(index)
-        self.tokens_per_step = inputs.learner_tokens_per_step()
+        self.tokens_per_step = inputs.learner_tokens_per_step()  # every slice training
+        transfer = inputs.model_parameters * STATE_BYTES_PER_PARAMETER * 8 / (inputs.island_gbps * 1e9)
+        self.island = Island(inputs.slices_per_learner, clock, ledger, inputs.island_reconfigure_seconds,
+                             self.startup_seconds, transfer, inputs.island_leader_slice)
         self.region = inputs.region(index)
         link = inputs.link(index)
         self.up = Link(link.up_mbps, link.latency_ms / 1000)
@@ -113,22 +118,31 @@ class Learner:
         self.phase = "startup"  # startup (its process), restore (pulling the model), training, down, finished
         self.phase_since = 0.0
         self.steps = self.tokens = 0
-        self.checkpointed_steps = 0  # steps as of its last checkpoint (checkpoint_steps)
+        self.checkpointed_steps = self.checkpointed_tokens = 0  # as of its last checkpoint (checkpoint_steps)
         self.checkpointed_held: dict[int, int] | None = None  # the versions that checkpoint holds
         self.lost_seconds = 0.0
         self.schedule: LearnerSchedule | None = None
         self.held: dict[int, int] = {}  # fragment -> version of the global value it holds
-        self.delivered_steps: dict[int, int] = {}  # fragment -> c_steps merged, not yet applied
+        self.delivered_tokens: dict[int, int] = {}  # fragment -> c_tokens merged, not yet applied
         self.results: dict[int, Result] = {}  # arrived, waiting for their apply step
         self.to_apply: list[int] = []  # fragments due at the last step, in order
         self.blocked_since: float | None = None
         self.blocks = 0  # waits begun: a wait's time limit ends only its own wait
+        self.aborts = 0  # steps aborted by a reconfiguration of its island: their end is void
         self.last_step_end = 0.0  # or the end of the evaluation or checkpoint after it
         self.after_step = 0.0  # the loop's work after the last step: bookkeeping, an evaluation, a checkpoint
 
     @property
     def training(self) -> bool:
         return self.phase == "training"
+
+    def step_tokens(self) -> int:
+        """The tokens of one step: the training slices' share of its batch."""
+        return self.tokens_per_step * len(self.island.training) // self.island.slices
+
+    def full_steps(self, tokens: int) -> float:
+        """How many steps of all its slices these tokens are: the compute they cost, in steps."""
+        return tokens / self.tokens_per_step
 
 
 class DilocoRun:
@@ -140,8 +154,8 @@ class DilocoRun:
         self.cfg = core_config(inputs)
         self.manifest = [(f"fragment.{i}", (FRAGMENT_NUMEL,)) for i in range(inputs.fragments)]
         self.plan: FragmentPlan = plan_for_config(self.cfg, self.manifest)
-        self.learners = [Learner(i, inputs) for i in range(inputs.num_learners)]
         self.ledger, self.uptime = Ledger(), Uptime()
+        self.learners = [Learner(i, inputs, self.clock, self.ledger) for i in range(inputs.num_learners)]
         codec = get_codec(inputs.codec)
         numel = math.ceil(inputs.model_parameters / inputs.fragments)  # balanced fragments
         self.update_bytes = codec.encoded_size(numel, inputs.codec_block_size)
@@ -149,7 +163,8 @@ class DilocoRun:
         self.syncer = SyncerModel(inputs, self.cfg, self.clock, self.queue, self.learners, self.answer_pull,
                                   close_seconds=numel / inputs.syncer_params_per_second)
         self.core = self.syncer.core
-        self.failure_count = 0
+        self.failure_count = 0  # the moments a slice failed, as the data-parallel modes count them
+        self.failed_at = -1.0
         self._changes: Iterator[FleetChange] = failures.changes()
 
     # ---- the run -------------------------------------------------------------------------
@@ -173,25 +188,34 @@ class DilocoRun:
     def _start_training(self, learner: Learner, at: float) -> None:
         learner.schedule = LearnerSchedule(self.cfg, self.plan, self.clock)
         learner.held = {f.id: self.core.fragments[f.id].version for f in self.plan.fragments}
-        learner.delivered_steps = dict.fromkeys(learner.held, 0)
+        learner.delivered_tokens = dict.fromkeys(learner.held, 0)
         learner.results, learner.to_apply, learner.blocked_since = {}, [], None
-        learner.last_step_end = at
+        learner.island.started()
+        self._next_step(learner, at)
         life = learner.life
-        self.queue.at(at + learner.step_seconds, lambda: self._step_done(learner, life))
         self.queue.at(at, lambda: self._heartbeat(learner, life))
+
+    def _next_step(self, learner: Learner, ready: float) -> None:
+        """The next step starts once the learner is ready and its island is not reconfiguring."""
+        learner.last_step_end = learner.island.next_step_start(ready)
+        if self.inputs.island_rephase and learner.last_step_end > ready:  # its island pauses
+            learner.schedule.join_in_phase(self.syncer.learner_statuses(), learner.id, learner.steps)
+        life, aborts = learner.life, learner.aborts
+        self.queue.at(learner.last_step_end + learner.step_seconds, lambda: self._step_done(learner, life, aborts))
 
     # ---- a learner's steps ---------------------------------------------------------------
 
-    def _step_done(self, learner: Learner, life: int) -> None:
-        if learner.life != life:
+    def _step_done(self, learner: Learner, life: int, aborts: int) -> None:
+        if learner.life != life or learner.aborts != aborts:
             return
         now = self.clock.now
+        tokens = learner.step_tokens()
         learner.steps += 1
-        learner.tokens += learner.tokens_per_step
-        self.ledger.kept += learner.step_seconds
+        learner.tokens += tokens
+        self.ledger.kept += learner.full_steps(tokens) * learner.step_seconds
         learner.after_step = self._after_step(learner)
         learner.last_step_end = now
-        actions = learner.schedule.step_done(learner.steps - 1, learner.tokens_per_step)
+        actions = learner.schedule.step_done(learner.steps - 1, tokens)
         for sync in actions.start:
             self._push(learner, sync.fragment_id)
         if learner.schedule.run_over(learner.tokens):
@@ -218,22 +242,21 @@ class DilocoRun:
                     self.queue.at(now + limit, lambda: self._wait_over(learner, life, block))
                 return
             learner.to_apply.pop(0)
-        life = learner.life
-        learner.last_step_end = now + learner.after_step  # the loop's work after the step, then the next one
-        self.queue.at(learner.last_step_end + learner.step_seconds, lambda: self._step_done(learner, life))
+        self._next_step(learner, now + learner.after_step)  # the loop's work after the step, then the next one
 
     def _after_step(self, learner: Learner) -> float:
         """The loop's work after the step just done (its syncs, then this): bookkeeping, and the
         evaluation and checkpoint due at this step, each counted as its badput."""
-        seconds = learner.overhead_seconds
+        seconds, share = learner.overhead_seconds, learner.island.share
         every = self.inputs.evaluation_every_steps
         if every and learner.steps % every == 0:
-            self.ledger.add("evaluation", self.inputs.evaluation_seconds)
+            self.ledger.add("evaluation", self.inputs.evaluation_seconds * share)
             seconds += self.inputs.evaluation_seconds
         every = self.inputs.checkpoint_steps
         if every and learner.steps % every == 0:
-            learner.checkpointed_steps, learner.checkpointed_held = learner.steps, dict(learner.held)
-            self.ledger.add("checkpoint", self.inputs.checkpoint_seconds)
+            learner.checkpointed_steps, learner.checkpointed_tokens = learner.steps, learner.tokens
+            learner.checkpointed_held = dict(learner.held)
+            self.ledger.add("checkpoint", self.inputs.checkpoint_seconds * share)
             seconds += self.inputs.checkpoint_seconds
         return seconds
 
@@ -241,12 +264,12 @@ class DilocoRun:
         learner.schedule.result_arrived(fid, learner.steps - 1, learner.step_seconds, result.applied)
         if result.applied:
             learner.held[fid] = result.version
-            learner.delivered_steps[fid] = 0
+            learner.delivered_tokens[fid] = 0
 
     def _stop_blocking(self, learner: Learner, fid: int) -> None:
         waited = self.clock.now - learner.blocked_since
         learner.schedule.fragments[fid].waited(waited)
-        self.ledger.add("blocked", waited)
+        self.ledger.add("blocked", learner.island.share_seconds(learner.blocked_since, self.clock.now))
         learner.blocked_since = None
 
     def _wait_over(self, learner: Learner, life: int, block: int) -> None:
@@ -260,6 +283,7 @@ class DilocoRun:
     def _finish(self, learner: Learner) -> None:
         """Budget spent: the learner leaves; its provisioned time ends here."""
         self._phase(learner, "finished")
+        learner.island.stopped()
         learner.life += 1
         self.core.leave(learner.id, learner.incarnation)
         self.syncer.tick()  # rounds no longer wait for it
@@ -292,10 +316,11 @@ class DilocoRun:
         if outcome is None:  # the sync failed: skipped, the next push carries its steps
             self.answer_pull(learner, fid, Answer(header.base_version, False, self.clock.now, 0))
             return
-        learner.delivered_steps[fid] = header.c_steps  # refused stale: counted lost here, not again if it fails
+        learner.delivered_tokens[fid] = header.c_tokens  # refused stale: counted lost here, not again if it fails
         if outcome.result == pb.PUSH_RESULT_REFUSED_STALE:
             # The learner re-anchors on the current value: the fragment's steps are lost.
-            self._lose(learner, fragment_compute_seconds(header.c_steps, header.step_seconds, 1, self.inputs.fragments))
+            self._lose(learner, fragment_compute_seconds(learner.full_steps(header.c_tokens), header.step_seconds, 1,
+                                                         self.inputs.fragments))
             self.answer_pull(learner, fid, Answer(outcome.current_version, True, self.clock.now,
                                                   outcome.current_version - header.base_version))
 
@@ -326,7 +351,7 @@ class DilocoRun:
     def _heartbeat(self, learner: Learner, life: int) -> None:
         if learner.life != life:
             return
-        rate = learner.tokens_per_step / learner.step_seconds
+        rate = learner.step_tokens() / learner.step_seconds
         self.core.heartbeat(learner.id, learner.incarnation, step=learner.steps, step_seconds=learner.step_seconds,
                             tokens_per_second=rate, sync_step=learner.steps + learner.schedule.sync_offset,
                             tokens=learner.tokens)
@@ -343,26 +368,51 @@ class DilocoRun:
             self.queue.at(change.at, lambda: self._fleet_changed(change))
 
     def _fleet_changed(self, change: FleetChange) -> None:
-        learner = self.learners[change.unit]
+        """A slice of a learner failed or is repaired (a learner of one slice: the learner)."""
+        learner = self.learners[change.unit // self.inputs.slices_per_learner]
+        island, k = learner.island, change.unit % self.inputs.slices_per_learner
         if learner.phase != "finished":
-            (self._repaired if change.up else self._failed)(learner)
+            if change.up:
+                island.repaired(k)
+            else:
+                self.failure_count += change.at != self.failed_at
+                self.failed_at = change.at
+                outcome = island.failed(k)
+                if outcome is SliceFailed.LEARNER_FAILED:
+                    self._failed(learner)
+                elif outcome is SliceFailed.RECONFIGURE:
+                    self._reconfigure(learner)
+            if learner.phase == "down" and island.healthy:
+                self._repaired(learner)
         self._next_change()
+
+    def _reconfigure(self, learner: Learner) -> None:
+        """A slice left the island: the step in progress is lost, and the next one waits for the
+        pause (a learner waiting for a result pauses meanwhile)."""
+        if learner.blocked_since is not None:
+            return
+        now = self.clock.now
+        if now > learner.last_step_end:
+            self.ledger.add("lost", learner.island.share_seconds(learner.last_step_end, now))
+        learner.aborts += 1
+        self._next_step(learner, max(now, learner.island.ready))
 
     def _failed(self, learner: Learner) -> None:
         now = self.clock.now
-        self.failure_count += 1
         if learner.training:
             if self.inputs.checkpoint_steps:  # the next life trains them again: its counts go back
-                lost = learner.steps - learner.checkpointed_steps
-                learner.steps, learner.tokens = learner.checkpointed_steps, learner.tokens - lost * learner.tokens_per_step
-                self._lose(learner, lost * learner.step_seconds, rolled_back=True)
+                lost = learner.tokens - learner.checkpointed_tokens
+                learner.steps, learner.tokens = learner.checkpointed_steps, learner.checkpointed_tokens
+                self._lose(learner, learner.full_steps(lost) * learner.step_seconds, rolled_back=True)
             else:  # each fragment's steps not delivered to the syncer
-                self._lose(learner, sum(f.steps_since_sync - learner.delivered_steps[fid] for fid, f in
-                                        learner.schedule.fragments.items()) * learner.step_seconds / self.inputs.fragments)
+                undelivered = sum(f.tokens_since_sync - learner.delivered_tokens[fid]
+                                  for fid, f in learner.schedule.fragments.items())
+                self._lose(learner, learner.full_steps(undelivered) * learner.step_seconds / self.inputs.fragments)
             if learner.blocked_since is not None:
-                self.ledger.add("blocked", now - learner.blocked_since)
-            else:
-                self.ledger.add("lost", max(0.0, now - learner.last_step_end))  # the step in progress
+                self.ledger.add("blocked", learner.island.share_seconds(learner.blocked_since, now))
+            elif now > learner.last_step_end:  # the step in progress
+                self.ledger.add("lost", learner.island.share_seconds(learner.last_step_end, now))
+            learner.island.stopped()
         if learner.attendance:
             # Its Attend call ends with its process: the rounds stop waiting for it now.
             self.core.absent(learner.id, learner.incarnation, learner.attendance)
@@ -439,7 +489,8 @@ class DilocoRun:
                 self.ledger.provisioned += learner.phase_since
                 continue
             if learner.training and learner.blocked_since is not None:
-                self.ledger.add("blocked", end - learner.blocked_since)
+                self.ledger.add("blocked", learner.island.share_seconds(learner.blocked_since, end))
+            learner.island.stopped()
             self._phase(learner, "finished")
             self.ledger.provisioned += end
         counters = self.core.counters_snapshot()
@@ -451,7 +502,8 @@ class DilocoRun:
         failure_free = sum(l.tokens_per_step / l.step_seconds for l in self.learners)
         return PlanResult("diloco", self.inputs.chips, len(self.learners), end, self.ledger.goodput(),
                           self.uptime.share(end), round(kept_tokens), failure_free, self.failure_count,
-                          self._bandwidth(end), staleness_counts(self.syncer.staleness, self.syncer.refused_stale), syncer)
+                          self._bandwidth(end), staleness_counts(self.syncer.staleness, self.syncer.refused_stale), syncer,
+                          slices=self.inputs.slices_per_learner)
 
     def _bandwidth(self, end: float) -> Bandwidth:
         links = [(l.up, l.down) for l in self.learners]

@@ -1,6 +1,8 @@
 """When each unit of the fleet is down, the same for every mode compared.
 
-A unit (a learner, or a data-parallel slice) of n chips fails when any of its chips does: with
+The units are the fleet's slices: M learners of S slices each (slices_per_learner; S = 1: a
+learner is one unit), the same slices in every mode, so unit u is slice u mod S of learner
+u // S. A unit of n chips fails when any of its chips does: with
 chip failures exponential of mean MTBF, the unit's are exponential of mean MTBF / n, counted
 while it is up. A failed unit is down for its repair time (fixed, or lognormal around the given
 median), which covers replacing the hardware and restarting its processes; then its clock runs
@@ -45,12 +47,15 @@ class FailureModel:
     @classmethod
     def from_inputs(cls, inputs: PlanInputs) -> FailureModel:
         repair = inputs.repair_minutes * 60
-        mtbf = inputs.chip_mtbf_hours * 3600 / inputs.unit_chips if inputs.chip_mtbf_hours else math.inf
+        mtbf = inputs.chip_mtbf_hours * 3600 / inputs.slice_chips if inputs.chip_mtbf_hours else math.inf
+        s = inputs.slices_per_learner
         injected = tuple(sorted(
-            (Outage(f.learner, f.at_seconds, f.at_seconds + (repair if f.repair_minutes is None else f.repair_minutes * 60))
-             for f in inputs.failures), key=lambda o: o.start))
+            (Outage(f.learner * s + k, f.at_seconds,
+                    f.at_seconds + (repair if f.repair_minutes is None else f.repair_minutes * 60))
+             for f in inputs.failures for k in (range(s) if f.slice is None else (f.slice,))),
+            key=lambda o: o.start))
         sigma = inputs.repair_sigma if inputs.repair_distribution == "lognormal" else None
-        return cls(inputs.num_learners, mtbf, repair, sigma, injected, inputs.seed)
+        return cls(inputs.num_slices, mtbf, repair, sigma, injected, inputs.seed)
 
     def outages(self, unit: int) -> Iterator[Outage]:
         """The unit's outages in time order, endless unless no random failures are drawn: the

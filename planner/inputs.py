@@ -32,8 +32,9 @@ class PlanError(ValueError):
 @dataclass(frozen=True, config=_STRICT)
 class InjectedFailure:
     """One failure at a chosen virtual time, besides (or instead of) the random ones."""
-    learner: NonNegativeInt  # the unit (learner, or data-parallel slice) that fails
+    learner: NonNegativeInt  # the learner unit that fails: every slice of it (data parallel: its slices)
     at_seconds: NonNegative
+    slice: NonNegativeInt | None = None  # only this slice of the learner (slices_per_learner)
     repair_minutes: NonNegative | None = None  # None: the run's repair_minutes
 
 
@@ -54,6 +55,11 @@ class PlanInputs:
     chips: PositiveInt = 1_179_648
     learners: PositiveInt | None = None  # M; or give chips_per_learner (neither: M = 8)
     chips_per_learner: PositiveInt | None = None
+    # Each learner unit is S slices (replica groups) of equal size, the units that fail: a
+    # Decoupled DiLoCo learner is an elastic island that trains on without a failed slice
+    # (planner/island.py), and data parallel runs in the same M x S slices. 1: a failure takes
+    # its whole learner down.
+    slices_per_learner: PositiveInt = 1
     # Failures: each chip fails after an exponential time of mean chip_mtbf_hours (None: never,
     # save `failures`); its unit is then down for the repair time (a fixed time, or lognormal
     # with that median and repair_sigma), which includes restarting its processes. By default
@@ -120,10 +126,23 @@ class PlanInputs:
     # the syncer does not fail.
     shards: PositiveInt = 1
     shard_outages: tuple[ShardOutage, ...] = ()
-    # Data parallel: checkpoint interval and reload; elastic: the pause to reconfigure.
+    # Data parallel: checkpoint interval and reload; elastic: the pause to reconfigure (its
+    # ranks restart).
     checkpoint_minutes: Positive = 10.0
     restore_minutes: NonNegative = 1.0
     reconfigure_seconds: NonNegative = 30.0
+    # A learner of several slices (an island): the pause when a slice leaves or rejoins (its
+    # replica groups agree a new quorum and build new communicators, no process restarts), and
+    # the rate at which a repaired slice receives the learner's state from a peer slice in its
+    # data centre (one host's NIC; a slice's hosts can copy their shards in parallel). As the
+    # island is built, slice 0 alone syncs with the shards, so losing it fails the learner
+    # (False: any slice but the last may fail, a leader that fails over), and after a pause
+    # the learner syncs on at its own step count (True: it takes its phase from the others
+    # again, as a rejoining learner does; with H = P nothing else brings it back in phase).
+    island_reconfigure_seconds: NonNegative = 10.0
+    island_gbps: Positive = 100.0
+    island_leader_slice: bool = True
+    island_rephase: bool = False
     # The run's length: one of hours (wall time), steps (global steps at the full batch) or
     # tokens (neither: DEFAULT_HOURS).
     hours: Positive | None = None
@@ -138,11 +157,20 @@ class PlanInputs:
         return self.learners or 8
 
     @property
-    def unit_chips(self) -> int:
-        return self.chips // self.num_learners
+    def num_slices(self) -> int:
+        """The fleet's failure units: M learners of S slices each."""
+        return self.num_learners * self.slices_per_learner
+
+    @property
+    def slice_chips(self) -> int:
+        return self.chips // self.num_slices
 
     def learner_step_seconds(self, index: int) -> float:
         return self.step_seconds[index % len(self.step_seconds)]
+
+    def slice_step_seconds(self, index: int) -> float:
+        """A slice trains at its learner's pace."""
+        return self.learner_step_seconds(index // self.slices_per_learner)
 
     def learner_startup_seconds(self, index: int) -> float:
         return self.startup_seconds[index % len(self.startup_seconds)]
@@ -229,6 +257,9 @@ def check_relations(inputs: PlanInputs) -> None:
     m = inputs.num_learners
     if m > inputs.chips or inputs.chips % m:
         raise PlanError(f"learners: M={m} does not divide chips={inputs.chips} into equal units")
+    if inputs.chips % inputs.num_slices:
+        raise PlanError(f"slices_per_learner: S={inputs.slices_per_learner} does not divide a learner's "
+                        f"{inputs.chips // m} chips into equal slices")
     for key in ("step_seconds", "startup_seconds", "step_overhead_seconds", "push_overhead_seconds"):
         if len(getattr(inputs, key)) not in (1, m):
             raise PlanError(f"{key}: {len(getattr(inputs, key))} values for M={m} learners (give 1 or {m})")
@@ -257,6 +288,9 @@ def check_relations(inputs: PlanInputs) -> None:
     for i, failure in enumerate(inputs.failures):
         if failure.learner >= m:
             raise PlanError(f"failures[{i}].learner: {failure.learner} is not a learner unit (M={m})")
+        if failure.slice is not None and failure.slice >= inputs.slices_per_learner:
+            raise PlanError(f"failures[{i}].slice: {failure.slice} is not a slice of the learner "
+                            f"(slices_per_learner={inputs.slices_per_learner})")
     for i, outage in enumerate(inputs.shard_outages):
         if outage.shard >= inputs.shards:
             raise PlanError(f"shard_outages[{i}].shard: {outage.shard} is not a shard (shards={inputs.shards})")

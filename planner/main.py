@@ -33,7 +33,7 @@ from diloco.planner.outcome import PlanResult
 from diloco.planner.report import Speed, plot, speed_table, table, write_json
 from diloco.planner.simulate import MODES, simulate
 
-SWEPT = ("chips", "learners", "chips_per_learner")  # keys that take a list of values to sweep
+SWEPT = ("chips", "learners", "chips_per_learner", "slices_per_learner")  # keys that take a list of values to sweep
 # Keys whose flags (--fail, --links) are not a list of values, or that only a file gives.
 OWN_SYNTAX = ("failures", "links", "shard_outages")
 
@@ -43,8 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "(--chip-mtbf-hours null: no random failures).")
     parser.add_argument("--config", help="YAML file of plan inputs (keys as the flags, with underscores)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
-    parser.add_argument("--fail", action="append", default=[], metavar="LEARNER@SECONDS",
-                        help="inject a failure of this learner unit at this virtual time (repeatable)")
+    parser.add_argument("--fail", action="append", default=[], metavar="LEARNER[/SLICE]@SECONDS",
+                        help="inject a failure of this learner unit (or one slice of it) at this virtual time "
+                             "(repeatable)")
     for field in dataclasses.fields(PlanInputs):
         if field.name in OWN_SYNTAX:
             continue
@@ -105,11 +106,12 @@ def _scalar(text: str) -> object:
 
 
 def _failure(text: str) -> dict:
-    learner, sep, seconds = text.partition("@")
+    unit, sep, seconds = text.partition("@")
+    learner, slash, slice_ = unit.partition("/")
     try:
-        return {"learner": int(learner), "at_seconds": float(seconds)}
+        return {"learner": int(learner), "at_seconds": float(seconds), **({"slice": int(slice_)} if slash else {})}
     except ValueError:
-        raise PlanError(f"--fail {text!r}: expected LEARNER@SECONDS, e.g. 3@3600") from None
+        raise PlanError(f"--fail {text!r}: expected LEARNER@SECONDS or LEARNER/SLICE@SECONDS, e.g. 3@3600") from None
 
 
 class Progress:

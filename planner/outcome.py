@@ -82,10 +82,11 @@ class PlanResult:
     staleness: dict[str, int] = field(default_factory=dict)  # merged contributions by staleness, and "refused"
     syncer: SyncerFacts | None = None
     step_seconds: float | None = None  # data parallel: one global step
+    slices: int = 1  # per learner unit (slices_per_learner)
 
     @property
     def label(self) -> str:
-        return f"{self.mode} M={self.learners}"
+        return f"{self.mode} M={self.learners}" + (f" S={self.slices}" if self.slices > 1 else "")
 
     @property
     def tokens_per_second(self) -> float:

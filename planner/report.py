@@ -28,12 +28,13 @@ class Speed:
 def table(results: list[PlanResult]) -> str:
     categories = [c for c in (*BADPUT, REMAINDER)
                   if c in PLANNED_BADPUT or any(r.goodput.badput_seconds.get(c) for r in results)]
-    header = ["mode", "M", "chips", "goodput", *categories, "uptime", "tokens/s", "of failure-free",
-              "failures", "WAN Gbit/s mean/peak", "staleness 0/1/2+/refused"]
+    sliced = any(r.slices > 1 for r in results)  # S shown where a learner is more than one slice
+    header = ["mode", "M", *(["S"] if sliced else []), "chips", "goodput", *categories, "uptime", "tokens/s",
+              "of failure-free", "failures", "WAN Gbit/s mean/peak", "staleness 0/1/2+/refused"]
     rows = [header]
     for r in results:
         shares = r.goodput.badput_shares()
-        rows.append([r.mode, str(r.learners), f"{r.chips:,}", f"{r.goodput.share:.1%}",
+        rows.append([r.mode, str(r.learners), *([str(r.slices)] if sliced else []), f"{r.chips:,}", f"{r.goodput.share:.1%}",
                      *(f"{shares[c]:.1%}" for c in categories), f"{r.uptime:.1%}",
                      f"{r.tokens_per_second:.3g}", f"{r.effective_share:.1%}", str(r.failures),
                      f"{r.bandwidth.mean_gbps:.2f}/{r.bandwidth.peak_gbps:.2f}" if r.bandwidth else "-",
