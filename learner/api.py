@@ -313,6 +313,13 @@ class DecoupledDiLoCo:
         self._last_step_done = time.perf_counter()
         return applied
 
+    def rephase(self) -> None:
+        """Call after the training stood still while the other learners trained on (an island
+        that regrouped after losing or regaining a replica group): the sync schedule takes
+        their phase again, as after a join, instead of pushing behind their rounds from then on."""
+        if self.sync is not None:
+            self.sync.rephase()
+
     @property
     def should_stop(self) -> bool:
         """The config's trainer.max_steps, trainer.max_tokens or the run's trainer.max_run_tokens

@@ -177,6 +177,8 @@ def train(args: argparse.Namespace, trainer: Trainer, sync: DecoupledDiLoCo, che
                 evaluate()
     while not sync.should_stop:
         stats = trainer.train_step()
+        if stats.regrouped:  # the island stood still while the others trained on
+            sync.rephase()
         if not stats.committed:  # a replica group died during it: no step, the survivors go on
             continue
         applied = sync.step(stats.tokens, stats.seconds)

@@ -85,9 +85,10 @@ class ReplicaGroups:
 
     # ---- a step ----------------------------------------------------------------------
 
-    def begin_step(self) -> None:
+    def begin_step(self) -> bool:
         """Before the forward pass: the step's quorum (a group behind takes the island's state
-        here); a group that has not met the leader yet waits for it."""
+        here); a group that has not met the leader yet waits for it. True when the island
+        regrouped (a group lost or back) since its last step: it stood still meanwhile."""
         while True:
             self._manager.start_quorum()
             present = torch.tensor([int(self.leader)], dtype=torch.int64, device=self.device)
@@ -102,11 +103,14 @@ class ReplicaGroups:
                                    "the island stops, as a learner failure")
             time.sleep(WAIT_FOR_LEADER_SECONDS)
         groups = self._manager.num_participants()
-        if groups != self._groups_now:
-            self.changes.append({"time": time.time(), "step": self._manager.current_step(), "groups": groups})
-            log.info("replica group %d: %d of %d groups train from step %d", self.rank, groups, self.groups,
-                     self._manager.current_step())
-            self._groups_now = groups
+        if groups == self._groups_now:
+            return False
+        regrouped = self._groups_now > 0  # not the island's first quorum
+        self.changes.append({"time": time.time(), "step": self._manager.current_step(), "groups": groups})
+        log.info("replica group %d: %d of %d groups train from step %d", self.rank, groups, self.groups,
+                 self._manager.current_step())
+        self._groups_now = groups
+        return regrouped
 
     def average_gradients(self, params: Iterable[torch.Tensor]) -> None:
         """The mean of every group's gradients, in place (one all-reduce of them all)."""

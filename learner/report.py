@@ -75,7 +75,7 @@ class Report:
                 transfer_seconds=stats.transfer_seconds, pushes=stats.pushes, push_seconds=stats.push_seconds,
                 syncs_started=stats.syncs_started,
                 syncs_applied=stats.syncs_applied, syncs_skipped=stats.syncs_skipped,
-                syncs_late=stats.syncs_late, held_steps=stats.held_steps, refused_stale=stats.refused_stale,
+                syncs_late=stats.syncs_late, held_steps=stats.held_steps, rephased=stats.rephased, refused_stale=stats.refused_stale,
                 reanchored=stats.reanchored, syncs_refused=stats.syncs_refused,
                 hash_mismatches=stats.hash_mismatches,
                 undelivered={str(fid): why for fid, why in stats.undelivered.items()})

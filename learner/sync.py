@@ -127,6 +127,13 @@ class StreamingSync:
             session.started()
         return behind
 
+    def rephase(self) -> None:
+        """The training stood still while the others trained on: their phase again, from Status."""
+        self._join_in_phase()
+        self.stats.rephased += 1
+        log.info("%s: sync schedule back in phase with the others (offset %d)", self.learner_id,
+                 self.schedule.sync_offset)
+
     def _join_in_phase(self) -> int:
         """Starts the sync schedule in phase with the learners already training, as the first
         shard that answers Status sees them (none answers: at this learner's own step), and

@@ -35,6 +35,7 @@ class SyncStats:
     syncs_skipped: int = 0  # shard unreachable: progress kept for the next sync
     syncs_late: int = 0  # applied after the loop stopped waiting for them
     held_steps: int = 0  # steps the sync schedule stood still to fall back into phase
+    rephased: int = 0  # times the schedule took the others' phase again after standing still
     refused_stale: int = 0
     syncs_refused: int = 0  # pushes the shard refused with an error (not "unreachable", not "rejoin")
     blocked_seconds: float = 0.0

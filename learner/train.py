@@ -53,6 +53,7 @@ class StepStats:
     lr: float
     grad_norm: float  # total L2 norm of the gradients before clipping
     committed: bool = True  # False: a replica group failed during the step, which was dropped
+    regrouped: bool = False  # the island of replica groups regrouped before the step (it stood still)
 
 
 def lr_at(step: int, opt: InnerOptimizerConfig, max_steps: int) -> float:
@@ -128,8 +129,8 @@ class Trainer:
 
     def train_step(self) -> StepStats:
         started = time.perf_counter()
-        if self.replicas:
-            self.replicas.begin_step()  # a group behind takes the island's state (its step too) here
+        # A group behind takes the island's state (its step too) here.
+        regrouped = self.replicas.begin_step() if self.replicas else False
         lr = lr_at(self.step, self.cfg.inner_optimizer, self.cfg.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -151,14 +152,14 @@ class Trainer:
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if self.replicas and not self.replicas.commit():
             return StepStats(loss=loss_sum.item() / micro_batches, tokens=0, seconds=time.perf_counter() - started,
-                             lr=lr, grad_norm=grad_norm.item(), committed=False)
+                             lr=lr, grad_norm=grad_norm.item(), committed=False, regrouped=regrouped)
         self.optimizer.step()
         if self.slowdown > 1.0:  # emulated slower hardware: the step takes longer, for real
             time.sleep((self.slowdown - 1.0) * (time.perf_counter() - started))
         self.step += 1
         self.tokens += tokens
         return StepStats(loss=loss_sum.item() / micro_batches, tokens=tokens, seconds=time.perf_counter() - started,
-                         lr=lr, grad_norm=grad_norm.item())
+                         lr=lr, grad_norm=grad_norm.item(), regrouped=regrouped)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16")

@@ -137,12 +137,13 @@ class PlanInputs:
     # data centre (one host's NIC; a slice's hosts can copy their shards in parallel). As the
     # island is built, slice 0 alone syncs with the shards, so losing it fails the learner
     # (False: any slice but the last may fail, a leader that fails over), and after a pause
-    # the learner syncs on at its own step count (True: it takes its phase from the others
-    # again, as a rejoining learner does; with H = P nothing else brings it back in phase).
+    # it takes its phase from the others again, as a rejoining learner does (the learner's
+    # rephase(); False: it syncs on at its own step count, as it did before, and with H = P
+    # nothing else brings it back in phase).
     island_reconfigure_seconds: NonNegative = 10.0
     island_gbps: Positive = 100.0
     island_leader_slice: bool = True
-    island_rephase: bool = False
+    island_rephase: bool = True
     # The run's length: one of hours (wall time), steps (global steps at the full batch) or
     # tokens (neither: DEFAULT_HOURS).
     hours: Positive | None = None

@@ -56,6 +56,8 @@ def test_an_island_trains_on_without_a_killed_group_which_rejoins_with_its_state
     assert group.returncode == 0, f"the rejoined group failed: see {group.log_path}"
 
     record = reports[island.name]["island"]
+    # The leader's sync took the others' phase again after the loss and after the rejoin.
+    assert reports[island.name]["incarnations"][-1]["rephased"] >= 2
     fewer = next(c for c in record["changes"] if c["time"] > killed_at and c["groups"] == 1)
     assert fewer["time"] - killed_at < PAUSE_BOUND
     assert record["verified"]["groups"] == 2  # both groups ended holding the same bits
