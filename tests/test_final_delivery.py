@@ -50,9 +50,11 @@ def learner(cfg, tmp_path) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def config(tmp_path, final_delivery_seconds: float, steps: int = STEPS, overlap_steps: int = 1):
+def config(tmp_path, final_delivery_seconds: float, steps: int = STEPS, overlap_steps: int = 1,
+           interval_steps: int = 10):
     cfg = tiny_cluster(tmp_path / "state", shards=1, learners=1, steps=steps,
-                       sync={"fragments": 2, "interval_steps": 10, "overlap_steps": overlap_steps, "codec": "int4"},
+                       sync={"fragments": 2, "interval_steps": interval_steps, "overlap_steps": overlap_steps,
+                             "codec": "int4"},
                        trainer={"final_delivery_seconds": final_delivery_seconds, "checkpoint_every": 1000})
     issue_cluster_certs(cfg, certs_dir(cfg))
     return cfg
@@ -77,10 +79,11 @@ def run_until_training_ends(cfg, tmp_path):
 
 
 def test_every_fragment_gets_the_steps_trained_since_its_last_sync_when_the_budget_is_spent(tmp_path):
-    # 33 steps, H=10 over 2 fragments: the budget ends steps after each fragment's last sync on
-    # schedule. With tau = 0 no sync is in flight then, so a round that closes after training
-    # ended holds a contribution pushed after it: the learner's last one.
-    cfg = config(tmp_path, final_delivery_seconds=60.0, steps=33, overlap_steps=0)
+    # 33 steps, H=3 over 2 fragments (offsets 0 and 1): the budget ends a step or two after each
+    # fragment's last sync, and H < 2P leaves the schedule no hold to move them by. With tau = 0
+    # no sync is in flight then, so a round that closes after training ended holds a
+    # contribution pushed after it: the learner's last one.
+    cfg = config(tmp_path, final_delivery_seconds=60.0, steps=33, overlap_steps=0, interval_steps=3)
     handle = start_shard(cfg, 0, listen=cfg.shards[0].address, state_dir=tmp_path / "state")
     process = learner(cfg, tmp_path)
     try:
