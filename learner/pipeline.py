@@ -21,7 +21,7 @@ import grpc
 import torch
 
 from diloco.learner.host_copy import HostCopy, copy_to_host
-from diloco.learner.schedule import merged_fragment
+from diloco.learner.schedule import SyncStart, merged_fragment
 from diloco.learner.session import ReanchorDue, ShardSession
 from diloco.learner.shard_errors import Remedy, reason, remedy
 from diloco.learner.sync_stats import SyncOutcome, SyncStats
@@ -226,13 +226,13 @@ class FragmentPipeline:
         outcome.seconds = time.perf_counter() - started
         return outcome
 
-    def push_last(self, c_steps: int, c_tokens: int, step_seconds: float) -> Future:
+    def push_last(self, counters: SyncStart, step_seconds: float) -> Future:
         """After training, with no sync of the fragment in flight (or the last one's push not
         through): pushes its progress since its last applied sync, the learner's last
         contribution to it, on the fragment's sync thread; the snapshot is taken here. The
         future says whether it got through (`undelivered` says why not)."""
         local = copy_to_host(self.fragment, self.context.params)
-        meta = PushMeta(self.version, c_steps, c_tokens, step_seconds)
+        meta = PushMeta(self.version, counters.c_steps, counters.c_tokens, step_seconds)
         return self.context.pool.submit(lambda: self._push(self.anchor, local.wait(), meta) is not None)
 
     def _push(self, anchor: torch.Tensor, local: torch.Tensor, meta: PushMeta) -> tuple[int, int, int] | None:

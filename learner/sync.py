@@ -299,7 +299,7 @@ class StreamingSync:
                    if retry(p) or (p.in_flight is None and since(p).c_steps > 0)]
         delays = backoff_delays()
         while pending and time.monotonic() < deadline and not self._should_stop():
-            for pushed in [p.push_last(since(p).c_steps, since(p).c_tokens, self.step_seconds) for p in pending]:
+            for pushed in [p.push_last(since(p), self.step_seconds) for p in pending]:
                 pushed.result()
             pending = [p for p in pending if retry(p)]
             if pending:
