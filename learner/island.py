@@ -17,8 +17,13 @@ from diloco.services.contract.fragments import FragmentPlan, gather, scatter
 
 
 class IslandBroken(RuntimeError):
-    """This process cannot go on as part of its island of replica groups (its leader left, or it
-    missed what the leader shared): it exits, and a restarted one rejoins with the island's state."""
+    """This process cannot go on as part of its island of replica groups (it missed what the
+    leader shared): it exits, and a restarted one rejoins with the island's state."""
+
+
+class LeadTaken(Exception):
+    """This replica group took the lead of its island, whose leader left: it goes on as the
+    learner, from the island's last checkpoint (learner/main.py)."""
 
 
 class Island:

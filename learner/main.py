@@ -23,6 +23,7 @@ import os
 import pathlib
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,9 @@ from torch.nn.parallel import DistributedDataParallel
 from diloco.learner.api import DecoupledDiLoCo
 from diloco.learner.checkpoint import CheckpointError, CheckpointWriter, load_checkpoint
 from diloco.learner.device import DeviceUnavailable, local_rank, resolve_device
-from diloco.learner.island import IslandBroken
+from diloco.learner.island import IslandBroken, LeadTaken
+from diloco.learner.leader_lease import LeaderLease
+from diloco.learner.report import LIFE_STARTED_ENV
 from diloco.learner.sync import JoinRefused
 from diloco.learner.train import Trainer
 from diloco.services.contract.config import ConfigError, load_config
@@ -109,42 +112,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         trainer = Trainer.from_config(cfg, learner.id, rank=rank, cache_dir=cache_dir, device=device)
     checkpoints = CheckpointWriter(state_dir / "checkpoint.pt")
-    try:  # every rank: the model, the optimizer and its own data (a replica group: the leader's own)
-        checkpoint = load_checkpoint(checkpoints.path, start_fresh=args.start_fresh) if args.replica_group == 0 else None
+    island = join_replica_groups(cfg, args, trainer, device, state_dir) if cfg.island.replica_groups > 1 else None
+    try:
+        code = FAILED
+        # Every rank: the model, the optimizer and its own data (a replica group: the leader's own).
+        checkpoint = restore_checkpoint(args, trainer, checkpoints, rank) if island is None or island.leader else None
+        code = learn(args, cfg, learner.id, trainer, island, checkpoints, checkpoint, state_dir, world_size)
+        while code is None:  # this replica group took the lead of its island: it goes on as the learner
+            os.environ[LIFE_STARTED_ENV] = str(time.monotonic())  # this life of the learner starts now
+            checkpoint = restore_checkpoint(args, trainer, checkpoints, rank=None)
+            code = learn(args, cfg, learner.id, trainer, island, checkpoints, checkpoint, state_dir, world_size)
     except CheckpointError as error:
         log.error("learner %s: %s", learner.id, error)
-        return FAILED
-    if checkpoint:
-        trainer.restore(checkpoint, rank)
-    island = join_replica_groups(cfg, args, trainer, device) if cfg.island.replica_groups > 1 else None
-    sync = DecoupledDiLoCo(trainer.synced_module, cfg, learner.id, state_dir=state_dir, tls_dir=args.tls_dir,
-                           catch_up_seconds=args.catch_up_seconds, enabled=not (args.no_sync or args.data_parallel),
-                           # SIGTERM ends a replica group other than the leader at once: it holds nothing
-                           # the island lacks, and may be waiting for a leader that has left.
-                           stop_signals=(signal.SIGTERM, signal.SIGINT) if args.replica_group == 0 else (),
-                           island=island)
-    if island:
-        island.keep_state(lambda: island_state(trainer, sync), lambda state: load_island_state(state, trainer, sync))
-    if checkpoint and "diloco" in checkpoint["extra"]:
-        sync.load_state_dict(checkpoint["extra"]["diloco"])
-    try:
-        with sync:
-            trainer.step, trainer.tokens = sync.steps, sync.tokens // world_size  # rank 0's, on every rank
-            if world_size > 1:
-                trainer.forward_module = DistributedDataParallel(trainer.model)
-            code = train(args, trainer, sync, checkpoints)
-    except ConfigError as error:  # this learner's certificates
-        print(f"invalid: {error}", file=sys.stderr)
-        code = 2
-    except OSError as error:  # its state folder or its metrics port (DecoupledDiLoCo names which)
-        log.error("%s", error.strerror if error.filename is None else error)
-        code = FAILED
-    except JoinRefused as refused:  # not in the run, another model or other settings
-        log.error("learner %s stops: %s", learner.id, refused)
-        code = FAILED
-    except IslandBroken as broken:  # a replica group that cannot go on: restarted, it rejoins
-        log.error("learner %s: %s", learner.id, broken)
-        code = FAILED
     finally:
         checkpoints.wait()
         if island:
@@ -154,6 +133,53 @@ def run(args: argparse.Namespace) -> int:
     if world_size > 1 or island:
         exit_rank(code)
     return code
+
+
+def restore_checkpoint(args: argparse.Namespace, trainer: Trainer, checkpoints: CheckpointWriter,
+                       rank: int | None) -> dict | None:
+    """The learner's last checkpoint, restored into the trainer (None: there is none yet).
+    `rank` None: this process keeps its own data position (a replica group taking the lead)."""
+    checkpoint = load_checkpoint(checkpoints.path, start_fresh=args.start_fresh)
+    if checkpoint:
+        trainer.restore(checkpoint, rank)
+    return checkpoint
+
+
+def learn(args: argparse.Namespace, cfg, learner_id: str, trainer: Trainer, island, checkpoints: CheckpointWriter,
+          checkpoint: dict | None, state_dir: pathlib.Path, world_size: int) -> int | None:
+    """This process's part in the learner until the end: the exit status, or None when this
+    replica group took the lead of its island on the way (it goes on as the learner)."""
+    leads = island is None or island.leader
+    sync = DecoupledDiLoCo(trainer.synced_module, cfg, learner_id, state_dir=state_dir, tls_dir=args.tls_dir,
+                           catch_up_seconds=args.catch_up_seconds, enabled=not (args.no_sync or args.data_parallel),
+                           # SIGTERM ends a replica group other than the leader at once: it holds nothing
+                           # the island lacks, and may be waiting for a leader that has left.
+                           stop_signals=(signal.SIGTERM, signal.SIGINT) if leads else (), island=island)
+    if island:
+        island.keep_state(lambda: island_state(trainer, sync), lambda state: load_island_state(state, trainer, sync))
+    if checkpoint and "diloco" in checkpoint["extra"]:
+        sync.load_state_dict(checkpoint["extra"]["diloco"])
+    try:
+        with sync:
+            trainer.step, trainer.tokens = sync.steps, sync.tokens // world_size  # rank 0's, on every rank
+            if world_size > 1:
+                trainer.forward_module = DistributedDataParallel(trainer.model)
+            return train(args, trainer, sync, checkpoints)
+    except LeadTaken as taken:
+        log.warning("learner %s: %s", learner_id, taken)
+        return None
+    except ConfigError as error:  # this learner's certificates
+        print(f"invalid: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # its state folder or its metrics port (DecoupledDiLoCo names which)
+        log.error("%s", error.strerror if error.filename is None else error)
+        return FAILED
+    except JoinRefused as refused:  # not in the run, another model or other settings
+        log.error("learner %s stops: %s", learner_id, refused)
+        return FAILED
+    except IslandBroken as broken:  # a replica group that cannot go on: restarted, it rejoins
+        log.error("learner %s: %s", learner_id, broken)
+        return FAILED
 
 
 def train(args: argparse.Namespace, trainer: Trainer, sync: DecoupledDiLoCo, checkpoints: CheckpointWriter) -> int:
@@ -232,15 +258,21 @@ def replica_group_problem(cfg, args: argparse.Namespace, world_size: int) -> str
     return None
 
 
-def join_replica_groups(cfg, args: argparse.Namespace, trainer: Trainer, device: torch.device):
+def join_replica_groups(cfg, args: argparse.Namespace, trainer: Trainer, device: torch.device,
+                        state_dir: pathlib.Path):
     """This process as replica group --replica-group of the island; the trainer averages its
-    gradients with the other groups' (torchft is imported only here)."""
+    gradients with the other groups' (torchft is imported only here). The groups share the
+    learner's state folder: its checkpoint, and the lease of the island's lead."""
     # torchft logs every step's quorum and commit at INFO (Python and Rust): its warnings are enough.
     os.environ.setdefault("RUST_LOG", "warn")
     for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
         logging.getLogger(name).setLevel(logging.WARNING)
     from diloco.learner.replica_groups import ReplicaGroups
-    groups = ReplicaGroups(args.replica_group, cfg.island, args.lighthouse, device)
+    # The finish signal (SIGUSR1) goes to every group of an island (Kubernetes signals every
+    # container of a pod): a group that does not lead, or not yet, ignores it.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    groups = ReplicaGroups(args.replica_group, cfg.island, args.lighthouse, device,
+                           LeaderLease(state_dir / "leader.lock"))
     trainer.replicas = groups
     return groups
 

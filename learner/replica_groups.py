@@ -8,12 +8,15 @@ state (parameters, inner optimizer, counters) from a healthy one, and nobody res
 torch.distributed.elastic was the other candidate: it restarts every worker of the job when one
 fails, which is a learner restart by another name.
 
-Group 0 is the island's leader: it alone talks to the syncer (as rank 0 does under torchrun) and
+One group leads the island: it alone talks to the syncer (as rank 0 does under torchrun) and
 after each step shares what it applied, and whether to stop, with the other groups. Its state is
-the island's: the others heal from it, never it from them, so losing it is a learner failure
-(the other groups see it gone and exit; docs/reliability.md, "Losing a replica group").
+the island's: the others heal from it, never it from them. The leader is the group holding the
+island's lease (learner/leader_lease.py: a lock in the learner's state folder; group 0 takes it
+at the start). When the leader dies its lease is free: the first group to find no leader in
+its quorum takes the lease and the lead (LeadTaken), and goes on as the learner from the island's
+last checkpoint (learner/main.py; docs/reliability.md, "Losing a replica group").
 
-Every step, on every group:  quorum (heal if behind) -> is the leader in? -> forward/backward
+Every step, on every group:  quorum (heal if behind) -> which group leads? -> forward/backward
 -> average gradients -> commit? -> optimizer step -> (committed) the leader's applied fragments.
 """
 from __future__ import annotations
@@ -29,14 +32,17 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
-from diloco.learner.island import IslandBroken
+from diloco.learner.island import IslandBroken, LeadTaken
+from diloco.learner.leader_lease import LeaderLease
 from diloco.services.contract.config import IslandConfig
 from diloco.services.contract.fragments import FragmentPlan, gather, scatter
 
 log = logging.getLogger(__name__)
 
-LEADER = 0  # the replica group that syncs; the others heal from it
-WAIT_FOR_LEADER_SECONDS = 0.2  # a group that has not met the leader yet asks again this often
+WAIT_FOR_LEADER_SECONDS = 0.2  # a group without a leader in its quorum asks again this often
+# torchft heals the groups behind from one with the highest step: a leader counts its steps from
+# its lease's term times this, above every group that followed an earlier leader.
+TERM_STEPS = 1 << 40
 
 
 class ReplicaGroups:
@@ -44,8 +50,11 @@ class ReplicaGroups:
     torchft. `world_size` is the number of groups in the current step: what the step's tokens
     are multiplied by."""
 
-    def __init__(self, group: int, cfg: IslandConfig, lighthouse: str, device: torch.device):
+    def __init__(self, group: int, cfg: IslandConfig, lighthouse: str, device: torch.device, lease: LeaderLease):
         self.rank = group
+        self.lease = lease
+        # Group 0 leads from the start, unless another group took the lead while it was down.
+        self.leader = group == 0 and lease.try_take()
         self.groups = cfg.replica_groups
         # NCCL moves GPU tensors only: what the groups exchange lives on the training GPU there.
         self.device = device if device.type == "cuda" else torch.device("cpu")
@@ -60,55 +69,65 @@ class ReplicaGroups:
             # A step's quorum waits while the leader evaluates, checkpoints or starts up.
             quorum_timeout=timedelta(hours=1), connect_timeout=timedelta(seconds=60))
         self._met_leader = self.leader
+        self._leader_group = group if self.leader else None  # the group that led the last step
+        self._island_state: tuple[Callable[[], dict], Callable[[dict], None]] | None = None
         self._groups_now = 0
         self.changes: list[dict] = []  # when the groups in the step changed: time, step, groups
         self.dropped_steps = 0  # steps trained but not committed (a group died during them)
         self.verified: dict | None = None  # the last check that every group held the same bits
-
-    @property
-    def leader(self) -> bool:
-        return self.rank == LEADER
+        self.took_lead_at: float | None = None  # when this group took the lead from a leader that left
 
     @property
     def world_size(self) -> int:
         return self._groups_now
 
     def keep_state(self, state: Callable[[], dict], load: Callable[[dict], None]) -> None:
-        """What a joining group receives (`state` on a healthy group, `load` on the joining one)."""
-        def load_unless_leader(value: dict) -> None:
-            if self.leader:
-                raise IslandBroken("replica group 0 was behind another group: it stops, as a learner failure")
-            load(value)
-            log.info("replica group %d joined the island with its state", self.rank)
+        """What a joining group receives (`state` on a healthy group, `load` on the joining one);
+        called again by a group that took the lead, with its new sync's."""
+        first = self._island_state is None
+        self._island_state = (state, load)
+        if first:  # torchft takes one function per key, for good
+            self._manager.register_state_dict_fn("island", self._load_island_state, lambda: self._island_state[0]())
 
-        self._manager.register_state_dict_fn("island", load_unless_leader, state)
+    def _load_island_state(self, value: dict) -> None:
+        if self.leader:
+            raise IslandBroken(f"replica group {self.rank} led the island but was behind another group: it stops, "
+                               "as a learner failure")
+        self._island_state[1](value)
+        log.info("replica group %d joined the island with its state", self.rank)
 
     # ---- a step ----------------------------------------------------------------------
 
     def begin_step(self) -> bool:
         """Before the forward pass: the step's quorum (a group behind takes the island's state
         here); a group that has not met the leader yet waits for it. True when the island
-        regrouped (a group lost or back) since its last step: it stood still meanwhile."""
+        regrouped (a group lost or back) since its last step: it stood still meanwhile.
+        Raises LeadTaken in the group that takes the lead of an island whose leader left."""
         while True:
             self._manager.start_quorum()
-            present = torch.tensor([int(self.leader)], dtype=torch.int64, device=self.device)
-            self._manager.allreduce(present, reduce_op=ReduceOp.SUM).wait()
+            leading = torch.zeros(self.groups, dtype=torch.int64, device=self.device)
+            leading[self.rank] = int(self.leader)
+            self._manager.allreduce(leading, reduce_op=ReduceOp.SUM).wait()
             if self._manager.errored():
                 break  # the step is dropped at commit, whoever is in
-            if present.item() == 1:
+            if leading.any():
                 self._met_leader = True
+                self._leader_group = int(leading.nonzero()[0])
                 break
-            if self._met_leader:
-                raise IslandBroken(f"replica group {self.rank}: the island's leader (group 0) left; "
-                                   "the island stops, as a learner failure")
+            # A group that never met a leader waits for group 0 (the island is starting).
+            if self._met_leader and self.lease.try_take():
+                left, self.leader, self._leader_group = self._leader_group, True, self.rank
+                self.took_lead_at = time.time()
+                raise LeadTaken(f"replica group {self.rank}: the island's leader (group {left}) left; "
+                                "this group leads the island now, from its last checkpoint")
             time.sleep(WAIT_FOR_LEADER_SECONDS)
         groups = self._manager.num_participants()
         if groups == self._groups_now:
             return False
         regrouped = self._groups_now > 0  # not the island's first quorum
-        self.changes.append({"time": time.time(), "step": self._manager.current_step(), "groups": groups})
-        log.info("replica group %d: %d of %d groups train from step %d", self.rank, groups, self.groups,
-                 self._manager.current_step())
+        step = self._manager.current_step() % TERM_STEPS
+        self.changes.append({"time": time.time(), "step": step, "groups": groups})
+        log.info("replica group %d: %d of %d groups train from step %d", self.rank, groups, self.groups, step)
         self._groups_now = groups
         return regrouped
 
@@ -133,10 +152,12 @@ class ReplicaGroups:
     # ---- the Island interface --------------------------------------------------------
 
     def share_start(self, params: dict[str, torch.Tensor], counters: list[int]) -> list[int]:
-        """The leader's step count leads torchft's (by one), so a group that joins is always the
-        one behind and heals from the leader; the others' counters arrive with that state."""
+        """The leader's step count leads torchft's (by its term, and by one), so every other
+        group is behind and heals from the leader, even one that followed a leader of an earlier
+        term from a later checkpoint; the others' counters arrive with that state."""
         if self.leader:
-            self._manager.load_state_dict({"step": counters[0] + 1, "batches_committed": 0})
+            step = self.lease.term * TERM_STEPS + counters[0] + 1
+            self._manager.load_state_dict({"step": step, "batches_committed": 0})
         return counters
 
     def share_step(self, plan: FragmentPlan, applied: list[int], stop: bool,
@@ -173,15 +194,15 @@ class ReplicaGroups:
         rows[self.rank] = torch.tensor(list(digest[:8]), dtype=torch.int64)
         self._reduce(rows)
         present = [g for g in range(self.groups) if rows[g].any()]
-        differ = [g for g in present if not torch.equal(rows[g], rows[LEADER])]
+        differ = [g for g in present if not torch.equal(rows[g], rows[self._leader_group])]
         if differ:
             raise RuntimeError(f"replica groups {differ} hold different parameters from the leader's")
-        self.verified = {"step": self._manager.current_step(), "groups": len(present)}
+        self.verified = {"step": self._manager.current_step() % TERM_STEPS, "groups": len(present)}
 
     def record(self) -> dict:
         """For the leader's report: the island's groups and what losing and regaining them cost."""
-        return {"replica_groups": self.groups, "changes": self.changes, "dropped_steps": self.dropped_steps,
-                "verified": self.verified}
+        return {"replica_groups": self.groups, "leader_group": self.rank, "took_lead_at": self.took_lead_at,
+                "changes": self.changes, "dropped_steps": self.dropped_steps, "verified": self.verified}
 
     def _reduce(self, tensor: torch.Tensor) -> None:
         self._manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
@@ -191,3 +212,4 @@ class ReplicaGroups:
 
     def close(self) -> None:
         self._manager.shutdown(wait=False)
+        self.lease.release()

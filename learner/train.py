@@ -192,16 +192,17 @@ class Trainer:
         """What this process alone holds (its data position, its random state)."""
         return rank_state(self.model, self.data.state_dict())
 
-    def restore(self, checkpoint: dict, rank: int = 0) -> None:
+    def restore(self, checkpoint: dict, rank: int | None = 0) -> None:
         """Continue from a checkpoint (as load_checkpoint returns it) exactly where it was taken:
-        rank `rank` of an island takes its own data position and random state."""
+        rank `rank` of an island takes its own data position and random state (None: this
+        process keeps its own, as a replica group that takes the lead of its island does)."""
         self.model.load_state_dict(checkpoint["model"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         ranks = checkpoint.get("ranks") or [checkpoint]
-        if rank < len(ranks):
+        if rank is not None and rank < len(ranks):
             self.data.load_state_dict(ranks[rank]["data"])
             restore_rng(ranks[rank], self.model)
-        else:
+        elif rank is not None:
             log.warning("the checkpoint holds the data position and random state of %d rank(s): rank %d "
                         "starts its own afresh", len(ranks), rank)
         self.step = checkpoint["step"]

@@ -217,6 +217,8 @@ class LocalCluster:
             Proc(l.id, argv[l.id] + (self.islands.group_flags(l.id, 0) if self.islands else []),
                  run_dir / "logs" / f"{l.id}.log", env=dict(learner_env or {}), warm_restarts=warm_restarts)
             for l in cfg.learners]
+        if self.islands:
+            self.islands.adopt(self.learners)
 
     def start_shards(self, timeout: float = 60) -> None:
         for proc in self.shards:
@@ -240,15 +242,21 @@ class LocalCluster:
     def finish_learners(self) -> None:
         """SIGUSR1 to every learner: each ends the run here as if its budget were spent
         (delivers, leaves, keeps pulling the global model until stopped)."""
-        for proc in self.learners:
+        for proc in self.learner_processes:
             proc.send(signal.SIGUSR1)
 
     def stop_learners(self, timeout: float = 60) -> None:
         """SIGTERM to every learner at once; they checkpoint, pull, report and leave."""
-        for proc in self.learners:
+        for proc in self.learner_processes:
             proc.request_stop()
-        for proc in self.learners:
+        for proc in self.learner_processes:
             proc.wait_or_kill(timeout)
+
+    @property
+    def learner_processes(self) -> list[Proc]:
+        """Every process of every learner: an island's replica groups too (as Kubernetes signals
+        every container of a pod), since any of them may lead it."""
+        return self.islands.members if self.islands else self.learners
 
     def stop(self, timeout: float = 30) -> None:
         """Learners first (they leave cleanly), then shards (they flush state)."""

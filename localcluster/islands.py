@@ -2,11 +2,11 @@
 
 Each learner island is its replica groups, one process each, and a torchft lighthouse
 (localcluster/lighthouse.py) that decides which groups are in. The cluster's learner process is
-group 0, the leader that syncs (LocalCluster.learners, as for any learner); this module starts
-the lighthouses and the other groups, and, like a supervisor (Kubernetes' restart policy in a
-deployment), restarts a group that died or exited with an error after the restart delay. A group
-that exits 0 has finished with its island. `diloco sim --chaos-replicas` kills groups other
-than the leader; the leader's kills are a learner's (`--chaos-mtbf`).
+group 0, which leads the island from the start (LocalCluster.learners, as for any learner); this
+module starts the lighthouses and the other groups, and, like a supervisor (Kubernetes' restart
+policy in a deployment), restarts any group, group 0 too, that died or exited with an error after
+the restart delay. A group that exits 0 has finished with its island. `diloco sim
+--chaos-replicas` kills groups, the leading one too (another group takes the lead).
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class Islands:
-    """The lighthouses and the replica groups besides each leader, of every learner."""
+    """The lighthouses and the replica groups of every learner: `groups` those besides group 0,
+    `members` every group (group 0, the cluster's learner process, once `adopt` gave it)."""
 
     def __init__(self, cfg: Config, run_dir: pathlib.Path, learner_argv: dict[str, list[str]]):
         groups, island = cfg.island.replica_groups, cfg.island
@@ -37,10 +38,15 @@ class Islands:
                                         "--quorum_tick_ms", "50"],
                  run_dir / "logs" / f"{l.id}-lighthouse.log", env={"RUST_LOG": "warn"})
             for l, port in zip(cfg.learners, ports)]
-        self.groups = [  # every group but each leader, learner by learner
+        self.groups = [  # every group but group 0, learner by learner
             Proc(f"{l.id}-group-{g}", learner_argv[l.id] + self.group_flags(l.id, g),
                  run_dir / "logs" / f"{l.id}-group-{g}.log")
             for l in cfg.learners for g in range(1, groups)]
+        self.members = list(self.groups)
+
+    def adopt(self, first_groups: list[Proc]) -> None:
+        """Each learner's group 0 (the cluster's learner processes), supervised with the others."""
+        self.members = first_groups + self.groups
 
     def group_flags(self, learner_id: str, group: int) -> list[str]:
         return ["--replica-group", str(group), "--lighthouse", self.lighthouse_urls[learner_id]]
@@ -52,18 +58,18 @@ class Islands:
     def supervise(self, chaos: Chaos, now: float, finished: set[str]) -> None:
         """One pass of the supervisor and of the groups' chaos: a group that died is restarted
         after the restart delay; chaos kills a group now and then, but not once its island is done."""
-        for i, proc in enumerate(self.groups):
+        for i, proc in enumerate(self.members):
             if proc.name.rsplit("-group-", 1)[0] in finished:
                 chaos.retire(i)
             if i not in chaos.down and proc.returncode not in (None, 0):
                 log.warning("replica group %s exited with %s; restarting it", proc.name, proc.returncode)
                 chaos.killed(i, now)
         for i in chaos.due_kills(now):
-            self.groups[i].kill()
+            self.members[i].kill()
             chaos.killed(i, now)
-            log.info("chaos: killed replica group %s", self.groups[i].name)
+            log.info("chaos: killed replica group %s", self.members[i].name)
         for downtime in chaos.due_restarts(now):
-            self.groups[downtime.proc_index].start()
+            self.members[downtime.proc_index].start()
             chaos.restarted(downtime, now)
 
     def stop(self, timeout: float) -> None:
@@ -87,7 +93,7 @@ def recoveries(chaos_events: list[dict], changes: list[dict], names: list[str], 
     record of the groups in each step."""
     found = []
     for kill in (e for e in chaos_events if e["event"] == "kill" and e["kind"] == "replica"
-                 and names[e["index"]].startswith(f"{learner_id}-group-")):
+                 and names[e["index"]].rsplit("-group-", 1)[0] == learner_id):
         after = [c for c in changes if c["time"] >= kill["time"]]
         # The first change after the kill, if it is the loss (a group still starting was not in).
         fewer = after[0] if after and after[0]["groups"] < _groups_before(changes, kill["time"]) else None

@@ -81,9 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chaos-shards", type=float, help="mean seconds between SIGKILLs of each shard")
     parser.add_argument("--replica-groups", type=int, metavar="R",
                         help="replica groups per learner island (island.replica_groups): R processes under "
-                             "torchft, group 0 syncs; losing another group costs the island a pause, not a restart")
+                             "torchft, one leads and syncs; losing a group costs the island a pause, not a restart")
     parser.add_argument("--chaos-replicas", type=float, metavar="MTBF",
-                        help="mean seconds between SIGKILLs of each replica group other than a leader (group 0)")
+                        help="mean seconds between SIGKILLs of each replica group (a leading one too: another "
+                             "group takes the lead)")
     parser.add_argument("--restart-delay", type=float, default=5.0, help="seconds a killed process stays down")
     parser.add_argument("--warm-restarts", action="store_true",
                         help="a killed learner's next life is a standby that imported torch and the learner "
@@ -153,7 +154,10 @@ def build_config(base: Config, args: argparse.Namespace, run_dir: pathlib.Path) 
     return cfg
 
 
-def check_learner_script(args: argparse.Namespace, cfg: Config) -> None:
+def check_flags(args: argparse.Namespace, cfg: Config) -> None:
+    if cfg.island.replica_groups > 1 and args.chaos_mtbf:
+        raise ConfigError("--chaos-mtbf: a learner of island.replica_groups > 1 fails only when every group does; "
+                          "kill its groups with --chaos-replicas")
     if args.learner_script is None:
         return
     if cfg.island.replica_groups > 1:
@@ -222,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
         run_dir = pathlib.Path(args.run_dir)
         cfg = build_config(base, args, run_dir)
         check_factories(cfg)
-        check_learner_script(args, cfg)
+        check_flags(args, cfg)
     except ConfigError as error:  # the previous run's folder is left as it was
         print(f"invalid: {error}", file=sys.stderr)
         return 2
@@ -303,7 +307,7 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
     observer = Observer(cfg, cluster.operator)
     learner_chaos = Chaos("learner", len(cluster.learners), args.chaos_mtbf, args.restart_delay, rng, started)
     shard_chaos = Chaos("shard", len(cluster.shards), args.chaos_shards, args.restart_delay, rng, started)
-    replica_chaos = Chaos("replica", len(cluster.islands.groups) if cluster.islands else 0, args.chaos_replicas,
+    replica_chaos = Chaos("replica", len(cluster.islands.members) if cluster.islands else 0, args.chaos_replicas,
                           args.restart_delay, rng, started)
     startup_failures = StartupFailures(cluster)
     finished_at: dict[str, float] = {}
@@ -330,7 +334,7 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
                         lives = report.get("incarnations") or [{}]
                         finished_at[proc.name] = lives[-1].get("training_ended_at", now)
                         learner_chaos.retire(i)
-                    elif proc.returncode is not None:  # crashed by itself: restart like chaos would
+                    elif proc.returncode is not None and not cluster.islands:  # crashed: restart like chaos would
                         startup_failures.exited(proc)
                         log.warning("learner %s exited with %s; restarting", proc.name, proc.returncode)
                         learner_chaos.killed(i, now, observer.steps.get(proc.name, 0))
@@ -393,7 +397,7 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
         report["chaos_events"] += replica_chaos.events
         report["islands"] = {learner_id: {**reports[learner_id].get("island", {}), "recoveries": recoveries(
             replica_chaos.events, reports[learner_id].get("island", {}).get("changes", []),
-            [proc.name for proc in cluster.islands.groups], learner_id)} for learner_id in reports}
+            [proc.name for proc in cluster.islands.members], learner_id)} for learner_id in reports}
     report.update(outcome)
     observer.close()
     report["final_eval_loss"] = evaluate_global_model(cluster)

@@ -1,8 +1,10 @@
 """Islands of replica groups as real processes (learner/replica_groups.py, torchft over gloo on
 loopback): SIGKILL a group other than the leader and the island trains on without it within
 seconds, the other learner never waits, the group rejoins with the island's state after its
-restart, and every group and the shards agree on the bits at the end; an island whose every
-group dies is a learner failure, restarted from its checkpoint as any learner is."""
+restart, and every group and the shards agree on the bits at the end; SIGKILL the leader and
+another group takes the lead from the island's last checkpoint, in its running process; an
+island whose every group dies is a learner failure, restarted from its checkpoint as any
+learner is."""
 from __future__ import annotations
 
 import os
@@ -21,6 +23,7 @@ from tests.cluster_watch import (TIMEOUT, held_fragments, read_report, served_fr
 from tests.test_learner_cluster import _step_of
 
 PAUSE_BOUND = 10.0  # seconds: the lighthouse drops a silent group after island.heartbeat_timeout_seconds (2)
+TAKEOVER_BOUND = 20.0  # the same, then the new leader restores the checkpoint, joins the shards and pulls
 
 
 def island_cluster(tmp_path, cluster_factory, steps: int):
@@ -67,6 +70,36 @@ def test_an_island_trains_on_without_a_killed_group_which_rejoins_with_its_state
     # Tokens pushed are those trained: one group's for the steps it trained alone, two otherwise.
     per_group = cfg.tokens_per_step()
     assert per_group * 900 < reports[island.name]["tokens"] < 2 * per_group * 900
+    for learner_id, report in reports.items():
+        assert report["phase"] == "done" and report["steps"] == 900
+        assert held_fragments(report) == served_fragments(cfg, learner_id)
+
+
+@pytest.mark.slow
+def test_another_group_takes_the_lead_of_an_island_whose_leader_is_killed(tmp_path, cluster_factory):
+    cfg, cluster = island_cluster(tmp_path, cluster_factory, steps=900)
+    island, _ = cluster.learners
+    group = cluster.islands.groups[0]
+    wait_until(lambda: _step_of(cfg, island.name) >= 60, TIMEOUT, "the island to pass step 60")
+    island.kill()  # group 0, the leader
+    killed_at, step_at_kill = time.time(), _step_of(cfg, island.name)
+    # Group 1 takes the lead from the last checkpoint (at most checkpoint_every = 25 steps back),
+    # in its running process, and the learner's steps pass where the leader died.
+    wait_until(lambda: _step_of(cfg, island.name) >= step_at_kill + 10, TAKEOVER_BOUND, "group 1 to lead the island on")
+    assert group.running
+    island.start()  # group 0 back: it follows the new leader, healing from it
+    wait_until(lambda: [c for c in read_report(cluster, island.name).get("island", {}).get("changes", [])
+                        if c["time"] > killed_at and c["groups"] == 2], TIMEOUT, "group 0 to rejoin")
+    reports = wait_for_learners_to_finish(cluster)
+    wait_until(lambda: group.returncode is not None, 30, "the new leader to end")
+    assert group.returncode == 0, f"the new leader failed: see {group.log_path}"
+
+    record = reports[island.name]["island"]
+    assert record["leader_group"] == 1 and record["took_lead_at"] > killed_at
+    lives = reports[island.name]["incarnations"]
+    # One more life of the learner, which went back to the checkpoint, not to step 0.
+    assert len(lives) == 2 and step_at_kill - 25 <= lives[1]["restored_step"] <= step_at_kill
+    assert record["verified"]["groups"] == 2  # group 0 ended holding the new leader's bits
     for learner_id, report in reports.items():
         assert report["phase"] == "done" and report["steps"] == 900
         assert held_fragments(report) == served_fragments(cfg, learner_id)

@@ -1,0 +1,52 @@
+"""Which replica group leads an island: the one holding an exclusive lock on a file in the
+learner's state folder, which the island's groups share (as they share its checkpoint).
+
+The kernel releases a lock when its holder dies, however it dies, so at most one group leads
+at a time and a dead leader's lock is free at once for the next. flock locks a file within one
+machine (or one Kubernetes pod's volume); the groups of an island share one.
+
+Each taking of the lease starts a new term (the file keeps the count): a leader of a later term
+outranks every group that followed an earlier one (learner/replica_groups.py).
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import pathlib
+
+
+class LeaderLease:
+    def __init__(self, path: str | os.PathLike):
+        self.path = pathlib.Path(path)
+        self._fd: int | None = None
+        self.term = 0  # of the lead this process holds; 0 until it takes the lease
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def try_take(self) -> bool:
+        """Takes the lease unless another process holds it; True when this one holds it."""
+        if self._fd is not None:
+            return True
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Not inherited across exec: a child process must not keep a dead leader's lease.
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        with os.fdopen(os.dup(fd), "r+") as file:
+            previous = file.read().split()
+            self.term = (int(previous[0]) if previous and previous[0].isdigit() else 0) + 1
+            file.seek(0)
+            file.truncate()
+            file.write(f"{self.term} {os.getpid()}\n")  # the pid for an operator: which process leads
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the only descriptor releases the lock
+            self._fd = None
