@@ -418,7 +418,7 @@ def test_an_island_of_replica_groups_is_a_container_per_group_beside_its_lightho
         assert flag(c["args"], "--replica-group") == str(index)
         assert flag(c["args"], "--lighthouse") == "http://127.0.0.1:29510"
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1  # learners.gpus split over the groups
-    assert "ports" in leader and "ports" not in group  # group 0 alone serves /metrics and syncs
+    assert "ports" in leader and "ports" not in group  # declared once; the leading group serves it
     assert cluster_config(renders["groups"])["island"]["replica_groups"] == 2
 
 

@@ -17,7 +17,7 @@ import pytest
 from diloco.localcluster.islands import recoveries
 from diloco.services.contract.config import dump_config
 from tests.cluster_config import tiny_cluster
-from tests.sim_command import run_sim
+from tests.sim_command import run_sim, sim_command
 from tests.cluster_watch import (TIMEOUT, held_fragments, read_report, served_fragments, wait_for_learners_to_finish,
                                  wait_until)
 from tests.test_learner_cluster import _step_of
@@ -166,3 +166,11 @@ def test_a_loss_is_timed_from_the_kill_to_the_first_step_without_the_group_and_b
     (starting,) = recoveries([{"event": "kill", "kind": "replica", "index": 0, "time": 5.0}], changes,
                              ["us-east-0-group-1"], "us-east-0")
     assert starting["trained_again_seconds"] is None
+
+
+def test_diloco_sim_refuses_learner_chaos_for_islands_whose_learner_fails_only_with_every_group(tmp_path):
+    result = subprocess.run(sim_command(tmp_path, "--replica-groups", "2", "--chaos-mtbf", "10"),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--chaos-mtbf" in result.stderr and "--chaos-replicas" in result.stderr, \
+        result.stdout + result.stderr
+    assert not (tmp_path / "run").exists()
