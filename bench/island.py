@@ -5,12 +5,14 @@
 
 Two runs of the same `diloco sim` command on examples/local-4-regions.yaml with two learners,
 each an island of R replica groups (learner/replica_groups.py): one without failures, one where
-every group but the leaders is SIGKILLed at exponential intervals (`--chaos-replicas`, mean
-seconds per group) and restarted 3 s later. For each kill: the seconds until the island's leader
-trained a step without the group (the leader's own record of the groups in each step) and, after
-the group's restart, until it trained with it again. Then what the losses cost the run: the
-learners' blocked seconds (waiting for a round's result) against the run without failures, steps
-dropped, tokens, and whether every group and the shards agree on the bits at the end.
+every group, the leading ones too, is SIGKILLed at exponential intervals (`--chaos-replicas`,
+mean seconds per group) and restarted 3 s later. For each kill: the seconds until the island's
+leader (a new one, where the leader was killed) trained a step without the group (the leader's
+own record of the groups in each step) and, after the group's restart, until it trained with it
+again. Then what the losses cost the run: the learners' blocked seconds (waiting for a round's
+result) against the run without failures, the takeovers of a lead (each a new incarnation of the
+learner, from its checkpoint) and the steps they went back, steps dropped, tokens, and whether
+every group and the shards agree on the bits at the end.
 """
 from __future__ import annotations
 
@@ -46,8 +48,11 @@ def figures(report: dict, learners: dict[str, dict]) -> dict:
         "kills": len(recoveries), "recoveries": recoveries,
         "trained_again_seconds_median": statistics.median(trained_again) if trained_again else None,
         "trained_again_seconds_max": max(trained_again, default=None),
+        "leader_kills": sum(r["led"] for r in recoveries),
+        "trained_again_after_leader_kill_seconds": [r["trained_again_seconds"] for r in recoveries if r["led"]],
         "rejoined_seconds_median": statistics.median(rejoined) if rejoined else None,
         "dropped_steps": sum(island["dropped_steps"] for island in report["islands"].values()),
+        "takeovers": sum(len(r["incarnations"]) - 1 for r in learners.values()),
         "blocked_seconds": {name: learner["blocked_seconds"] for name, learner in report["per_learner"].items()},
         "learner_restarts": report["restarts"]["learners"],
         "state_hashes_agree": report["state_hashes_agree"],
@@ -79,13 +84,14 @@ def main() -> int:
             results[name] = {"command": " ".join(command), **figures(report, learners)}
     base, chaos = results["without_failures"], results["groups_killed"]
     print(f"{'':32} {'without failures':>18} {'groups killed':>18}")
-    for key in ("wall_seconds", "goodput", "final_eval_loss", "tokens", "kills", "dropped_steps", "learner_restarts"):
+    for key in ("wall_seconds", "goodput", "final_eval_loss", "tokens", "kills", "leader_kills", "takeovers",
+                "dropped_steps", "learner_restarts"):
         print(f"{key:32} {base[key]!s:>18} {chaos[key]!s:>18}")
     for name in base["blocked_seconds"]:
         print(f"{'blocked seconds ' + name:32} {base['blocked_seconds'][name]:18.2f} {chaos['blocked_seconds'][name]:18.2f}")
     print(f"trained again after a kill: median {chaos['trained_again_seconds_median']} s, "
           f"max {chaos['trained_again_seconds_max']} s; with the group again {chaos['rejoined_seconds_median']} s "
-          "after its restart (median)")
+          f"after its restart (median); after a leader's kill {chaos['trained_again_after_leader_kill_seconds']} s")
     print(f"state hashes agree: {base['state_hashes_agree']} / {chaos['state_hashes_agree']}; groups verified "
           f"identical at the end: {chaos['groups_verified_identical']}")
     if args.json:

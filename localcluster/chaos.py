@@ -33,10 +33,11 @@ class Chaos:
     def due_kills(self, now: float) -> list[int]:
         return [i for i, at in enumerate(self.next_kill) if at <= now and i not in self.down]
 
-    def killed(self, index: int, now: float, last_step: int = 0) -> None:
+    def killed(self, index: int, now: float, last_step: int = 0, **detail) -> None:
+        """`detail`: what else the event records (an island's group: whether it led)."""
         self.down[index] = Downtime(index, now, now + self.restart_delay)
         self.events.append({"event": "kill", "kind": self.kind, "index": index, "time": now,
-                            "step": last_step})
+                            "step": last_step, **detail})
 
     def due_restarts(self, now: float) -> list[Downtime]:
         return [d for d in self.down.values() if d.restart_at <= now]

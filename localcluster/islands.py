@@ -27,6 +27,7 @@ class Islands:
 
     def __init__(self, cfg: Config, run_dir: pathlib.Path, learner_argv: dict[str, list[str]]):
         groups, island = cfg.island.replica_groups, cfg.island
+        self.state_dir = pathlib.Path(cfg.run.state_dir)
         ports = free_ports(len(cfg.learners))
         self.lighthouse_urls = {l.id: f"http://127.0.0.1:{port}" for l, port in zip(cfg.learners, ports)}
         # Waits for a straggler (a leader evaluating, say) long enough that the groups do not
@@ -65,12 +66,23 @@ class Islands:
                 log.warning("replica group %s exited with %s; restarting it", proc.name, proc.returncode)
                 chaos.killed(i, now)
         for i in chaos.due_kills(now):
-            self.members[i].kill()
-            chaos.killed(i, now)
-            log.info("chaos: killed replica group %s", self.members[i].name)
+            proc = self.members[i]
+            led = self.leads(proc)
+            proc.kill()
+            chaos.killed(i, now, led=led)
+            log.info("chaos: killed replica group %s%s", proc.name, " (it led its island)" if led else "")
         for downtime in chaos.due_restarts(now):
             self.members[downtime.proc_index].start()
             chaos.restarted(downtime, now)
+
+    def leads(self, proc: Proc) -> bool:
+        """Whether the group holds its island's lease (learner/leader_lease.py: "term pid")."""
+        learner_id = proc.name.rsplit("-group-", 1)[0]
+        try:
+            holder = (self.state_dir / f"learner-{learner_id}" / "leader.lock").read_text().split()
+        except OSError:
+            return False
+        return proc.running and len(holder) == 2 and holder[1] == str(proc.popen.pid)
 
     def stop(self, timeout: float) -> None:
         """The groups (their leaders stopped them, or SIGTERM does), then the lighthouses."""
@@ -101,7 +113,7 @@ def recoveries(chaos_events: list[dict], changes: list[dict], names: list[str], 
         restart = max((e["time"] for e in chaos_events if e["event"] == "restart" and e["kind"] == "replica"
                        and e["index"] == kill["index"] and more is not None and e["time"] <= more["time"]),
                       default=None)
-        found.append({"group": names[kill["index"]], "killed_at": kill["time"],
+        found.append({"group": names[kill["index"]], "led": kill.get("led", False), "killed_at": kill["time"],
                       "trained_again_seconds": None if fewer is None else fewer["time"] - kill["time"],
                       "rejoined_seconds_after_restart": None if restart is None else more["time"] - restart})
     return found
