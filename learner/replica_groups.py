@@ -70,6 +70,7 @@ class ReplicaGroups:
             quorum_timeout=timedelta(hours=1), connect_timeout=timedelta(seconds=60))
         self._met_leader = self.leader
         self._leader_group = group if self.leader else None  # the group that led the last step
+        self._missed_share: str | None = None  # why this follower missed what the leader shared
         self._island_state: tuple[Callable[[], dict], Callable[[dict], None]] | None = None
         self._groups_now = 0
         self.changes: list[dict] = []  # when the groups in the step changed: time, step, groups
@@ -111,13 +112,16 @@ class ReplicaGroups:
             if self._manager.errored():
                 break  # the step is dropped at commit, whoever is in
             if leading.any():
+                if self._missed_share:
+                    raise IslandBroken(f"replica group {self.rank} missed what the leader shared: it leaves the "
+                                       f"island ({self._missed_share})")
                 self._met_leader = True
                 self._leader_group = int(leading.nonzero()[0])
                 break
             # A group that never met a leader waits for group 0 (the island is starting).
             if self._met_leader and self.lease.try_take():
                 left, self.leader, self._leader_group = self._leader_group, True, self.rank
-                self.took_lead_at = time.time()
+                self.took_lead_at, self._missed_share = time.time(), None
                 raise LeadTaken(f"replica group {self.rank}: the island's leader (group {left}) left; "
                                 "this group leads the island now, from its last checkpoint")
             time.sleep(WAIT_FOR_LEADER_SECONDS)
@@ -165,18 +169,22 @@ class ReplicaGroups:
         """After a committed step: the leader's applied fragment values and its decision to stop
         reach every group. Sums where only the leader contributes, over the values' bits (int32),
         so every group ends with the leader's exact bits. A group that misses them cannot be
-        trusted: it raises and its process exits (it rejoins with the leader's state)."""
+        trusted to train on with this leader: at its next step it exits if the leader is still
+        there (it rejoins with the leader's state), or takes the lead if the leader left (the
+        checkpoint it restores replaces what it missed)."""
         flags = torch.zeros(len(plan.fragments) + 1, dtype=torch.int64, device=self.device)
         if self.leader:
             flags[applied] = 1
             flags[-1] = stop
-        self._reduce(flags)
+        if not self._reduce_shared(flags):
+            return [], False
         applied = flags[:-1].nonzero().flatten().tolist()
         for fragment_id in applied:
             fragment = plan.fragments[fragment_id]
             bits = gather(fragment, params).float().to(self.device).view(torch.int32) if self.leader else \
                 torch.zeros(fragment.numel, dtype=torch.int32, device=self.device)
-            self._reduce(bits)
+            if not self._reduce_shared(bits):
+                return [], False
             if not self.leader:
                 scatter(fragment, bits.view(torch.float32), params)
         return applied, bool(flags[-1])
@@ -204,11 +212,18 @@ class ReplicaGroups:
         return {"replica_groups": self.groups, "leader_group": self.rank, "took_lead_at": self.took_lead_at,
                 "changes": self.changes, "dropped_steps": self.dropped_steps, "verified": self.verified}
 
-    def _reduce(self, tensor: torch.Tensor) -> None:
+    def _reduce_shared(self, tensor: torch.Tensor) -> bool:
+        """Sums what the leader shares; False where a group missed it (a follower remembers)."""
         self._manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
         if self._manager.errored() and not self.leader:
+            self._missed_share = str(self._manager.errored())
+            return False
+        return True
+
+    def _reduce(self, tensor: torch.Tensor) -> None:
+        if not self._reduce_shared(tensor):
             raise IslandBroken(f"replica group {self.rank} missed what the leader shared: it leaves the island "
-                               f"({self._manager.errored()})")
+                               f"({self._missed_share})")
 
     def close(self) -> None:
         self._manager.shutdown(wait=False)

@@ -98,23 +98,27 @@ class Islands:
         return self.lighthouses + self.groups
 
 
-def recoveries(chaos_events: list[dict], changes: list[dict], names: list[str], learner_id: str) -> list[dict]:
+def recoveries(chaos_events: list[dict], changes: list[dict], names: list[str], learner_id: str,
+               lives: list[dict] = ()) -> list[dict]:
     """For each kill of one of `learner_id`'s groups: how long its leader took to train again
-    without it (the first step with fewer groups) and, from the start of the life that came back
-    (a group killed again while starting has several), to train with it again, from the leader's
-    record of the groups in each step."""
+    without it (the first step with fewer groups; where the killed group led, until the life of
+    the learner that took the lead began to train, from the report's `lives`) and, from the start
+    of the life that came back (a group killed again while starting has several), to train with
+    it again, from the leader's record of the groups in each step."""
     found = []
     for kill in (e for e in chaos_events if e["event"] == "kill" and e["kind"] == "replica"
                  and names[e["index"]].rsplit("-group-", 1)[0] == learner_id):
         after = [c for c in changes if c["time"] >= kill["time"]]
         # The first change after the kill, if it is the loss (a group still starting was not in).
         fewer = after[0] if after and after[0]["groups"] < _groups_before(changes, kill["time"]) else None
+        took_lead = next((life["started"] for life in lives if life["started"] > kill["time"]), None)
+        trained_again = (took_lead if kill.get("led") else None if fewer is None else fewer["time"])
         more = next((c for c in after if fewer is not None and c["groups"] > fewer["groups"]), None)
         restart = max((e["time"] for e in chaos_events if e["event"] == "restart" and e["kind"] == "replica"
                        and e["index"] == kill["index"] and more is not None and e["time"] <= more["time"]),
                       default=None)
         found.append({"group": names[kill["index"]], "led": kill.get("led", False), "killed_at": kill["time"],
-                      "trained_again_seconds": None if fewer is None else fewer["time"] - kill["time"],
+                      "trained_again_seconds": None if trained_again is None else trained_again - kill["time"],
                       "rejoined_seconds_after_restart": None if restart is None else more["time"] - restart})
     return found
 

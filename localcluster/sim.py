@@ -397,7 +397,8 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
         report["chaos_events"] += replica_chaos.events
         report["islands"] = {learner_id: {**reports[learner_id].get("island", {}), "recoveries": recoveries(
             replica_chaos.events, reports[learner_id].get("island", {}).get("changes", []),
-            [proc.name for proc in cluster.islands.members], learner_id)} for learner_id in reports}
+            [proc.name for proc in cluster.islands.members], learner_id, reports[learner_id].get("incarnations", []))}
+            for learner_id in reports}
     report.update(outcome)
     observer.close()
     report["final_eval_loss"] = evaluate_global_model(cluster)

@@ -156,12 +156,16 @@ def test_a_replica_group_that_cannot_be_one_is_refused_before_it_starts(tmp_path
 def test_a_loss_is_timed_from_the_kill_to_the_first_step_without_the_group_and_back():
     changes = [{"time": 10.0, "step": 1, "groups": 2}, {"time": 52.0, "step": 300, "groups": 1},
                {"time": 61.0, "step": 350, "groups": 2}]
-    events = [{"event": "kill", "kind": "replica", "index": 0, "time": 50.0, "led": True},
+    events = [{"event": "kill", "kind": "replica", "index": 0, "time": 50.0, "led": False},
               {"event": "restart", "kind": "replica", "index": 0, "time": 55.0},
               {"event": "kill", "kind": "replica", "index": 1, "time": 70.0}]  # another island's group
     (found,) = recoveries(events, changes, ["us-east-0-group-1", "us-east-10-group-1"], "us-east-0")
-    assert found == {"group": "us-east-0-group-1", "led": True, "killed_at": 50.0, "trained_again_seconds": 2.0,
+    assert found == {"group": "us-east-0-group-1", "led": False, "killed_at": 50.0, "trained_again_seconds": 2.0,
                      "rejoined_seconds_after_restart": 6.0}
+    # The leader killed: the learner trained again when the life of the group that took the lead began.
+    (leader,) = recoveries([{"event": "kill", "kind": "replica", "index": 1, "time": 50.0, "led": True}], changes,
+                           ["us-east-0-group-1", "us-east-0"], "us-east-0", lives=[{"started": 0.0}, {"started": 53.5}])
+    assert leader["led"] and leader["trained_again_seconds"] == 3.5
     # A group killed while it was not in the island yet: no loss to time.
     (starting,) = recoveries([{"event": "kill", "kind": "replica", "index": 0, "time": 5.0}], changes,
                              ["us-east-0-group-1"], "us-east-0")
