@@ -19,7 +19,9 @@ progress; after its repair and start-up it rejoins with a new incarnation and pu
 model (fp32) before it trains again. A shard that is down fails its fragments' pushes and
 pulls at once (those syncs are skipped, as a learner skips a sync to a shard it cannot reach),
 and a learner (re)joining waits until every shard is back. A learner of several slices trains
-on without a failed one, on fewer tokens per step (planner/island.py).
+on without a failed one, on fewer tokens per step; where that is its leader slice, another
+takes the lead: the learner loses what a failed one loses and restores as a restarted one
+does, without a repair or a start-up (planner/island.py).
 """
 from __future__ import annotations
 
@@ -107,7 +109,7 @@ class Learner:
         self.tokens_per_step = inputs.learner_tokens_per_step()  # every slice training
         transfer = inputs.model_parameters * STATE_BYTES_PER_PARAMETER * 8 / (inputs.island_gbps * 1e9)
         self.island = Island(inputs.slices_per_learner, clock, ledger, inputs.island_reconfigure_seconds,
-                             self.startup_seconds, transfer, inputs.island_leader_slice)
+                             self.startup_seconds, transfer, inputs.island_leader_loss == "failover")
         self.region = inputs.region(index)
         link = inputs.link(index)
         self.up = Link(link.up_mbps, link.latency_ms / 1000)
@@ -115,7 +117,9 @@ class Learner:
         self.incarnation = 0
         self.attendance = 0  # its Attend call on the shard, which ends when it fails
         self.life = 0  # bumped by every failure and rejoin: events of an earlier life are void
-        self.phase = "startup"  # startup (its process), restore (pulling the model), training, down, finished
+        # startup (its process), restore (pulling the model), training, failover (its island's new
+        # leader restores: the island books it), down, finished
+        self.phase = "startup"
         self.phase_since = 0.0
         self.steps = self.tokens = 0
         self.checkpointed_steps = self.checkpointed_tokens = 0  # as of its last checkpoint (checkpoint_steps)
@@ -183,7 +187,7 @@ class DilocoRun:
     def _over(self) -> bool:
         """A budget run is over once no learner is training and none has yet to finish."""
         return (self.inputs.target_tokens is not None and any(l.phase == "finished" for l in self.learners)
-                and not any(l.phase in ("training", "restore") for l in self.learners))
+                and not any(l.phase in ("training", "restore", "failover") for l in self.learners))
 
     def _start_training(self, learner: Learner, at: float) -> None:
         learner.schedule = LearnerSchedule(self.cfg, self.plan, self.clock)
@@ -380,6 +384,8 @@ class DilocoRun:
                 outcome = island.failed(k)
                 if outcome is SliceFailed.LEARNER_FAILED:
                     self._failed(learner)
+                elif outcome is SliceFailed.LEADER_FAILED_OVER:
+                    self._failed_over(learner)
                 elif outcome is SliceFailed.RECONFIGURE:
                     self._reconfigure(learner)
             if learner.phase == "down" and island.healthy:
@@ -398,6 +404,27 @@ class DilocoRun:
         self._next_step(learner, max(now, learner.island.ready))
 
     def _failed(self, learner: Learner) -> None:
+        """Down until it (with an island: a slice that can lead it) is repaired."""
+        self._lose_progress(learner)
+        learner.island.stopped()
+        self._phase(learner, "down")
+        learner.life += 1
+        self._training_changed()
+
+    def _failed_over(self, learner: Learner) -> None:
+        """Its island's leader slice failed and another took the lead in its running process:
+        the learner loses what a failed one loses, and after the island's pause the new leader
+        restores as a restarted learner does (below), with no repair and no start-up."""
+        self._lose_progress(learner)
+        self._phase(learner, "failover")
+        learner.life += 1
+        life = learner.life
+        self.queue.at(learner.island.resume_at, lambda: self._pull(learner, life))
+        self._training_changed()
+
+    def _lose_progress(self, learner: Learner) -> None:
+        """A failure's loss: the steps since its last checkpoint (or those its fragments had not
+        delivered) and the step in progress; its Attend call ends with its process."""
         now = self.clock.now
         if learner.training:
             if self.inputs.checkpoint_steps:  # the next life trains them again: its counts go back
@@ -412,15 +439,11 @@ class DilocoRun:
                 self.ledger.add("blocked", learner.island.share_seconds(learner.blocked_since, now))
             elif now > learner.last_step_end:  # the step in progress
                 self.ledger.add("lost", learner.island.share_seconds(learner.last_step_end, now))
-            learner.island.stopped()
         if learner.attendance:
             # Its Attend call ends with its process: the rounds stop waiting for it now.
             self.core.absent(learner.id, learner.incarnation, learner.attendance)
             learner.attendance = 0
             self.syncer.tick()
-        self._phase(learner, "down")
-        learner.life += 1
-        self._training_changed()
 
     def _repaired(self, learner: Learner) -> None:
         """Its process starts again (start-up), pulls the whole model, then rejoins (below)."""
@@ -441,6 +464,12 @@ class DilocoRun:
             self._training_changed()
             return
         self._phase(learner, "restore")
+        self._pull(learner, life)
+
+    def _pull(self, learner: Learner, life: int) -> None:
+        """The pull of a restarted learner, or of an island's new leader after a failover."""
+        if learner.life != life:
+            return
         held = learner.checkpointed_held
         nbytes = (sum(self._pull_bytes(self.core.fragments[fid].version - version) for fid, version in held.items())
                   if held else self.snapshot_bytes * self.inputs.fragments)

@@ -134,15 +134,16 @@ class PlanInputs:
     # A learner of several slices (an island): the pause when a slice leaves or rejoins (its
     # replica groups agree a new quorum and build new communicators, no process restarts), and
     # the rate at which a repaired slice receives the learner's state from a peer slice in its
-    # data centre (one host's NIC; a slice's hosts can copy their shards in parallel). As the
-    # island is built, slice 0 alone syncs with the shards, so losing it fails the learner
-    # (False: any slice but the last may fail, a leader that fails over), and after a pause
-    # it takes its phase from the others again, as a rejoining learner does (the learner's
-    # rephase(); False: it syncs on at its own step count, as it did before, and with H = P
-    # nothing else brings it back in phase).
+    # data centre (one host's NIC; a slice's hosts can copy their shards in parallel). One
+    # slice leads (syncs with the shards and holds the sync's state): losing it fails over to
+    # another slice, which rolls the learner back to its checkpoint and restores without a
+    # repair or a start-up (`learner_failure`: the learner is down until the leader is
+    # repaired: planner/island.py). After a pause the learner takes its phase from the others
+    # again, as a rejoining learner does (the learner's rephase(); False: it syncs on at its
+    # own step count, and with H = P nothing else brings it back in phase).
     island_reconfigure_seconds: NonNegative = 10.0
     island_gbps: Positive = 100.0
-    island_leader_slice: bool = True
+    island_leader_loss: Literal["failover", "learner_failure"] = "failover"
     island_rephase: bool = True
     # The run's length: one of hours (wall time), steps (global steps at the full batch) or
     # tokens (neither: DEFAULT_HOURS).

@@ -11,11 +11,18 @@ without a failed one: an elastic island, as torchft's replica groups make one in
 - A repaired slice starts (`startup_seconds`), receives the learner's state from a peer slice in
   the data centre (STATE_BYTES_PER_PARAMETER per parameter at `island_gbps`) while the others
   train, and joins at the next step boundary, with another pause.
+- The leader slice (the one that syncs with the shards and holds the sync's state, as the island
+  is built: docs/reliability.md "Losing a replica group") fails: what that costs is
+  `island_leader_loss`. `failover` (the learner as built): the lowest slice still training takes
+  the lead in its running process; the learner loses what a failed learner loses (the steps
+  since its checkpoint, the step in progress) and its Attend call, and its slices wait for the
+  pause and for the new leader's restore (the pull of the updates since the checkpoint, a new
+  incarnation's join, in phase: planner/diloco.py), with no repair and no start-up; the failed
+  slice rejoins later as any repaired slice does. `learner_failure`: a learner failure, down
+  until slice 0 is repaired.
 - A failure that leaves no slice training is a learner failure, as for a learner of one slice:
-  down until one of its slices is repaired, then it starts, pulls the model from the syncer and
-  rejoins, with every slice repaired by then. With `island_leader_slice` (the island as built,
-  docs/reliability.md "Losing a replica group"), slice 0 alone syncs with the shards and holds
-  the sync's state: its failure is a learner failure too, until it is repaired.
+  down until one of its slices (with `learner_failure`, slice 0) is repaired, then it starts,
+  pulls the model from the syncer and rejoins, with every slice repaired by then.
 
 This keeps one learner's slices, the share of the learner that trains over time, and the time
 its other slices spend out of it and all of them paused; planner/diloco.py drives it from the
@@ -37,9 +44,10 @@ STATE_BYTES_PER_PARAMETER = 16
 
 
 class SliceFailed(enum.Enum):
-    QUIET = "the learner trains on as it was (the slice was not training)"
+    QUIET = "the learner goes on as it was (the slice was not training, or the learner is failing over)"
     RECONFIGURE = "a training slice left: the step in progress is lost, the next waits for the pause"
-    LEARNER_FAILED = "no slice of the learner is left to train, or its leader slice failed"
+    LEADER_FAILED_OVER = "the leader slice left: another leads, the learner rolls back and restores"
+    LEARNER_FAILED = "no slice of the learner is left to train, or its leader slice failed (no failover)"
 
 
 @dataclass
@@ -52,9 +60,10 @@ class Outside:
 
 class Island:
     def __init__(self, slices: int, clock: VirtualClock, ledger: Ledger, pause_seconds: float,
-                 startup_seconds: float, transfer_seconds: float, leader: bool):
+                 startup_seconds: float, transfer_seconds: float, fails_over: bool):
         self.slices = slices
-        self.leader = 0 if leader else None  # the slice the learner cannot lose
+        self.fails_over = fails_over  # losing the leader slice fails over (else: fails the learner)
+        self.leader = 0  # the slice that syncs: without a failover, the slice the learner cannot lose
         self.clock, self.ledger = clock, ledger
         self.pause_seconds = pause_seconds
         self.startup_seconds = startup_seconds
@@ -63,6 +72,7 @@ class Island:
         self.training: set[int] = set()
         self.outside: dict[int, Outside] = {}  # only while the learner trains
         self.active = False  # the learner trains (its phases are booked whole otherwise)
+        self.failing_over = False  # the slices left wait for the new leader's restore, a pause
         self.times, self.shares = [0.0], [0.0]  # the share of the learner training from each time on
         self.resume_at = 0.0  # no step starts before: a reconfiguration
         self.ready = 0.0  # when the learner was last ready for its next step
@@ -74,8 +84,8 @@ class Island:
 
     @property
     def healthy(self) -> bool:
-        """Whether the learner can start: its leader slice is up (without one: any slice)."""
-        return self.leader not in self.broken if self.leader is not None else len(self.broken) < self.slices
+        """Whether the learner can start: any slice is up (without a failover: slice 0)."""
+        return len(self.broken) < self.slices if self.fails_over else self.leader not in self.broken
 
     def share_seconds(self, start: float, end: float) -> float:
         """The learner's seconds from start to end, times the share of it that was training
@@ -91,14 +101,22 @@ class Island:
     # ---- the learner -----------------------------------------------------------------
 
     def started(self) -> None:
-        """The learner trains (after its start and restore): every slice repaired by now trains."""
+        """The learner trains (after its start and restore): every slice repaired by now trains;
+        after a failover its slices are those that were left, and their wait ends."""
         now = self.clock.now
-        self.active = True
-        self.training = set(range(self.slices)) - self.broken
-        self.outside = {k: Outside(now) for k in self.broken}
-        self.resume_at = self.ready = now
+        if self.failing_over:
+            self._settle_pause()
+        else:
+            self.active = True
+            self.training = set(range(self.slices)) - self.broken
+            self.outside = {k: Outside(now) for k in self.broken}
+            self.resume_at = now
+            self._share_changed()
+        if self.leader not in self.training:  # a failover's learner restarted on other slices
+            self.leader = min(self.training)
+        self.failing_over = False
+        self.ready = now
         self.pause = (now, now)
-        self._share_changed()
 
     def stopped(self) -> None:
         """The learner stops training (failed, finished, the run's end): from now its phase
@@ -108,7 +126,7 @@ class Island:
         self._settle_pause()
         for k in self.outside:
             self._book_outside(k)
-        self.active, self.training, self.outside = False, set(), {}
+        self.active, self.failing_over, self.training, self.outside = False, False, set(), {}
         self._share_changed()
 
     def next_step_start(self, ready: float) -> float:
@@ -141,14 +159,20 @@ class Island:
             self.outside[k] = Outside(now)
             return SliceFailed.QUIET
         self._settle_pause()
-        self.pause = (self.pause[0], self.pause[0])  # the step after it is void: the learner reschedules
+        if not self.failing_over:
+            self.pause = (self.pause[0], self.pause[0])  # the step after it is void: the learner reschedules
         self.training.discard(k)
         self.outside[k] = Outside(now)
         self._share_changed()
-        if not self.training or k == self.leader:
+        if not self.training or (k == self.leader and not self.fails_over):
             return SliceFailed.LEARNER_FAILED
-        self.resume_at = now + self.pause_seconds
-        return SliceFailed.RECONFIGURE
+        self.resume_at = now + self.pause_seconds  # a failing-over learner's first step waits for it too
+        if k == self.leader:
+            self.leader = min(self.training)
+            self.failing_over = True
+            self.pause = (now, math.inf)  # booked as it elapses, until the learner trains again
+            return SliceFailed.LEADER_FAILED_OVER
+        return SliceFailed.QUIET if self.failing_over else SliceFailed.RECONFIGURE
 
     def repaired(self, k: int) -> None:
         self.broken.discard(k)

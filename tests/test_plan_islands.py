@@ -1,11 +1,13 @@
 """`diloco plan` with learners of several slices (elastic islands, planner/island.py): a slice's
-failure costs its learner a pause and the slice's share until it rejoins, every slice down is a
-learner failure, and the slices are the fleet's failure units in every mode. Virtual time, no
-sockets: seconds."""
+failure costs its learner a pause and the slice's share until it rejoins, the leader slice's
+fails over to another slice (a rollback to the checkpoint and a restore, no repair), every slice
+down is a learner failure, and the slices are the fleet's failure units in every mode. Virtual
+time, no sockets: seconds."""
 import itertools
 
 import pytest
 
+from diloco.planner.diloco import DilocoRun
 from diloco.planner.failures import FailureModel
 from diloco.planner.inputs import PlanError, load_inputs
 from diloco.planner.simulate import simulate
@@ -19,6 +21,12 @@ SMALL = {"chips": 64, "learners": 4, "slices_per_learner": 4, "model_parameters"
 
 def plan(**inputs):
     return load_inputs({**SMALL, **inputs})
+
+
+def run_diloco(inputs):
+    """The result, and the learners as the run left them."""
+    run = DilocoRun(inputs, FailureModel.from_inputs(inputs))
+    return run.run(lambda seconds: None), run.learners
 
 
 def test_a_slice_failure_costs_its_learner_a_pause_and_the_slices_share_until_it_rejoins():
@@ -66,10 +74,11 @@ def test_every_slice_down_at_once_is_a_learner_failure_as_with_one_slice():
 
 
 def test_the_last_slice_failing_fails_the_learner_which_restarts_when_a_slice_is_repaired():
-    # Two slices: slice 0 down from 100 s for 10 minutes (slice 1 pauses 10 s and trains on),
-    # slice 1 from 200 s for 5: the learner is down from 200 s to 500 s, restarts on slice 1 (a
-    # pull from the syncer), and slice 0 rejoins at 700 s (another 10 s pause, both slices).
-    result = simulate(plan(slices_per_learner=2, island_leader_slice=False, failures=(
+    # Two slices: slice 0 down from 100 s for 10 minutes (slice 1 takes the lead: a 10 s pause
+    # and a pull, then trains on), slice 1 from 200 s for 5: the learner is down from 200 s to
+    # 500 s, restarts on slice 1 (a pull from the syncer), and slice 0 rejoins at 700 s
+    # (another 10 s pause, both slices).
+    result = simulate(plan(slices_per_learner=2, failures=(
         {"learner": 0, "slice": 0, "at_seconds": 100.0, "repair_minutes": 10.0},
         {"learner": 0, "slice": 1, "at_seconds": 200.0, "repair_minutes": 5.0})), "diloco")
     badput = result.goodput.badput_seconds
@@ -79,18 +88,53 @@ def test_the_last_slice_failing_fails_the_learner_which_restarts_when_a_slice_is
     assert result.failures == 2 and result.uptime == 1.0  # three other learners train on
 
 
-def test_the_leader_slices_failure_fails_the_learner_until_the_leader_is_repaired():
-    # As the island is built, slice 0 alone talks to the shards: slice 1 fails at 100 s for
-    # 2 minutes, slice 0 at 150 s for 5: the learner is down from 150 s to 450 s, although
-    # slice 1 is back at 220 s, and restarts with both.
+def test_without_a_failover_the_leader_slices_failure_fails_the_learner_until_the_leader_is_repaired():
+    # island_leader_loss: learner_failure: slice 1 fails at 100 s for 2 minutes, slice 0 at
+    # 150 s for 5: the learner is down from 150 s to 450 s, although slice 1 is back at 220 s,
+    # and restarts with both.
     failures = ({"learner": 0, "slice": 1, "at_seconds": 100.0, "repair_minutes": 2.0},
                 {"learner": 0, "slice": 0, "at_seconds": 150.0, "repair_minutes": 5.0})
-    badput = simulate(plan(failures=failures), "diloco").goodput.badput_seconds
+    badput = simulate(plan(failures=failures, island_leader_loss="learner_failure"), "diloco").goodput.badput_seconds
     assert badput["down"] == pytest.approx(50.0 / 4 + 300.0)
-    # A leader that fails over: slice 0's failure is one more slice out.
-    failover = simulate(plan(failures=failures, island_leader_slice=False), "diloco").goodput.badput_seconds
+    # Failing over (the default), slice 0's failure is one more slice out.
+    failover = simulate(plan(failures=failures), "diloco").goodput.badput_seconds
     assert failover["down"] == pytest.approx(120.0 / 4 + 300.0 / 4)
 
+
+# Checkpoints every 50 steps; 30 s start-ups, so the learners' step n ends at 30 + n seconds.
+CHECKPOINTED = dict(checkpoint_steps=50, startup_seconds=(30.0,))
+
+
+def test_the_leader_slice_fails_over_losing_the_steps_since_the_checkpoint_and_a_pause_not_a_repair():
+    healthy, healthy_learners = run_diloco(plan(**CHECKPOINTED))
+    # Slice 0, the leader, fails halfway through step 121 (150.5 s), 20 steps after the checkpoint.
+    failure = ({"learner": 0, "slice": 0, "at_seconds": 150.5},)
+    result, learners = run_diloco(plan(**CHECKPOINTED, failures=failure))
+    badput, before = result.goodput.badput_seconds, healthy.goodput.badput_seconds
+    assert badput["lost"] == pytest.approx(20.0 + 0.5)  # the steps since the checkpoint, the step in progress
+    # No repair, no start-up: only the failed slice's share of its own 5-minute repair and 30 s start.
+    assert badput["down"] == pytest.approx(300.0 / 4)
+    assert badput["startup"] - before["startup"] == pytest.approx(30.0 / 4)
+    # The three slices left pause 10 s, then the new leader pulls the updates since the
+    # checkpoint (0.03 s); slice 0 rejoins later with a 10 s pause of all four.
+    assert 7.5 + 10.0 < badput["restore"] < 7.5 + 10.0 + 0.3
+    # The new leader joins as a new incarnation of the learner; the lowest slice left leads.
+    assert learners[0].incarnation == healthy_learners[0].incarnation + 1
+    assert learners[0].island.leader == 1 and result.uptime == healthy.uptime  # the others trained on
+    # As a learner failure: the same loss, then down until slice 0 is repaired and a start-up.
+    failed = simulate(plan(**CHECKPOINTED, failures=failure, island_leader_loss="learner_failure"), "diloco")
+    assert failed.goodput.badput_seconds["lost"] == pytest.approx(20.0 + 0.5)
+    assert failed.goodput.badput_seconds["down"] == pytest.approx(300.0)
+    assert failed.goodput.badput_seconds["startup"] - before["startup"] == pytest.approx(30.0)
+    assert healthy.goodput.share > result.goodput.share > failed.goodput.share
+
+
+def test_the_new_leaders_failure_fails_over_again():
+    # Slice 0 fails at 150.5 s (slice 1 leads), rejoins about 340 s later; slice 1 fails at 700.5 s.
+    result, learners = run_diloco(plan(**CHECKPOINTED, failures=(
+        {"learner": 0, "slice": 0, "at_seconds": 150.5}, {"learner": 0, "slice": 1, "at_seconds": 700.5})))
+    assert learners[0].island.leader == 0 and learners[0].incarnation == 2 + 2  # seeded, joined, two failovers
+    assert result.goodput.badput_seconds["down"] == pytest.approx(2 * 300.0 / 4)
 
 def test_the_slices_are_the_same_failure_units_whatever_the_learners_they_make_up():
     islands = dict(chips=64, learners=2, slices_per_learner=4, chip_mtbf_hours=200.0, hours=6.0)
@@ -124,6 +168,7 @@ def test_islands_keep_decoupled_diloco_training_where_a_slice_failure_took_its_l
      r"failures\[0\].slice: 4 is not a slice of the learner \(slices_per_learner=4\)"),
     ({"slices_per_learner": 0}, "slices_per_learner: Input should be greater than 0"),
     ({"island_gbps": 0}, "island_gbps: Input should be greater than 0"),
+    ({"island_leader_loss": "free"}, "island_leader_loss: Input should be 'failover' or 'learner_failure'"),
 ])
 def test_bad_island_inputs_are_refused_naming_the_key(inputs, message):
     with pytest.raises(PlanError, match=message):
@@ -139,3 +184,5 @@ def test_the_command_fails_one_slice_and_shows_the_slices(capsys):
     assert all(line.split()[2] == "4" for line in table.splitlines()[1:])
     assert main(["plan", "--fail", "1/x@30", "--quiet"]) == 2
     assert "expected LEARNER@SECONDS or LEARNER/SLICE@SECONDS" in capsys.readouterr().err
+    assert main(["plan", "--island-leader-loss", "none", "--quiet"]) == 2
+    assert "island_leader_loss: Input should be 'failover' or 'learner_failure' (got 'none')" in capsys.readouterr().err
