@@ -484,6 +484,33 @@ def _calibration_spread(figure: str, rows: list[dict]) -> str:
     return f"{figure} x{min(differences):.2f} to x{max(differences):.2f}"
 
 
+ISLAND_TRAINS_AGAIN_SECONDS = 5.0  # issue 35: "the learner keeps training within a few seconds"
+
+
+def island(section: dict, out: pathlib.Path) -> list[str]:
+    base, chaos = section["without_failures"], section["groups_killed"]
+    lines = ["Learner islands of replica groups under torchft (`island.replica_groups`, docs/reliability.md "
+             "\"Losing a replica group\"): every group, the leading ones too, SIGKILLed at exponential intervals and "
+             "restarted 3 s later, against the same run without kills. Trained again: from a kill to the island's first "
+             "step without the group (a leader's kill: to the first step of the group that took the lead, from the "
+             "learner's checkpoint); back: from the killed group's restart to its first step in the island. "
+             f"{code(section['command'])} runs both.", ""]
+    leader = [s for s in chaos["trained_again_after_leader_kill_seconds"] if s is not None]
+    lines += table(["run", "kills (leaders')", "trained again s, median / max", "after a leader's kill s, median",
+                    "back after restart s, median", "blocked s per learner", "tokens", "goodput", "global loss",
+                    "hashes agree", "command"],
+                   [[name, f"{run['kills']} ({run['leader_kills']})",
+                     "-" if run["trained_again_seconds_median"] is None else
+                     f"{run['trained_again_seconds_median']:.2f} / {run['trained_again_seconds_max']:.2f}",
+                     f"{statistics.median(leader):.2f}" if leader and run is chaos else "-",
+                     "-" if run["rejoined_seconds_median"] is None else f"{run['rejoined_seconds_median']:.1f}",
+                     ", ".join(f"{seconds:.2f}" for seconds in run["blocked_seconds"].values()),
+                     f"{run['tokens'] / 1e6:.3f}M", pct(run["goodput"]), _loss(run["final_eval_loss"]),
+                     "yes" if run["state_hashes_agree"] else "**no**", code(run["command"])]
+                    for name, run in (("without failures", base), ("groups killed", chaos))])
+    return lines
+
+
 def summary(results: dict) -> list[str]:
     """One headline row per section that ran, with its target or anchor and whether it was met."""
     rows = []
@@ -586,6 +613,14 @@ def summary(results: dict) -> list[str]:
         rows.append(["10. calibration", "planned / measured goodput: " + ", ".join(
             f"{run['name']} {g['predicted']:.1%} / {g['measured']:.1%}" for run, g in zip(c["rows"], goodput)),
                      "the planner predicts what diloco sim measures", "-"])
+    if "island" in results:
+        chaos = results["island"]["groups_killed"]
+        again = chaos["trained_again_seconds_median"]
+        rows.append(["11. islands", f"{chaos['kills']} groups killed ({chaos['leader_kills']} leading): trained again "
+                     f"after {again:.2f} s (median), {chaos['takeovers']} takeovers of a lead, no learner restart: "
+                     f"{chaos['learner_restarts'] == 0}; hashes agree: {chaos['state_hashes_agree']}",
+                     f"trains on within {ISLAND_TRAINS_AGAIN_SECONDS:g} s of a kill; hashes agree (issue 35)",
+                     verdict(again <= ISLAND_TRAINS_AGAIN_SECONDS and chaos["state_hashes_agree"])])
     return table(["section", "headline (this run)", "target or anchor", "verdict"], rows)
 
 
@@ -593,10 +628,11 @@ TITLES = {"quality": "1. Quality at equal tokens", "bandwidth": "2. Bandwidth", 
           "overlap": "4. Overlap", "transport": "5. Transport and syncer", "recovery": "6. Recovery",
           "user_loop": "7. The API in a user's loop", "hf": "8. Hugging Face Llama on the API (CPU)",
           "plan": "9. Planning at datacenter scale (`diloco plan`)",
-          "calibration": "10. The planner against the local cluster (`diloco plan --calibrate-from`)"}
+          "calibration": "10. The planner against the local cluster (`diloco plan --calibrate-from`)",
+          "island": "11. Elastic islands: losing replica groups (local)"}
 RENDERERS = {"quality": quality, "bandwidth": bandwidth, "goodput": goodput, "overlap": overlap,
              "transport": transport, "recovery": recovery, "user_loop": user_loop, "hf": hf, "plan": plan,
-             "calibration": calibration}
+             "calibration": calibration, "island": island}
 
 
 def later_run(run: dict) -> str:

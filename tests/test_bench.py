@@ -16,7 +16,7 @@ from bench.run_all import merged
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SECTIONS = ("quality", "bandwidth", "goodput", "overlap", "transport", "recovery", "user_loop", "hf", "plan",
-            "calibration")
+            "calibration", "island")
 
 
 def is_number(value) -> bool:
@@ -86,6 +86,10 @@ def test_committed_results_hold_every_section_with_dp_beside_diloco():
     for run in runs:
         assert run["learner_kills"] > 0 and run["rows"][0]["figure"] == "goodput"
         assert all(is_number(row["predicted"]) and is_number(row["measured"]) for row in run["rows"])
+    island = results["island"]  # issue 35: groups killed, the leading ones too, against no kills
+    assert island["groups_killed"]["kills"] > 0 and island["groups_killed"]["leader_kills"] > 0
+    assert island["groups_killed"]["learner_restarts"] == 0 and island["without_failures"]["kills"] == 0
+    assert is_number(island["groups_killed"]["trained_again_seconds_median"])
     assert is_number(results["runner"]["wall_seconds"])
 
 
