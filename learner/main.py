@@ -268,8 +268,8 @@ def join_replica_groups(cfg, args: argparse.Namespace, trainer: Trainer, device:
     for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
         logging.getLogger(name).setLevel(logging.WARNING)
     from diloco.learner.replica_groups import ReplicaGroups
-    # The finish signal (SIGUSR1) goes to every group of an island (Kubernetes signals every
-    # container of a pod): a group that does not lead, or not yet, ignores it.
+    # The finish signal (SIGUSR1) may reach every group of an island (diloco sim signals them
+    # all, since any of them may lead): a group that does not lead, or not yet, ignores it.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     groups = ReplicaGroups(args.replica_group, cfg.island, args.lighthouse, device,
                            LeaderLease(state_dir / "leader.lock"))
