@@ -43,7 +43,7 @@ def figures(report: dict, learners: dict[str, dict]) -> dict:
     rejoined = [r["rejoined_seconds_after_restart"] for r in recoveries
                 if r["rejoined_seconds_after_restart"] is not None]
     return {
-        "wall_seconds": report["wall_seconds"], "goodput": report["goodput"],
+        "wall_seconds": report["wall_seconds"], "goodput": report["goodput"], "badput_seconds": report["badput_seconds"],
         "final_eval_loss": report["final_eval_loss"], "tokens": report["tokens"],
         "kills": len(recoveries), "recoveries": recoveries,
         "trained_again_seconds_median": statistics.median(trained_again) if trained_again else None,
@@ -87,6 +87,9 @@ def main() -> int:
     for key in ("wall_seconds", "goodput", "final_eval_loss", "tokens", "kills", "leader_kills", "takeovers",
                 "dropped_steps", "learner_restarts"):
         print(f"{key:32} {base[key]!s:>18} {chaos[key]!s:>18}")
+    for category in chaos["badput_seconds"]:
+        print(f"{'badput s ' + category:32} {base['badput_seconds'][category]:18.1f} "
+              f"{chaos['badput_seconds'][category]:18.1f}")
     for name in base["blocked_seconds"]:
         print(f"{'blocked seconds ' + name:32} {base['blocked_seconds'][name]:18.2f} {chaos['blocked_seconds'][name]:18.2f}")
     print(f"trained again after a kill: median {chaos['trained_again_seconds_median']} s, "

@@ -497,7 +497,8 @@ def island(section: dict, out: pathlib.Path) -> list[str]:
              f"{code(section['command'])} runs both.", ""]
     leader = [s for s in chaos["trained_again_after_leader_kill_seconds"] if s is not None]
     lines += table(["run", "kills (leaders')", "trained again s, median / max", "after a leader's kill s, median",
-                    "back after restart s, median", "blocked s per learner", "tokens", "goodput", "global loss",
+                    "back after restart s, median", "blocked s per learner", "tokens", "goodput (largest badput)",
+                    "global loss",
                     "hashes agree", "command"],
                    [[name, f"{run['kills']} ({run['leader_kills']})",
                      "-" if run["trained_again_seconds_median"] is None else
@@ -505,10 +506,17 @@ def island(section: dict, out: pathlib.Path) -> list[str]:
                      f"{statistics.median(leader):.2f}" if leader and run is chaos else "-",
                      "-" if run["rejoined_seconds_median"] is None else f"{run['rejoined_seconds_median']:.1f}",
                      ", ".join(f"{seconds:.2f}" for seconds in run["blocked_seconds"].values()),
-                     f"{run['tokens'] / 1e6:.3f}M", pct(run["goodput"]), _loss(run["final_eval_loss"]),
+                     f"{run['tokens'] / 1e6:.3f}M", f"{pct(run['goodput'])} ({_largest_badput(run)})",
+                     _loss(run["final_eval_loss"]),
                      "yes" if run["state_hashes_agree"] else "**no**", code(run["command"])]
                     for name, run in (("without failures", base), ("groups killed", chaos))])
     return lines
+
+
+def _largest_badput(run: dict) -> str:
+    """The three largest badput categories of a run, in seconds (older results have none)."""
+    badput = sorted(run.get("badput_seconds", {}).items(), key=lambda item: -item[1])[:3]
+    return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in badput) or "-"
 
 
 def summary(results: dict) -> list[str]:

@@ -126,3 +126,22 @@ def recoveries(chaos_events: list[dict], changes: list[dict], names: list[str], 
 def _groups_before(changes: list[dict], at: float) -> int:
     before = [c["groups"] for c in changes if c["time"] < at]
     return before[-1] if before else 0
+
+
+def leader_kills(chaos_events: list[dict], names: list[str], learner_id: str, index: int,
+                 lives: list[dict]) -> tuple[list[dict], float]:
+    """`learner_id`'s kills of the group that led its island, as learner kills (`index` its
+    learner's), each followed at once by a restart: the life of the group that took the lead,
+    which began when it took it (its start-up and restore precede its record's `started`).
+    And the seconds the learner had no leader, from each such kill to that takeover."""
+    events, leaderless = [], 0.0
+    for kill in (e for e in chaos_events if e["event"] == "kill" and e["kind"] == "replica" and e.get("led")
+                 and names[e["index"]].rsplit("-group-", 1)[0] == learner_id):
+        successor = next((life for life in lives if life["started"] > kill["time"]), None)
+        if successor is None:
+            continue
+        took_lead = successor["started"] - successor["startup_seconds"] - successor["restore_seconds"]
+        leaderless += max(0.0, took_lead - kill["time"])
+        events += [{"event": "kill", "index": index, "time": kill["time"]},
+                   {"event": "restart", "index": index, "time": max(kill["time"], took_lead)}]
+    return events, leaderless

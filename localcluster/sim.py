@@ -46,7 +46,7 @@ from diloco.localcluster import data_parallel
 from diloco.localcluster.chaos import Chaos
 from diloco.localcluster.cluster import ExitedBeforeServing, LocalCluster, Proc, free_ports
 from diloco.localcluster.interrupt import Interrupted, StopSignals, ends_early
-from diloco.localcluster.islands import recoveries
+from diloco.localcluster.islands import leader_kills, recoveries
 from diloco.localcluster.wan import apply_link_flags
 from diloco.services.contract.config import (Config, ConfigError, ConfigLoader, LinkConfig, check_factories,
                                              load_config, parse_config)
@@ -392,7 +392,8 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
         lives = reports[proc.name].get("incarnations") or [{}]
         finished_at.setdefault(proc.name, max(stopping, lives[-1].get("training_ended_at", stopping)))
     report = summarise(cfg, args, reports, observer, learner_chaos, shard_chaos,
-                       {name: at - started for name, at in finished_at.items()}, wall, timeline, started)
+                       {name: at - started for name, at in finished_at.items()}, wall, timeline, started,
+                       replica_chaos.events, [proc.name for proc in cluster.islands.members] if cluster.islands else [])
     if cluster.islands:
         report["chaos_events"] += replica_chaos.events
         report["islands"] = {learner_id: {**reports[learner_id].get("island", {}), "recoveries": recoveries(
@@ -493,14 +494,17 @@ def killed_lives(events: list[dict], index: int, run_started: float, lives: list
 
 def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], observer: Observer,
               learner_chaos: Chaos, shard_chaos: Chaos, provisioned: dict[str, float], wall: float,
-              timeline: list[dict], run_started: float) -> dict:
+              timeline: list[dict], run_started: float, replica_events: list[dict] = (),
+              group_names: list[str] = ()) -> dict:
     """The run's figures. Goodput (services/contract/goodput.py) = kept training compute / provisioned
     learner time: a learner is provisioned from the start of the run until its budget is
     spent, and its kept compute is its final step count times its mean step time. The badput:
     start-up (a life killed before it recorded anything: all of it), restore, waits, down
     time, lost (what a kill destroyed: a life's time after its last record, and steps past the
     checkpoint its successor restored), evaluations and checkpoint copies; `other` is the rest of
-    the provisioned time: the loop's own bookkeeping, starting and applying syncs."""
+    the provisioned time: the loop's own bookkeeping, starting and applying syncs. An island's
+    leading group killed (`replica_events` of the groups `group_names`) is a kill of its learner
+    whose next life began when another group took the lead: down until then."""
     statuses = [s for s in observer.last_status if s is not None]
     model_numel = sum(f.numel for s in statuses for f in s.fragments)
     badput = no_badput()
@@ -525,7 +529,9 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         badput["down"] += learner_chaos.down_seconds[index]
         badput["evaluation"] += total("evaluation_seconds")
         badput["checkpoint"] += total("checkpoint_seconds")
-        starting, lost = killed_lives(learner_chaos.events, index, run_started, lives, step_seconds)
+        island_kills, leaderless = leader_kills(replica_events, group_names, learner.id, index, lives)
+        badput["down"] += leaderless
+        starting, lost = killed_lives(learner_chaos.events + island_kills, index, run_started, lives, step_seconds)
         badput["startup"] += starting
         badput["lost"] += lost
         moved = total("bytes_up") + total("bytes_down")

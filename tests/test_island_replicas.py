@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from diloco.localcluster.islands import recoveries
+from diloco.localcluster.islands import leader_kills, recoveries
 from diloco.services.contract.config import dump_config
 from tests.cluster_config import tiny_cluster
 from tests.sim_command import run_sim, sim_command
@@ -178,3 +178,15 @@ def test_diloco_sim_refuses_learner_chaos_for_islands_whose_learner_fails_only_w
     assert result.returncode == 2 and "--chaos-mtbf" in result.stderr and "--chaos-replicas" in result.stderr, \
         result.stdout + result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_leaders_kill_is_its_learners_kill_down_until_another_group_took_the_lead():
+    names = ["us-east-0", "us-west-0", "us-east-0-group-1"]
+    events = [{"event": "kill", "kind": "replica", "index": 0, "time": 50.0, "led": True},
+              {"event": "kill", "kind": "replica", "index": 2, "time": 70.0, "led": False},  # a follower: no kill
+              {"event": "kill", "kind": "replica", "index": 1, "time": 80.0, "led": True}]  # another learner's
+    lives = [{"started": 10.0, "startup_seconds": 3.0, "restore_seconds": 0.5},
+             {"started": 53.0, "startup_seconds": 0.1, "restore_seconds": 0.4}]
+    kills, leaderless = leader_kills(events, names, "us-east-0", 3, lives)
+    assert kills == [{"event": "kill", "index": 3, "time": 50.0}, {"event": "restart", "index": 3, "time": 52.5}]
+    assert leaderless == 2.5
