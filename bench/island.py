@@ -10,9 +10,9 @@ mean seconds per group) and restarted 3 s later. For each kill: the seconds unti
 leader (a new one, where the leader was killed) trained a step without the group (the leader's
 own record of the groups in each step) and, after the group's restart, until it trained with it
 again. Then what the losses cost the run: the learners' blocked seconds (waiting for a round's
-result) against the run without failures, the takeovers of a lead (each a new incarnation of the
-learner, from its checkpoint) and the steps they went back, steps dropped, tokens, and whether
-every group and the shards agree on the bits at the end.
+result) and the run's badput against the run without failures, the takeovers of a lead (each a
+new incarnation of the learner, from its checkpoint), steps dropped, tokens, and whether every
+group and the shards agree on the bits at the end.
 """
 from __future__ import annotations
 

@@ -46,6 +46,16 @@ class LeaderLease:
         self._fd = fd
         return True
 
+    @staticmethod
+    def holder(path: str | os.PathLike) -> int | None:
+        """The pid of the process that last took the lease at `path` (None: never taken). It holds
+        it still only while it runs."""
+        try:
+            fields = pathlib.Path(path).read_text().split()
+        except OSError:
+            return None
+        return int(fields[1]) if len(fields) == 2 and fields[1].isdigit() else None
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing the only descriptor releases the lock

@@ -67,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train alone, never talking to the syncer (a baseline for benchmarks)")
     parser.add_argument("--replica-group", type=int, default=0, metavar="G",
                         help="with island.replica_groups > 1: which replica group of the island this process is "
-                             "(0 syncs with the shards; the others heal from it)")
+                             "(0 leads at the start: it syncs with the shards and the others heal from it; "
+                             "when the leader dies, another group takes the lead)")
     parser.add_argument("--lighthouse", default=os.environ.get("TORCHFT_LIGHTHOUSE"), metavar="URL",
                         help="with island.replica_groups > 1: the island's torchft lighthouse, e.g. "
                              "http://127.0.0.1:29510 (default: $TORCHFT_LIGHTHOUSE)")

@@ -254,8 +254,8 @@ class LocalCluster:
 
     @property
     def learner_processes(self) -> list[Proc]:
-        """Every process of every learner: an island's replica groups too (as Kubernetes signals
-        every container of a pod), since any of them may lead it."""
+        """Every process of every learner: an island's replica groups too, since any of them
+        may lead it (Kubernetes, too, sends SIGTERM to every container of a pod)."""
         return self.islands.members if self.islands else self.learners
 
     def stop(self, timeout: float = 30) -> None:

@@ -14,6 +14,7 @@ import logging
 import pathlib
 import sys
 
+from diloco.learner.leader_lease import LeaderLease
 from diloco.localcluster.chaos import Chaos
 from diloco.localcluster.cluster import Proc, free_ports
 from diloco.services.contract.config import Config
@@ -60,7 +61,7 @@ class Islands:
         """One pass of the supervisor and of the groups' chaos: a group that died is restarted
         after the restart delay; chaos kills a group now and then, but not once its island is done."""
         for i, proc in enumerate(self.members):
-            if proc.name.rsplit("-group-", 1)[0] in finished:
+            if learner_of(proc.name) in finished:
                 chaos.retire(i)
             if i not in chaos.down and proc.returncode not in (None, 0):
                 log.warning("replica group %s exited with %s; restarting it", proc.name, proc.returncode)
@@ -76,13 +77,9 @@ class Islands:
             chaos.restarted(downtime, now)
 
     def leads(self, proc: Proc) -> bool:
-        """Whether the group holds its island's lease (learner/leader_lease.py: "term pid")."""
-        learner_id = proc.name.rsplit("-group-", 1)[0]
-        try:
-            holder = (self.state_dir / f"learner-{learner_id}" / "leader.lock").read_text().split()
-        except OSError:
-            return False
-        return proc.running and len(holder) == 2 and holder[1] == str(proc.popen.pid)
+        """Whether the group holds its island's lease (learner/leader_lease.py)."""
+        lease = self.state_dir / f"learner-{learner_of(proc.name)}" / "leader.lock"
+        return proc.running and LeaderLease.holder(lease) == proc.popen.pid
 
     def stop(self, timeout: float) -> None:
         """The groups (their leaders stopped them, or SIGTERM does), then the lighthouses."""
@@ -98,6 +95,11 @@ class Islands:
         return self.lighthouses + self.groups
 
 
+def learner_of(group_name: str) -> str:
+    """The learner whose island a group process belongs to (group 0 is named as its learner)."""
+    return group_name.rsplit("-group-", 1)[0]
+
+
 def recoveries(chaos_events: list[dict], changes: list[dict], names: list[str], learner_id: str,
                lives: list[dict] = ()) -> list[dict]:
     """For each kill of one of `learner_id`'s groups: how long its leader took to train again
@@ -107,7 +109,7 @@ def recoveries(chaos_events: list[dict], changes: list[dict], names: list[str], 
     it again, from the leader's record of the groups in each step."""
     found = []
     for kill in (e for e in chaos_events if e["event"] == "kill" and e["kind"] == "replica"
-                 and names[e["index"]].rsplit("-group-", 1)[0] == learner_id):
+                 and learner_of(names[e["index"]]) == learner_id):
         after = [c for c in changes if c["time"] >= kill["time"]]
         # The first change after the kill, if it is the loss (a group still starting was not in).
         fewer = after[0] if after and after[0]["groups"] < _groups_before(changes, kill["time"]) else None
@@ -136,7 +138,7 @@ def leader_kills(chaos_events: list[dict], names: list[str], learner_id: str, in
     And the seconds the learner had no leader, from each such kill to that takeover."""
     events, leaderless = [], 0.0
     for kill in (e for e in chaos_events if e["event"] == "kill" and e["kind"] == "replica" and e.get("led")
-                 and names[e["index"]].rsplit("-group-", 1)[0] == learner_id):
+                 and learner_of(names[e["index"]]) == learner_id):
         successor = next((life for life in lives if life["started"] > kill["time"]), None)
         if successor is None:
             continue

@@ -21,6 +21,7 @@ def test_only_one_holder_takes_the_lease_until_it_releases_it(tmp_path):
     assert second.try_take()
     assert (first.term, second.term) == (1, 2)
     assert path.read_text().split() == ["2", str(os.getpid())]  # the holder's pid, for an operator
+    assert LeaderLease.holder(path) == os.getpid() and LeaderLease.holder(tmp_path / "none.lock") is None
 
 
 def test_the_lease_of_a_killed_holder_is_free_at_once(tmp_path):
