@@ -391,6 +391,7 @@ def goodput_section(runner: Runner, profile: Profile) -> dict:
         flags = ["--learners", str(profile.goodput_learners), "--steps", "1000000",
                  "--duration", f"{profile.goodput_seconds:g}", "--chaos-mtbf", f"{mtbf:g}",
                  "--restart-delay", f"{profile.restart_delay:g}", "--seed", str(seed),
+                 "--no-warm-restarts",  # a dp job's ranks restart as new processes: both modes pay the same start-up
                  *(arg for override in GOODPUT_OVERRIDES for arg in ("--set", override))]
         row = {"target_down_share": share, "chaos_mtbf_seconds": mtbf, "seed": seed}
         for mode in ("diloco", "dp"):

@@ -212,7 +212,7 @@ class LocalCluster:
                 for l in cfg.learners}
         # Islands of replica groups: each learner process is its island's group 0.
         from diloco.localcluster.islands import Islands  # it builds on Proc, defined here
-        self.islands = Islands(cfg, run_dir, argv) if cfg.island.replica_groups > 1 else None
+        self.islands = Islands(cfg, run_dir, argv, warm_restarts) if cfg.island.replica_groups > 1 else None
         self.learners = [
             Proc(l.id, argv[l.id] + (self.islands.group_flags(l.id, 0) if self.islands else []),
                  run_dir / "logs" / f"{l.id}.log", env=dict(learner_env or {}), warm_restarts=warm_restarts)

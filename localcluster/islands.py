@@ -26,7 +26,8 @@ class Islands:
     """The lighthouses and the replica groups of every learner: `groups` those besides group 0,
     `members` every group (group 0, the cluster's learner process, once `adopt` gave it)."""
 
-    def __init__(self, cfg: Config, run_dir: pathlib.Path, learner_argv: dict[str, list[str]]):
+    def __init__(self, cfg: Config, run_dir: pathlib.Path, learner_argv: dict[str, list[str]],
+                 warm_restarts: bool = False):
         groups, island = cfg.island.replica_groups, cfg.island
         self.state_dir = pathlib.Path(cfg.run.state_dir)
         ports = free_ports(len(cfg.learners))
@@ -42,7 +43,7 @@ class Islands:
             for l, port in zip(cfg.learners, ports)]
         self.groups = [  # every group but group 0, learner by learner
             Proc(f"{l.id}-group-{g}", learner_argv[l.id] + self.group_flags(l.id, g),
-                 run_dir / "logs" / f"{l.id}-group-{g}.log")
+                 run_dir / "logs" / f"{l.id}-group-{g}.log", warm_restarts=warm_restarts)
             for l in cfg.learners for g in range(1, groups)]
         self.members = list(self.groups)
 

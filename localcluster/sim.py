@@ -86,10 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="mean seconds between SIGKILLs of each replica group (a leading one too: another "
                              "group takes the lead)")
     parser.add_argument("--restart-delay", type=float, default=5.0, help="seconds a killed process stays down")
-    parser.add_argument("--warm-restarts", action="store_true",
+    parser.add_argument("--warm-restarts", action=argparse.BooleanOptionalAction, default=True,
                         help="a killed learner's next life is a standby that imported torch and the learner "
-                             "while it was down, not a new process (start-up in tenths of a second, not seconds; "
-                             "docs/reliability.md says what it did to the global model)")
+                             "while it was down, as a spare host booting during the repair (start-up in tenths "
+                             "of a second); --no-warm-restarts starts a new process, as a restarted container "
+                             "does (seconds here)")
     parser.add_argument("--wan-mbps", metavar="N|REGION=UP[/DOWN],...",
                         help="cap each learner's link to the syncer (Mbit/s): one number for every region "
                              "(each way), or per region, e.g. us-east=50,us-west=20/40 (up 20, down 40); "
@@ -394,6 +395,7 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
     report = summarise(cfg, args, reports, observer, learner_chaos, shard_chaos,
                        {name: at - started for name, at in finished_at.items()}, wall, timeline, started,
                        replica_chaos.events, [proc.name for proc in cluster.islands.members] if cluster.islands else [])
+    report["restarts"]["warm"] = sum(proc.warm_starts for proc in cluster.learner_processes)  # from a standby
     if cluster.islands:
         report["chaos_events"] += replica_chaos.events
         report["islands"] = {learner_id: {**reports[learner_id].get("island", {}), "recoveries": recoveries(
@@ -647,7 +649,8 @@ def print_summary(report: dict, report_path: pathlib.Path) -> None:
         ("bytes on the wire", f"{moved / 1e6:.2f} MB (data parallel: "
                               f"{report['dp_equivalent_bytes'] / 1e6:.1f} MB, "
                               f"{report['dp_equivalent_bytes'] / moved if moved else float('inf'):.0f}x more)"),
-        ("restarts", f"learners {report['restarts']['learners']}, shards {report['restarts']['shards']}"),
+        ("restarts", f"learners {report['restarts']['learners']} ({report['restarts'].get('warm', 0)} warm), "
+                     f"shards {report['restarts']['shards']}"),
         ("state hashes agree", str(report["state_hashes_agree"]).lower() + (
             "" if report["state_hashes_agree"] is None else
             f" (each learner holds the bits the shards served it; anchors at most {report['anchor_offset']:.2f} "

@@ -37,6 +37,7 @@ def test_sim_with_learner_and_shard_chaos_keeps_training_and_agrees(tmp_path):
     assert REPORT_KEYS <= report.keys()
     assert report["mode"] == "diloco" and report["learners"] == 3 and report["shards"] == 2
     assert report["restarts"]["learners"] >= 1 and report["restarts"]["shards"] >= 1
+    assert report["restarts"]["warm"] == report["restarts"]["learners"]  # each from its standby
     assert report["inner_steps"] == 3 * 300
     assert report["state_hashes_agree"] is True and 0 <= report["anchor_offset"] < 0.25
     assert report["final_eval_loss"] < 0.8 * report["initial_eval_loss"]
@@ -369,6 +370,20 @@ def test_sim_overrides_config_keys_and_slows_the_first_learner(tmp_path):
         build_config(base, parser.parse_args(["--set", "sync.bogus=1"]), tmp_path / "run")
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
         build_config(base, parser.parse_args(["--set", "sync.codec"]), tmp_path / "run")
+
+
+@pytest.mark.parametrize("flags, warm", [([], True), (["--no-warm-restarts"], False)])
+def test_sim_restarts_every_learner_process_from_a_standby_unless_told_not_to(tmp_path, flags, warm):
+    from diloco.localcluster.cluster import LocalCluster
+    from diloco.localcluster.sim import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(flags)
+    cfg = tiny_cluster(tmp_path / "state", learners=2, island={"replica_groups": 2})
+    cluster = LocalCluster(cfg, tmp_path / "run", warm_restarts=args.warm_restarts)
+    assert len(cluster.learner_processes) == 4  # an island's replica groups restart as its group 0 does
+    assert all(proc.warm_restarts is warm for proc in cluster.learner_processes)
 
 
 def test_chaos_counts_a_process_still_down_at_the_end_as_down_until_then():
