@@ -395,7 +395,8 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
     report = summarise(cfg, args, reports, observer, learner_chaos, shard_chaos,
                        {name: at - started for name, at in finished_at.items()}, wall, timeline, started,
                        replica_chaos.events, [proc.name for proc in cluster.islands.members] if cluster.islands else [])
-    report["restarts"]["warm"] = sum(proc.warm_starts for proc in cluster.learner_processes)  # from a standby
+    # Lives started from a standby: the learners' and, in islands, the replica groups'.
+    report["restarts"]["warm"] = sum(proc.warm_starts for proc in cluster.learner_processes)
     if cluster.islands:
         report["chaos_events"] += replica_chaos.events
         report["islands"] = {learner_id: {**reports[learner_id].get("island", {}), "recoveries": recoveries(
@@ -649,8 +650,8 @@ def print_summary(report: dict, report_path: pathlib.Path) -> None:
         ("bytes on the wire", f"{moved / 1e6:.2f} MB (data parallel: "
                               f"{report['dp_equivalent_bytes'] / 1e6:.1f} MB, "
                               f"{report['dp_equivalent_bytes'] / moved if moved else float('inf'):.0f}x more)"),
-        ("restarts", f"learners {report['restarts']['learners']} ({report['restarts'].get('warm', 0)} warm), "
-                     f"shards {report['restarts']['shards']}"),
+        ("restarts", f"learners {report['restarts']['learners']}, shards {report['restarts']['shards']}"
+                     + (f"; {warm} lives from a warm standby" if (warm := report["restarts"].get("warm")) else "")),
         ("state hashes agree", str(report["state_hashes_agree"]).lower() + (
             "" if report["state_hashes_agree"] is None else
             f" (each learner holds the bits the shards served it; anchors at most {report['anchor_offset']:.2f} "
