@@ -69,6 +69,8 @@ class ReplicaGroups:
             # A step's quorum waits while the leader evaluates, checkpoints or starts up.
             quorum_timeout=timedelta(hours=1), connect_timeout=timedelta(seconds=60))
         self._met_leader = self.leader
+        self._leader_wait_seconds = cfg.leader_wait_seconds
+        self._started = time.monotonic()
         self._leader_group = group if self.leader else None  # the group that led the last step
         self._missed_share: str | None = None  # why this follower missed what the leader shared
         self._island_state: tuple[Callable[[], dict], Callable[[dict], None]] | None = None
@@ -118,12 +120,16 @@ class ReplicaGroups:
                 self._met_leader = True
                 self._leader_group = int(leading.nonzero()[0])
                 break
-            # A group that never met a leader waits for group 0 (the island is starting).
-            if self._met_leader and self.lease.try_take():
+            # A group that never met a leader waits for group 0 (the island is starting), up to
+            # island.leader_wait_seconds.
+            waited_out = time.monotonic() - self._started >= self._leader_wait_seconds
+            if (self._met_leader or waited_out) and self.lease.try_take():
                 left, self.leader, self._leader_group = self._leader_group, True, self.rank
                 self.took_lead_at, self._missed_share = time.time(), None
-                raise LeadTaken(f"replica group {self.rank}: the island's leader (group {left}) left; "
-                                "this group leads the island now, from its last checkpoint")
+                why = (f"the island's leader (group {left}) left" if left is not None else
+                       f"no leader came within island.leader_wait_seconds ({self._leader_wait_seconds:g} s)")
+                raise LeadTaken(f"replica group {self.rank}: {why}; this group leads the island now, "
+                                "from its last checkpoint")
             time.sleep(WAIT_FOR_LEADER_SECONDS)
         groups = self._manager.num_participants()
         if groups == self._groups_now:

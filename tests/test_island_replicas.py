@@ -26,10 +26,11 @@ PAUSE_BOUND = 10.0  # seconds: the lighthouse drops a silent group after island.
 TAKEOVER_BOUND = 20.0  # the same, then the new leader restores the checkpoint, joins the shards and pulls
 
 
-def island_cluster(tmp_path, cluster_factory, steps: int):
+def island_cluster(tmp_path, cluster_factory, steps: int, leader_wait_seconds: float = 60.0):
     cfg = tiny_cluster(tmp_path / "state", shards=1, learners=2, steps=steps,
                        trainer={"checkpoint_every": 25, "eval_every": 250},
-                       island={"replica_groups": 2, "heartbeat_timeout_seconds": 2.0})
+                       island={"replica_groups": 2, "heartbeat_timeout_seconds": 2.0,
+                               "leader_wait_seconds": leader_wait_seconds})
     cluster = cluster_factory(cfg)
     cluster.start_shards()
     cluster.start_learners()
@@ -124,6 +125,29 @@ def test_an_island_whose_every_group_dies_is_a_learner_failure(tmp_path, cluster
     for learner_id, report in reports.items():
         assert report["phase"] == "done" and report["steps"] == 500
         assert held_fragments(report) == served_fragments(cfg, learner_id)
+
+
+@pytest.mark.slow
+def test_after_every_group_died_another_group_leads_if_group_0_does_not_come_back(tmp_path, cluster_factory):
+    cfg, cluster = island_cluster(tmp_path, cluster_factory, steps=400, leader_wait_seconds=5.0)
+    island, other = cluster.learners
+    group = cluster.islands.groups[0]
+    wait_until(lambda: _step_of(cfg, island.name) >= 60, TIMEOUT, "the island to pass step 60")
+    island.kill()
+    group.kill()
+    restarted_at = time.time()
+    group.start()  # group 0 stays down
+    wait_until(lambda: all(read_report(cluster, p.name).get("phase") in ("catching_up", "done")
+                           for p in (island, other)), TIMEOUT, "both learners to spend their budget")
+    cluster.stop_learners()
+    assert group.returncode == 0, f"see {group.log_path}"
+    report = read_report(cluster, island.name)
+    assert report["island"]["leader_group"] == 1
+    assert report["island"]["took_lead_at"] - restarted_at >= 5.0  # it waited for group 0 first
+    lives = report["incarnations"]
+    assert len(lives) == 2 and lives[1]["restored_step"] >= 50  # from the checkpoint, not from step 0
+    assert report["phase"] == "done" and report["steps"] == 400
+    assert held_fragments(report) == served_fragments(cfg, island.name)
 
 
 @pytest.mark.slow

@@ -185,7 +185,7 @@ class IslandConfig(_Section):
     """Replica groups of each learner island (docs/reliability.md, "Losing a replica group"). One
     group is the island as one process (or one torchrun job) that fails as a whole. With R > 1
     each group is a process of its own, the groups average gradients every step through torchft,
-    and any group but 0 (the one that syncs) may die and rejoin while the others train on."""
+    one of them leads (syncs), and any group may die and rejoin while the others train on."""
     replica_groups: PositiveInt = 1
     # How long a gradient average waits for a group that stopped answering before the step is
     # dropped and the island reconfigures without it.
@@ -193,6 +193,9 @@ class IslandConfig(_Section):
     # The lighthouse (torchft's membership service) drops a group whose heartbeats stop for this
     # long: most of the pause the survivors see after a loss.
     heartbeat_timeout_seconds: PositiveFloat = 2.0
+    # A group that has met no leader since it started waits this long for group 0, the island's
+    # first leader, then leads itself: after every group died, group 0 may not come back.
+    leader_wait_seconds: PositiveFloat = 60.0
 
 
 class GPTConfig(_Section):
