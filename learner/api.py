@@ -313,10 +313,18 @@ class DecoupledDiLoCo:
         self._last_step_done = time.perf_counter()
         return applied
 
-    def rephase(self) -> None:
+    def rephase(self, stood_still_seconds: float = 0.0) -> None:
         """Call after the training stood still while the other learners trained on (an island
         that regrouped after losing or regaining a replica group): the sync schedule takes
-        their phase again, as after a join, instead of pushing behind their rounds from then on."""
+        their phase again, as after a join, instead of pushing behind their rounds from then on.
+        `stood_still_seconds` (the regroup, and any step it dropped) is badput "restore", the
+        island reconfiguring, not the next step's compute."""
+        if stood_still_seconds > 0:
+            self._last_step_done += stood_still_seconds
+            if self.report is not None:
+                self.report.spent("restore", stood_still_seconds)
+            if self.metrics:
+                self.metrics.spent("restore", stood_still_seconds)
         if self.sync is not None:
             self.sync.rephase()
 

@@ -202,10 +202,13 @@ def train(args: argparse.Namespace, trainer: Trainer, sync: DecoupledDiLoCo, che
         if not report.evaluations:
             with sync.timed("evaluation"):  # the starting point of the loss curve
                 evaluate()
+    stood_still = 0.0  # the island reconfiguring: a step dropped, a regroup
     while not sync.should_stop:
         stats = trainer.train_step()
+        stood_still += stats.regroup_seconds + (0.0 if stats.committed else stats.seconds)
         if stats.regrouped:  # the island stood still while the others trained on
-            sync.rephase()
+            sync.rephase(stood_still)
+            stood_still = 0.0
         if not stats.committed:  # a replica group died during it: no step, the survivors go on
             continue
         applied = sync.step(stats.tokens, stats.seconds)

@@ -113,7 +113,8 @@ class LearnerMetrics:
         self.step.set(step)
 
     def spent(self, category: str, seconds: float) -> None:
-        """Training-time work besides steps: category "evaluation" or "checkpoint"."""
+        """Training-time work besides steps: category "evaluation", "checkpoint" or "restore"
+        (an island regrouping)."""
         self._add_badput(category, seconds)
 
     def training_finished(self) -> None:

@@ -47,7 +47,8 @@ class Report:
         self.incarnations.append(self.current)
 
     def spent(self, category: str, seconds: float) -> None:
-        """Training-time work besides steps: category "evaluation" or "checkpoint"."""
+        """Training-time work besides steps: category "evaluation", "checkpoint" or "restore"
+        (an island regrouping)."""
         self.current[f"{category}_seconds"] += seconds
 
     def step(self, compute_seconds: float, loop_seconds: float) -> None:

@@ -49,11 +49,12 @@ log = logging.getLogger(__name__)
 class StepStats:
     loss: float
     tokens: int  # consumed by this step on this process: batch_size * grad_accum_steps * seq_len
-    seconds: float  # wall time of the whole step, data included
+    seconds: float  # wall time of the whole step, data included (a regroup before it not)
     lr: float
     grad_norm: float  # total L2 norm of the gradients before clipping
     committed: bool = True  # False: a replica group failed during the step, which was dropped
     regrouped: bool = False  # the island of replica groups regrouped before the step (it stood still)
+    regroup_seconds: float = 0.0  # how long that regroup held the step back
 
 
 def lr_at(step: int, opt: InnerOptimizerConfig, max_steps: int) -> float:
@@ -131,6 +132,8 @@ class Trainer:
         started = time.perf_counter()
         # A group behind takes the island's state (its step too) here.
         regrouped = self.replicas.begin_step() if self.replicas else False
+        regroup_seconds = time.perf_counter() - started if regrouped else 0.0
+        started += regroup_seconds
         lr = lr_at(self.step, self.cfg.inner_optimizer, self.cfg.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -152,14 +155,15 @@ class Trainer:
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if self.replicas and not self.replicas.commit():
             return StepStats(loss=loss_sum.item() / micro_batches, tokens=0, seconds=time.perf_counter() - started,
-                             lr=lr, grad_norm=grad_norm.item(), committed=False, regrouped=regrouped)
+                             lr=lr, grad_norm=grad_norm.item(), committed=False, regrouped=regrouped,
+                             regroup_seconds=regroup_seconds)
         self.optimizer.step()
         if self.slowdown > 1.0:  # emulated slower hardware: the step takes longer, for real
             time.sleep((self.slowdown - 1.0) * (time.perf_counter() - started))
         self.step += 1
         self.tokens += tokens
         return StepStats(loss=loss_sum.item() / micro_batches, tokens=tokens, seconds=time.perf_counter() - started,
-                         lr=lr, grad_norm=grad_norm.item(), regrouped=regrouped)
+                         lr=lr, grad_norm=grad_norm.item(), regrouped=regrouped, regroup_seconds=regroup_seconds)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16")

@@ -26,6 +26,7 @@ REMAINDER = "other"
 MEANING = {
     "startup": "from the process starting to its checkpoint loaded and its model built",
     "restore": "joining the run and pulling the global model (catching up after a rejoin); "
+               "an island regrouping after losing or regaining a replica group; "
                "reconfiguring or reloading a checkpoint in data-parallel modes",
     "blocked": "waiting for a fragment's result past tau; in data parallel, waiting for the slowest slice",
     "lost": "steps run again after a crash (work since the last delivered sync or checkpoint), "
