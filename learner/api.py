@@ -322,7 +322,7 @@ class DecoupledDiLoCo:
         if stood_still_seconds > 0:
             self._last_step_done += stood_still_seconds
             if self.report is not None:
-                self.report.spent("restore", stood_still_seconds)
+                self.report.spent("regroup", stood_still_seconds)
             if self.metrics:
                 self.metrics.spent("restore", stood_still_seconds)
         if self.sync is not None:

@@ -43,12 +43,13 @@ class Report:
         self.current = {"incarnation": incarnation, "started": now, "recorded_at": now, "restored_step": restored_step,
                         "startup_seconds": startup, "restore_seconds": restore,
                         "versions_behind_at_join": behind, "steps": 0, "compute_seconds": 0.0,
-                        "loop_seconds": 0.0, "evaluation_seconds": 0.0, "checkpoint_seconds": 0.0}
+                        "loop_seconds": 0.0, "evaluation_seconds": 0.0, "checkpoint_seconds": 0.0,
+                        "regroup_seconds": 0.0}
         self.incarnations.append(self.current)
 
     def spent(self, category: str, seconds: float) -> None:
-        """Training-time work besides steps: category "evaluation", "checkpoint" or "restore"
-        (an island regrouping)."""
+        """Training-time work besides steps: category "evaluation", "checkpoint" or "regroup"
+        (an island regrouping; badput restore, apart from the life's own join and pull)."""
         self.current[f"{category}_seconds"] += seconds
 
     def step(self, compute_seconds: float, loop_seconds: float) -> None:

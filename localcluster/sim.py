@@ -527,7 +527,7 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         useful += kept_steps * step_seconds
         provisioned_total += provisioned[learner.id]
         badput["startup"] += total("startup_seconds")
-        badput["restore"] += total("restore_seconds")
+        badput["restore"] += total("restore_seconds") + total("regroup_seconds")  # an island's pauses too
         badput["blocked"] += total("blocked_seconds")
         badput["down"] += learner_chaos.down_seconds[index]
         badput["evaluation"] += total("evaluation_seconds")
