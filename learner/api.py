@@ -320,11 +320,7 @@ class DecoupledDiLoCo:
         `stood_still_seconds` (the regroup, and any step it dropped) is badput "restore", the
         island reconfiguring, not the next step's compute."""
         if stood_still_seconds > 0:
-            self._last_step_done += stood_still_seconds
-            if self.report is not None:
-                self.report.spent("regroup", stood_still_seconds)
-            if self.metrics:
-                self.metrics.spent("restore", stood_still_seconds)
+            self._book_badput("restore", stood_still_seconds, report_key="regroup")
         if self.sync is not None:
             self.sync.rephase()
 
@@ -345,12 +341,16 @@ class DecoupledDiLoCo:
         try:
             yield
         finally:
-            seconds = time.perf_counter() - started
-            self._last_step_done += seconds
-            if self.report is not None:
-                self.report.spent(category, seconds)
-            if self.metrics:
-                self.metrics.spent(category, seconds)
+            self._book_badput(category, time.perf_counter() - started)
+
+    def _book_badput(self, category: str, seconds: float, report_key: str | None = None) -> None:
+        """Counts `seconds` of the loop as badput `category` (in the report under `report_key`,
+        default the category), not as the next step's compute."""
+        self._last_step_done += seconds
+        if self.report is not None:
+            self.report.spent(report_key or category, seconds)
+        if self.metrics:
+            self.metrics.spent(category, seconds)
 
     # ---- the run's product ------------------------------------------------------------
 
