@@ -47,6 +47,7 @@ class Progress:
     tokens: int  # trained by this learner (every rank of its island)
     tokens_per_second: float
     sync_step: int  # the step its sync schedule is at
+    waiting_for: int | None = None  # the fragment whose result training waits for now
 
 
 class SessionHost(Protocol):
@@ -282,7 +283,8 @@ class ShardSession:
         held = {fid: version for fid, version in self.host.held_versions().items()
                 if self.plan.fragments[fid].shard == self.index}
         reply = self.client.heartbeat(progress.step, progress.step_seconds, progress.tokens_per_second, held,
-                                      sync_step=progress.sync_step, tokens=progress.tokens, timeout=deadline)
+                                      sync_step=progress.sync_step, tokens=progress.tokens,
+                                      waiting_for=progress.waiting_for, timeout=deadline)
         self.host.heard_run_tokens(reply, progress)
 
     def _attend(self) -> None:

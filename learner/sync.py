@@ -73,6 +73,7 @@ class StreamingSync:
         self.step = 0
         self.step_seconds = 0.0
         self.tokens_per_second = 0.0
+        self.waiting_for: int | None = None  # the fragment whose result training waits for (heartbeats report it)
         self.tokens = 0  # trained by this learner (every rank of its island)
         self._lock = threading.Lock()  # guards `fragments` while heartbeat threads read them
         self._stop = threading.Event()
@@ -212,7 +213,7 @@ class StreamingSync:
 
     def progress(self) -> Progress:
         return Progress(self.step, self.step_seconds, self.tokens, self.tokens_per_second,
-                        self.step + self.schedule.sync_offset)
+                        self.step + self.schedule.sync_offset, self.waiting_for)
 
     def heard_run_tokens(self, reply: pb.HeartbeatResponse, progress: Progress) -> None:
         self.schedule.heard_run_tokens(reply.run_tokens, reply.run_tokens_per_second, progress.tokens,
@@ -247,7 +248,11 @@ class StreamingSync:
         long as it takes). Returns whether a new global value was applied; False also while
         the result is still out (it stays in flight)."""
         fragment_id = pipeline.fragment.id
-        waited = pipeline.wait(wait_limit)
+        self.waiting_for = fragment_id  # heartbeats tell the shards: their other rounds need not wait for us
+        try:
+            waited = pipeline.wait(wait_limit)
+        finally:
+            self.waiting_for = None
         self.stats.blocked_seconds += waited
         if not pipeline.result_in():
             if self.schedule.result_still_out(fragment_id, waited):

@@ -42,11 +42,13 @@ class ClaimBounds:
     period_steps: int  # H, sync.interval_steps
     max_sync_step: int  # a step plus the phase a learner took (< H)
     lease_seconds: float
+    fragments: int  # P, sync.fragments
 
     @classmethod
     def from_config(cls, cfg: Config) -> ClaimBounds:
         return cls(cfg.max_tokens_per_step(), cfg.trainer.max_steps, cfg.sync.interval_steps,
-                   cfg.trainer.max_steps + cfg.sync.interval_steps, cfg.syncer.lease_seconds)
+                   cfg.trainer.max_steps + cfg.sync.interval_steps, cfg.syncer.lease_seconds,
+                   cfg.sync.fragments)
 
     @property
     def max_weight(self) -> float:
@@ -94,6 +96,9 @@ class ClaimBounds:
             _refuse("sync_step", f"sync_step={report.sync_step} is beyond trainer.max_steps + "
                                  f"sync.interval_steps={self.max_sync_step}")
         _check_step_seconds(report.step_seconds)
+        if report.waiting_for is not None and report.waiting_for >= self.fragments:
+            _refuse("waiting_for", f"waiting_for_fragment={report.waiting_for} is not a fragment "
+                                            f"(sync.fragments={self.fragments})")
         rate = report.tokens_per_second
         if not (math.isfinite(rate) and rate >= 0):
             _refuse("tokens_per_second", f"tokens_per_second={rate!r} is not a finite number >= 0")

@@ -59,7 +59,8 @@ class RoundCloser:
             reason = state.round.synchronous_close_reason(live_ids, self.membership.departed_ids())
         else:
             reason = state.round.close_reason(live_ids, started, state.grace.seconds(),
-                                              self.membership.member_ids(), self.membership.departed_ids())
+                                              self.membership.member_ids(), self.membership.departed_ids(),
+                                              self.membership.waiting_elsewhere(state.id))
         if reason is None:
             return False
         round_ = state.round

@@ -15,7 +15,7 @@ from diloco.services.metrics import WAN_TRANSFER_BUCKETS, Collector, new_registr
 SYNCER_COUNTER_FAMILIES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "contributions": ("result", ("accepted", "stale_merged", "refused_stale", "refused", "restored")),
     "refusals": ("reason", ()),
-    "rounds": ("reason", ("all", "quorum_grace", "all_left")),
+    "rounds": ("reason", ("all", "others_waiting", "quorum_grace", "all_left")),
     "learners": ("event", ("joined", "rejoined", "left", "expired")),
     "seeds": (None, ()),
     "kept_compute_seconds": (None, ()),

@@ -63,9 +63,12 @@ class OpenRound:
             self.quorum_at = now
 
     def close_reason(self, live_ids: frozenset[str], now: float, grace_seconds: float,
-                     member_ids: frozenset[str] = frozenset(), departed_ids: frozenset[str] = frozenset()
-                     ) -> str | None:
-        """"all" once every live learner has contributed; "quorum_grace" once at least K
+                     member_ids: frozenset[str] = frozenset(), departed_ids: frozenset[str] = frozenset(),
+                     waiting_ids: frozenset[str] = frozenset()) -> str | None:
+        """"all" once every live learner has contributed; "others_waiting" once every live
+        learner has contributed or waits for another fragment's result (`waiting_ids`: its
+        next push of this fragment comes after that wait, which may be for a round that waits
+        for this one's contributors); "quorum_grace" once at least K
         have and the grace window has passed since the K-th, or a contributor's deadline has
         come (syncer/grace.py); "all_left" once every learner
         that joined has left the run and the contributors with them (nobody is left to add to
@@ -75,6 +78,8 @@ class OpenRound:
             return None
         if live_ids and live_ids <= self.contributors:
             return "all"
+        if live_ids and live_ids <= self.contributors | waiting_ids:
+            return "others_waiting"
         if self.quorum_at is not None and (now - self.quorum_at >= grace_seconds or now >= self.close_by):
             return "quorum_grace"
         if not member_ids and departed_ids and self.contributors <= departed_ids:

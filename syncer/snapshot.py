@@ -33,7 +33,7 @@ class Encoded:
 class ClosedRound:
     """How a round closed: with the round's logged contributions, all a replay needs."""
     round: int
-    close_reason: str  # "all" or "quorum_grace"
+    close_reason: str  # "all", "others_waiting", "quorum_grace" or "all_left"
     contributors: int  # distinct learners
     closed_unix_seconds: float
     duration_seconds: float  # from the round's first contribution to its close

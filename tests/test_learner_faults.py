@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -173,7 +174,7 @@ def restart_without_state(shards: LocalCluster, cfg) -> None:
 def rounds_closed(cfg, index: int = 0) -> int:
     """Rounds the shard process closed since it started."""
     counters = shard_status(cfg, index).counters
-    return counters.get("rounds.all", 0) + counters.get("rounds.quorum_grace", 0)
+    return sum(count for name, count in counters.items() if name.startswith("rounds."))
 
 
 def test_a_shard_restarted_without_its_state_takes_up_the_run_again_and_the_learner_ends_with_its_bits(
@@ -361,3 +362,36 @@ def test_a_learner_whose_process_dies_stops_counting_at_once_not_a_lease_later(t
     finally:
         learner.kill()
         learner.wait()
+
+
+def test_a_learner_waiting_for_one_fragments_result_does_not_hold_the_others_rounds(tmp_path, cluster, learners):
+    # The config's second learner joins both shards and pushes only fragment 1: fragment 0's
+    # round waits for it, and our learner waits for fragment 0's result (up to 30 s). Its
+    # heartbeats say so, and fragment 1's round, which our learner has yet to reach, closes
+    # without it instead of holding the second learner the same way.
+    cfg = fault_config(tmp_path, shards=2, sync={"max_block_seconds": 30.0})
+    cluster(cfg)
+    params = model()
+    other = cfg.learners[1]
+    incarnation = time.time_ns()
+    with ShardClient(cfg.shards[0].address, cfg.rpc, other.id, incarnation, identity=None) as shard_0, \
+            ShardClient(cfg.shards[1].address, cfg.rpc, other.id, incarnation, identity=None) as shard_1:
+        shard_0.join(other.region, MANIFEST)
+        shard_1.join(other.region, MANIFEST)
+        sync = learners(cfg, params)  # seeds both fragments
+        shard_1.push(1, torch.full((128,), 0.01), codec="fp32", block_size=cfg.sync.codec_block_size,
+                     c_steps=4, c_tokens=4, step_seconds=0.01)
+        released = []
+        trainer = threading.Thread(target=train, args=(sync, params, lambda: bool(released), "the test"))
+        trainer.start()
+        try:
+            wait_until(lambda: fragment_status(cfg, 1).version == 1, 10, "fragment 1's round to close")
+            assert fragment_status(cfg, 1).last_round.close_reason == "others_waiting"
+            assert fragment_status(cfg, 0).version == 0  # still waiting for the second learner
+            assert sync.stats.blocked_seconds == 0.0  # the wait has not ended
+        finally:
+            released.append(True)
+            shard_0.push(0, torch.full((128,), 0.01), codec="fp32", block_size=cfg.sync.codec_block_size,
+                         c_steps=4, c_tokens=4, step_seconds=0.01)
+            trainer.join(TIMEOUT)
+    assert not trainer.is_alive() and sync.stats.blocked_seconds > 0

@@ -166,6 +166,26 @@ def test_a_round_does_not_wait_for_a_learner_that_rejoined_after_it_opened():
     assert shard.version() == 2
 
 
+def test_a_round_does_not_wait_for_a_learner_whose_training_waits_for_another_fragment():
+    # c waits for fragment 1's round, which waits for a and b, who wait for this one: without
+    # the rule all three would sit out sync.max_block_seconds.
+    shard = Shard(make_config(quorum=3, lease_seconds=60.0, grace={"mode": "fixed", "seconds": 60.0}))
+    shard.push("a", 0, delta(1, shard.numel()))
+    shard.push("b", 0, delta(2, shard.numel()))
+    shard.core.heartbeat("c", 1, waiting_for=0)  # waiting for this fragment: it pushed it, or will
+    assert shard.core.tick() == [] and shard.version() == 0
+    shard.core.heartbeat("c", 1, waiting_for=1)
+    assert shard.core.tick() == [0] and shard.version() == 1
+    assert shard.core.fragments[0].committed.last_round.close_reason == "others_waiting"
+    assert shard.core.counters.snapshot()["rounds.others_waiting"] == 1
+    shard.core.heartbeat("c", 1)  # its wait ended: the next round waits for it again
+    shard.push("a", 0, delta(3, shard.numel()), base=1)
+    shard.push("b", 0, delta(4, shard.numel()), base=1)
+    assert shard.core.tick() == [] and shard.version() == 1
+    shard.push("c", 0, delta(5, shard.numel()), base=0)  # its push of this fragment, now a round late
+    assert shard.version() == 2 and shard.core.fragments[0].committed.last_round.close_reason == "all"
+
+
 def test_a_round_with_some_of_the_live_learners_counts_for_their_share():
     # Learners out of lockstep: each of one period's three contributions closes its own round.
     sgd = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
@@ -527,7 +547,7 @@ HONEST_HEARTBEAT = {"step": 10, "step_seconds": 0.5, "tokens_per_second": T / 0.
     ("tokens_per_second", float("inf")), ("tokens_per_second", float("nan")), ("tokens_per_second", -1.0),
     ("tokens_per_second", 10 * T / 0.5),  # ten steps' tokens in one step's time
     ("tokens", 2**64 - 1), ("tokens", 10**9), ("tokens", 10 * T + 1),
-    ("step", 1001), ("sync_step", 2**63),
+    ("step", 1001), ("sync_step", 2**63), ("waiting_for", 2),
 ])
 def test_a_heartbeat_number_out_of_range_is_refused_naming_it_and_changes_nothing(field, value):
     shard = Shard(make_config(lease_seconds=10.0), joined=("a", "b"))
