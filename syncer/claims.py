@@ -98,7 +98,7 @@ class ClaimBounds:
         _check_step_seconds(report.step_seconds)
         if report.waiting_for is not None and report.waiting_for >= self.fragments:
             _refuse("waiting_for", f"waiting_for_fragment={report.waiting_for} is not a fragment "
-                                            f"(sync.fragments={self.fragments})")
+                                   f"(sync.fragments={self.fragments})")
         rate = report.tokens_per_second
         if not (math.isfinite(rate) and rate >= 0):
             _refuse("tokens_per_second", f"tokens_per_second={rate!r} is not a finite number >= 0")
