@@ -220,7 +220,7 @@ class DecoupledDiLoCo:
             self.metrics.steps_lost(max(0, last_step_seen_by_shards(self.cfg, self.learner.id, identity) - self.steps),
                                     mean_step_seconds(lives))
         self.sync = StreamingSync(self.cfg, self.learner.id, self.learner.region, self.params, self.plan,
-                                  observer=self.metrics, identity=identity)
+                                  observer=self.metrics, identity=identity, standing_still=self.island.standing_still)
         self.sync.start(self._restored.get("sync"), should_stop=self._stop_signals.received.is_set, step=self.steps,
                         tokens=self.tokens)
         if self.metrics:

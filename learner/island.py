@@ -41,6 +41,11 @@ class Island:
     def leader(self) -> bool:
         return self.rank == 0
 
+    @staticmethod
+    def standing_still() -> bool:
+        """Never: torchrun's ranks fail together (an island of replica groups regroups)."""
+        return False
+
     def share_start(self, params: dict[str, torch.Tensor], counters: list[int]) -> list[int]:
         """Every rank starts from rank 0's weights (the global model) and counters."""
         if self.world_size == 1:

@@ -40,9 +40,37 @@ from diloco.services.contract.fragments import FragmentPlan, gather, scatter
 log = logging.getLogger(__name__)
 
 WAIT_FOR_LEADER_SECONDS = 0.2  # a group without a leader in its quorum asks again this often
+# A quorum that takes longer than this is the island regrouping (a group lost, or one joining and
+# receiving the state), not a step's routine ask of the lighthouse.
+ROUTINE_QUORUM_SECONDS = 0.25
 # torchft heals the groups behind from one with the highest step: a leader counts its steps from
 # its lease's term times this, above every group that followed an earlier leader.
 TERM_STEPS = 1 << 40
+
+
+class StandingStill:
+    """Whether the island stands still, for the heartbeats (read on their thread): from a step
+    dropped because a group failed during it until the next quorum is in, and in a quorum that
+    outlasts a routine one. Shards do not hold rounds for an island that stands still."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._since: float | None = None  # when the quorum in progress (or the regroup) began
+        self._regrouping = False
+
+    def step_dropped(self) -> None:
+        self._since, self._regrouping = self._clock(), True
+
+    def quorum_started(self) -> None:
+        if self._since is None:
+            self._since = self._clock()
+
+    def quorum_done(self) -> None:
+        self._since, self._regrouping = None, False
+
+    def __call__(self) -> bool:
+        since = self._since
+        return since is not None and (self._regrouping or self._clock() - since >= ROUTINE_QUORUM_SECONDS)
 
 
 class ReplicaGroups:
@@ -75,6 +103,7 @@ class ReplicaGroups:
         self._missed_share: str | None = None  # why this follower missed what the leader shared
         self._island_state: tuple[Callable[[], dict], Callable[[dict], None]] | None = None
         self._groups_now = 0
+        self.standing_still = StandingStill()
         self.changes: list[dict] = []  # when the groups in the step changed: time, step, groups
         self.dropped_steps = 0  # steps trained but not committed (a group died during them)
         self.verified: dict | None = None  # the last check that every group held the same bits
@@ -106,6 +135,13 @@ class ReplicaGroups:
         here); a group that has not met the leader yet waits for it. True when the island
         regrouped (a group lost or back) since its last step: it stood still meanwhile.
         Raises LeadTaken in the group that takes the lead of an island whose leader left."""
+        self.standing_still.quorum_started()
+        try:
+            return self._quorum()
+        finally:
+            self.standing_still.quorum_done()
+
+    def _quorum(self) -> bool:
         while True:
             self._manager.start_quorum()
             leading = torch.zeros(self.groups, dtype=torch.int64, device=self.device)
@@ -157,6 +193,7 @@ class ReplicaGroups:
         committed = self._manager.should_commit()
         if not committed:
             self.dropped_steps += 1
+            self.standing_still.step_dropped()
         return committed
 
     # ---- the Island interface --------------------------------------------------------

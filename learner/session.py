@@ -48,6 +48,7 @@ class Progress:
     tokens_per_second: float
     sync_step: int  # the step its sync schedule is at
     waiting_for: int | None = None  # the fragment whose result training waits for now
+    standing_still: bool = False  # training stands still (an island regrouping)
 
 
 class SessionHost(Protocol):
@@ -284,7 +285,8 @@ class ShardSession:
                 if self.plan.fragments[fid].shard == self.index}
         reply = self.client.heartbeat(progress.step, progress.step_seconds, progress.tokens_per_second, held,
                                       sync_step=progress.sync_step, tokens=progress.tokens,
-                                      waiting_for=progress.waiting_for, timeout=deadline)
+                                      waiting_for=progress.waiting_for, standing_still=progress.standing_still,
+                                      timeout=deadline)
         self.host.heard_run_tokens(reply, progress)
 
     def _attend(self) -> None:

@@ -60,7 +60,7 @@ class StreamingSync:
     def __init__(self, cfg: Config, learner_id: str, region: str,
                  params: Mapping[str, torch.Tensor], plan: FragmentPlan,
                  incarnation: int | None = None, observer: TransferObserver | None = None, *,
-                 identity: Identity | None):
+                 identity: Identity | None, standing_still: Callable[[], bool] = lambda: False):
         self.cfg = cfg
         self.learner_id = learner_id
         self.params = params
@@ -74,6 +74,7 @@ class StreamingSync:
         self.step_seconds = 0.0
         self.tokens_per_second = 0.0
         self.waiting_for: int | None = None  # the fragment whose result training waits for (heartbeats report it)
+        self.standing_still = standing_still  # whether training stands still (its island regrouping)
         self.tokens = 0  # trained by this learner (every rank of its island)
         self._lock = threading.Lock()  # guards `fragments` while heartbeat threads read them
         self._stop = threading.Event()
@@ -211,7 +212,7 @@ class StreamingSync:
 
     def progress(self) -> Progress:
         return Progress(self.step, self.step_seconds, self.tokens, self.tokens_per_second,
-                        self.step + self.schedule.sync_offset, self.waiting_for)
+                        self.step + self.schedule.sync_offset, self.waiting_for, self.standing_still())
 
     def heard_run_tokens(self, reply: pb.HeartbeatResponse, progress: Progress) -> None:
         self.schedule.heard_run_tokens(reply.run_tokens, reply.run_tokens_per_second, progress.tokens,

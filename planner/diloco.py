@@ -359,7 +359,8 @@ class DilocoRun:
         self.core.heartbeat(learner.id, learner.incarnation, step=learner.steps, step_seconds=learner.step_seconds,
                             tokens_per_second=rate, sync_step=learner.steps + learner.schedule.sync_offset,
                             tokens=learner.tokens,
-                            waiting_for=learner.to_apply[0] if learner.blocked_since is not None else None)
+                            waiting_for=learner.to_apply[0] if learner.blocked_since is not None else None,
+                            standing_still=learner.island.standing_still)
         if self.inputs.target_tokens is not None:  # only a token budget reads the run's count
             run_tokens, run_rate = self.core.run_tokens()
             learner.schedule.heard_run_tokens(run_tokens, run_rate, learner.tokens, rate)

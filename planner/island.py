@@ -87,6 +87,12 @@ class Island:
         """Whether the learner can start: any slice is up (without a failover: slice 0)."""
         return len(self.broken) < self.slices if self.fails_over else self.leader not in self.broken
 
+    @property
+    def standing_still(self) -> bool:
+        """Whether the learner's training stands still now, in a reconfiguration's pause (its
+        heartbeats say so)."""
+        return self.active and self.clock.now < self.resume_at
+
     def share_seconds(self, start: float, end: float) -> float:
         """The learner's seconds from start to end, times the share of it that was training
         (exactly end - start for a learner of one slice)."""

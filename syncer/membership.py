@@ -34,6 +34,7 @@ class HeartbeatReport:
     sync_step: int = 0
     tokens: int = 0
     waiting_for: int | None = None  # the fragment whose result its training waits for
+    standing_still: bool = False  # its training stands still (an island regrouping)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Learner:
     heartbeat_at: float = 0.0  # when step, sync_step and tokens were reported (a push renews last_seen, not this)
     held_versions: dict[int, int] = field(default_factory=dict)  # fragment id -> version held
     waiting_for: int | None = None  # as last reported
+    standing_still: bool = False  # as last reported
     attendance: int = 0  # its Attend call now open (0: none since it joined)
 
     @property
@@ -115,7 +117,7 @@ class Membership:
             learner.step, learner.step_seconds, learner.sync_step = report.step, report.step_seconds, report.sync_step
             learner.tokens_per_second, learner.tokens, learner.heartbeat_at = report.tokens_per_second, report.tokens, now
             learner.held_versions = dict(report.held_versions)
-            learner.waiting_for = report.waiting_for
+            learner.waiting_for, learner.standing_still = report.waiting_for, report.standing_still
 
     def attend(self, learner_id: str, incarnation: int, now: float) -> int:
         """This live incarnation holds an Attend call open: the call's number, which replaces
@@ -173,10 +175,11 @@ class Membership:
 
     def waiting_elsewhere(self, fragment_id: int) -> frozenset[str]:
         """Live learners whose last heartbeat said their training waits for another fragment's
-        result: none of them pushes this fragment before that wait ends."""
+        result, or stands still (an island regrouping): none of them pushes this fragment
+        before that wait ends."""
         with self._lock:
-            return frozenset(l.id for l in self._learners.values()
-                             if l.alive and l.waiting_for is not None and l.waiting_for != fragment_id)
+            return frozenset(l.id for l in self._learners.values() if l.alive and (
+                l.standing_still or (l.waiting_for is not None and l.waiting_for != fragment_id)))
 
     def member_ids(self) -> frozenset[str]:
         """Learners that joined and have not left, live or not: whom a synchronous round

@@ -66,9 +66,9 @@ class OpenRound:
                      member_ids: frozenset[str] = frozenset(), departed_ids: frozenset[str] = frozenset(),
                      waiting_ids: frozenset[str] = frozenset()) -> str | None:
         """"all" once every live learner has contributed; "others_waiting" once every live
-        learner has contributed or waits for another fragment's result (`waiting_ids`: its
-        next push of this fragment comes after that wait, which may be for a round that waits
-        for this one's contributors); "quorum_grace" once at least K
+        learner has contributed or waits elsewhere (`waiting_ids`: for another fragment's
+        result, which may be for a round that waits for this one's contributors, or for its
+        island to regroup; its next push of this fragment comes after that wait); "quorum_grace" once at least K
         have and the grace window has passed since the K-th, or a contributor's deadline has
         come (syncer/grace.py); "all_left" once every learner
         that joined has left the run and the contributors with them (nobody is left to add to

@@ -96,7 +96,8 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         versions = self.core.heartbeat(request.learner_id, request.incarnation, request.step,
                                        request.step_seconds, request.tokens_per_second,
                                        dict(request.held_versions), request.sync_step, request.tokens,
-                                       request.waiting_for_fragment if request.HasField("waiting_for_fragment") else None)
+                                       request.waiting_for_fragment if request.HasField("waiting_for_fragment") else None,
+                                       request.standing_still)
         run_tokens, run_tokens_per_second = self.core.run_tokens()
         return pb.HeartbeatResponse(lease_seconds=self.core.cfg.syncer.lease_seconds, versions=versions,
                                     run_tokens=run_tokens, run_tokens_per_second=run_tokens_per_second)

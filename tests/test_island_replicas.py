@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from diloco.learner.replica_groups import ROUTINE_QUORUM_SECONDS, StandingStill
 from diloco.localcluster.islands import leader_kills, recoveries
 from diloco.services.contract.config import dump_config
 from tests.cluster_config import tiny_cluster
@@ -177,6 +178,24 @@ def test_a_replica_group_that_cannot_be_one_is_refused_before_it_starts(tmp_path
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2 and expected in result.stderr, result.stderr
     assert not (tmp_path / "state").exists()  # nothing started, nothing written
+
+
+def test_an_island_stands_still_from_a_dropped_step_and_in_a_slow_quorum_until_the_quorum_is_in():
+    now = [0.0]
+    still = StandingStill(clock=lambda: now[0])
+    still.quorum_started()
+    now[0] += ROUTINE_QUORUM_SECONDS / 2
+    assert not still()  # a routine ask of the lighthouse
+    now[0] += ROUTINE_QUORUM_SECONDS
+    assert still()  # a group lost between steps, or one joining: the island regroups
+    still.quorum_done()
+    assert not still()
+    still.step_dropped()  # a group failed during the step: regrouping from now on
+    assert still()
+    still.quorum_started()
+    assert still()
+    still.quorum_done()
+    assert not still()
 
 
 def test_a_loss_is_timed_from_the_kill_to_the_first_step_without_the_group_and_back():

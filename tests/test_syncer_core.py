@@ -186,6 +186,20 @@ def test_a_round_does_not_wait_for_a_learner_whose_training_waits_for_another_fr
     assert shard.version() == 2 and shard.core.fragments[0].committed.last_round.close_reason == "all"
 
 
+def test_a_round_does_not_wait_for_a_learner_whose_island_stands_still():
+    # c's island regroups after losing a replica group: it pushes nothing until it trains again.
+    shard = Shard(make_config(quorum=3, lease_seconds=60.0, grace={"mode": "fixed", "seconds": 60.0}))
+    shard.push("a", 0, delta(1, shard.numel()))
+    shard.push("b", 0, delta(2, shard.numel()))
+    assert shard.core.tick() == [] and shard.version() == 0
+    shard.core.heartbeat("c", 1, standing_still=True)
+    assert shard.core.tick() == [0] and shard.core.fragments[0].committed.last_round.close_reason == "others_waiting"
+    shard.core.heartbeat("c", 1)  # it trains again: the next round waits for it
+    shard.push("a", 0, delta(3, shard.numel()), base=1)
+    shard.push("b", 0, delta(4, shard.numel()), base=1)
+    assert shard.core.tick() == [] and shard.version() == 1
+
+
 def test_a_round_with_some_of_the_live_learners_counts_for_their_share():
     # Learners out of lockstep: each of one period's three contributions closes its own round.
     sgd = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
