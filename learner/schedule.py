@@ -69,13 +69,12 @@ def position_of_the_others(learners: Iterable[pb.LearnerStatus], learner_id: str
                            interval_steps: int) -> float | None:
     """Where the live learners already training are on the sync schedule now, modulo H (None
     when there are none): each one's position is its sync_step at its last heartbeat plus the
-    steps since, the heartbeat counted half a step into the step it reports next (it comes at
-    any time of the step, so that step ends on average half a step later); a learner is at
-    position n + 1 as its step n ends. Of these the median around the circle of H (read from
-    the widest gap between them): a schedule taken from one learner ordered by step count,
-    say one that regrouped a moment ago, hands its lag on, and rejoins drift the fleet apart."""
+    steps since (a learner is at position n + 1 as its step n ends; a heartbeat's step is taken
+    as just begun). Of these the median around the circle of H (read from the widest gap
+    between them): a schedule taken from one learner ordered by step count, say one that
+    regrouped a moment ago, hands its lag on, and rejoins drift the fleet apart."""
     positions = sorted(
-        (l.sync_step + 0.5 + (l.seconds_since_heartbeat / l.step_seconds if l.step_seconds > 0 else 0.0))
+        (l.sync_step + (l.seconds_since_heartbeat / l.step_seconds if l.step_seconds > 0 else 0.0))
         % interval_steps
         for l in learners if l.alive and l.learner_id != learner_id and l.last_step > 0)
     if not positions:
@@ -215,9 +214,10 @@ class LearnerSchedule:
         if self._phase_heard is not None:  # the first step since joining
             heard_at, others_step_seconds, position = self._phase_heard
             self._phase_heard = None
-            # This step takes the number of the others' step that ends nearest to it: the one
-            # they ended last would leave it behind them by up to a step at every rejoin.
-            ended = math.floor(position + (self._clock() - heard_at) / others_step_seconds + 0.5) - 1
+            # This step takes the number of the others' step that ends nearest to it, and at the
+            # earliest that of the step they were in when it joined (it began after that).
+            nearest = math.floor(position + (self._clock() - heard_at) / others_step_seconds + 0.5) - 1
+            ended = max(math.floor(position), nearest)
             self.sync_offset = (ended - step) % self._interval_steps
         held = self.hold > 0
         starting = ()
