@@ -39,6 +39,7 @@ heard_run_tokens (heartbeat threads), which replaces one immutable record.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -64,19 +65,24 @@ def merged_fragment(alpha: float, global_value: torch.Tensor, local: torch.Tenso
     return merged
 
 
-def phase_of_the_others(learners: Iterable[pb.LearnerStatus], learner_id: str, step: int,
-                        interval_steps: int) -> int:
-    """The sync offset that puts a learner at `step` in phase with the live learners already
-    training (0 when there are none): the median of their schedules, each advanced by the
-    steps it trained since its last heartbeat, minus `step`, modulo H. A learner restored
-    from a checkpoint is behind them; syncing on its own step count, every round of a
-    fragment would wait for it (or it for them) for the rest of the run."""
-    schedule = sorted(
-        l.sync_step + (round(l.seconds_since_heartbeat / l.step_seconds) if l.step_seconds > 0 else 0)
+def position_of_the_others(learners: Iterable[pb.LearnerStatus], learner_id: str,
+                           interval_steps: int) -> float | None:
+    """Where the live learners already training are on the sync schedule now, modulo H (None
+    when there are none): each one's position is its sync_step at its last heartbeat plus the
+    steps since (a learner is at position n + 1 as its step n ends; a heartbeat's step is taken
+    as just begun). Of these the median around the circle of H (read from the widest gap
+    between them): a schedule taken from one learner ordered by step count, say one that
+    regrouped a moment ago, hands its lag on, and rejoins drift the fleet apart."""
+    positions = sorted(
+        (l.sync_step + (l.seconds_since_heartbeat / l.step_seconds if l.step_seconds > 0 else 0.0))
+        % interval_steps
         for l in learners if l.alive and l.learner_id != learner_id and l.last_step > 0)
-    if not schedule:
-        return 0
-    return (schedule[len(schedule) // 2] - step) % interval_steps
+    if not positions:
+        return None
+    gaps = [(positions[(i + 1) % len(positions)] - p) % interval_steps for i, p in enumerate(positions)]
+    first = (max(range(len(gaps)), key=gaps.__getitem__) + 1) % len(positions)  # after the widest gap
+    unwrapped = positions[first:] + [p + interval_steps for p in positions[:first]]
+    return unwrapped[len(unwrapped) // 2] % interval_steps
 
 
 @dataclass(frozen=True)
@@ -192,7 +198,8 @@ class LearnerSchedule:
         self._max_run_tokens = cfg.trainer.max_run_tokens
         self.fragments = {f.id: FragmentSchedule(cfg.sync) for f in plan.fragments}
         self.sync_offset = 0  # the schedule runs at step + sync_offset
-        self._phase_heard: tuple[float, float] | None = None  # (when, the others' step time): joined, not yet stepped
+        # (when, the others' step time, their position then): joined, not yet stepped
+        self._phase_heard: tuple[float, float, float] | None = None
         self.hold = 0  # steps the schedule is yet to stand still
         self._tau = cfg.sync.overlap_steps
         self._wait_for_own_link = cfg.sync.wait_for_own_link
@@ -205,10 +212,13 @@ class LearnerSchedule:
         for fragment in self.fragments.values():
             fragment.trained(tokens)
         if self._phase_heard is not None:  # the first step since joining
-            heard_at, others_step_seconds = self._phase_heard
+            heard_at, others_step_seconds, position = self._phase_heard
             self._phase_heard = None
-            others_steps = round((self._clock() - heard_at) / others_step_seconds)
-            self.sync_offset = (self.sync_offset + max(0, others_steps - 1)) % self._interval_steps
+            # This step takes the number of the others' step that ends nearest to it, and at the
+            # earliest that of the step they were in when it joined (it began after that).
+            nearest = math.floor(position + (self._clock() - heard_at) / others_step_seconds + 0.5) - 1
+            ended = max(math.floor(position), nearest)
+            self.sync_offset = (ended - step) % self._interval_steps
         held = self.hold > 0
         starting = ()
         if held:
@@ -255,13 +265,18 @@ class LearnerSchedule:
         """(Re)joining at `step`: the schedule starts in phase with the others of a Status reply,
         and stays in phase however long the learner takes to train its first step (pulls,
         checkpoint): the others train on meanwhile, at their median step time, and the first
-        step_done moves the schedule on by as many steps. A learner behind its phase pushes after
-        the round it belongs to closed (it joined after that round opened, so the round does not
-        wait for it) and then waits for a round nobody else reaches before a period has passed."""
+        step_done numbers its step as theirs that ends nearest to it. A learner behind its phase
+        pushes after the round it belongs to closed (it joined after that round opened, so the
+        round does not wait for it) and then waits for a round nobody else reaches before a
+        period has passed."""
         learners = [l for l in learners if l.alive and l.learner_id != learner_id and l.last_step > 0]
-        self.sync_offset = phase_of_the_others(learners, learner_id, step, self._interval_steps)
+        position = position_of_the_others(learners, learner_id, self._interval_steps)
+        if position is None:  # alone: its own step count
+            self.sync_offset, self._phase_heard = 0, None
+            return
+        self.sync_offset = (math.floor(position) - step) % self._interval_steps  # its next step is their next
         times = sorted(l.step_seconds for l in learners if l.step_seconds > 0)
-        self._phase_heard = (self._clock(), times[len(times) // 2]) if times else None
+        self._phase_heard = (self._clock(), times[len(times) // 2], position) if times else None
 
     def result_still_out(self, fragment_id: int, waited: float) -> bool:
         """The training thread waited `waited` seconds for a due result and it is still out.

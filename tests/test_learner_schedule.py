@@ -4,7 +4,7 @@ the phase of the others. No gRPC, no threads, no sleeping."""
 import pytest
 import torch
 
-from diloco.learner.schedule import LearnerSchedule, merged_fragment, phase_of_the_others
+from diloco.learner.schedule import LearnerSchedule, merged_fragment, position_of_the_others
 from diloco.services.contract.config import parse_config
 from diloco.services.contract.fragments import plan_for_config
 from diloco.services.contract.wire import pb
@@ -331,22 +331,32 @@ def learner(learner_id, sync_step, seconds_since_heartbeat=0.0, step_seconds=0.1
 
 
 def test_a_learner_alone_syncs_on_its_own_step():
-    assert phase_of_the_others([], "me", 17, 24) == 0
+    assert position_of_the_others([], "me", 24) is None
+    schedule, _ = make_schedule(interval_steps=8)
+    schedule.join_in_phase([], "me", 3)
+    assert schedule.sync_offset == 0
 
 
-def test_the_offset_is_the_median_of_the_others_schedules_minus_our_step_modulo_h():
+def test_the_others_position_is_their_median_schedule_step_modulo_h():
     others = [learner("a", 30), learner("b", 50), learner("c", 41)]
-    assert phase_of_the_others(others, "me", 10, 24) == (41 - 10) % 24
+    assert position_of_the_others(others, "me", 24) == pytest.approx(50 % 24)  # 6, 17, 2: 6 between
 
 
 def test_the_others_schedules_are_advanced_by_the_steps_since_their_heartbeat():
     others = [learner("a", 30, seconds_since_heartbeat=0.5, step_seconds=0.1)]
-    assert phase_of_the_others(others, "me", 30, 24) == 5
+    assert position_of_the_others(others, "me", 24) == pytest.approx(35 % 24)
 
 
 def test_the_phase_ignores_this_learner_the_dead_and_those_yet_to_train():
     others = [learner("me", 3), learner("dead", 7, alive=False), learner("new", 9, last_step=0), learner("a", 12)]
-    assert phase_of_the_others(others, "me", 0, 8) == 4
+    assert position_of_the_others(others, "me", 8) == pytest.approx(4)
+
+
+def test_the_others_median_is_taken_around_the_schedules_circle_not_by_step_count():
+    # Two at schedule step 23 and one at 1 of H = 24 (one period on, or one that trained fewer
+    # steps): by step count the median is the odd one at 25 (1 + H), around the circle 23.
+    others = [learner("a", 23), learner("b", 1 + 24), learner("c", 47)]
+    assert position_of_the_others(others, "me", 24) == pytest.approx(23)
 
 
 def test_joining_in_phase_sets_the_sync_offset():
@@ -365,6 +375,16 @@ def test_a_learner_slow_to_train_its_first_step_after_joining_keeps_the_others_p
     first = schedule.step_done(3, 100)
     assert schedule.sync_offset == (12 - 3 + 3) % 8
     assert [s.fragment_id for s in first.start] == [] and [s.fragment_id for s in schedule.step_done(4, 100).start] == [0]
+
+
+def test_a_rejoining_learner_takes_the_phase_most_others_sync_at_not_that_of_the_median_step_count():
+    # H = 24: three learners sync at schedule step 23 (mod H), the one with the median step
+    # count among them and a fourth that regrouped a moment ago at 1. Taking the fourth's phase
+    # would put this learner two steps behind the three (and hand on the fourth's lag).
+    schedule, _ = make_schedule(fragments=4, interval_steps=24)
+    others = [learner("a", 23), learner("b", 47), learner("c", 71), learner("d", 49)]
+    schedule.join_in_phase(others, "me", 30)
+    assert (30 + schedule.sync_offset) % 24 == 23
 
 
 def test_the_catch_up_after_joining_happens_at_the_first_step_only():
