@@ -238,7 +238,12 @@ class ReplicaGroups:
 
     def verify_identical(self, params: dict[str, torch.Tensor]) -> None:
         """Checks that every group in the step holds the leader's bits (each puts its digest in
-        its own row; a group not in the step leaves its row zero). Raises on every group."""
+        its own row; a group not in the step leaves its row zero). Raises on every group. A
+        group that has not been in a step since it started (restarted after the island spent
+        its budget) has no quorum to check in, and nothing trained to compare: it skips."""
+        if self._groups_now == 0:
+            log.info("replica group %d trained no step in this process: nothing to verify", self.rank)
+            return
         digest = hashlib.sha256(b"".join(p.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
                                          for p in params.values())).digest()
         rows = torch.zeros(self.groups, 8, dtype=torch.int64, device=self.device)
