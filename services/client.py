@@ -103,7 +103,8 @@ class ShardClient:
                   tokens: int = 0, waiting_for: int | None = None, standing_still: bool = False,
                   timeout: float | None = None) -> pb.HeartbeatResponse:
         """`waiting_for`: the fragment whose result training waits for now, if any;
-        `standing_still`: training stands still (an island regrouping). `timeout`: the call's deadline (default rpc.deadline_seconds)."""
+        `standing_still`: training stands still (an island regrouping). `timeout`: the call's
+        deadline (default rpc.deadline_seconds)."""
         request = pb.HeartbeatRequest(
             learner_id=self.learner_id, incarnation=self.incarnation, step=step,
             step_seconds=step_seconds, tokens_per_second=tokens_per_second,
