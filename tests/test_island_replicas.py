@@ -235,3 +235,21 @@ def test_a_leaders_kill_is_its_learners_kill_down_until_another_group_took_the_l
     kills, leaderless = leader_kills(events, names, "us-east-0", 3, lives)
     assert kills == [{"event": "kill", "index": 3, "time": 50.0}, {"event": "restart", "index": 3, "time": 52.5}]
     assert leaderless == 2.5
+
+
+@pytest.mark.slow
+def test_a_leader_restarted_after_its_island_finished_catches_up_without_training(tmp_path, cluster_factory):
+    cfg, cluster = island_cluster(tmp_path, cluster_factory, steps=100)
+    island, _ = cluster.learners
+    group = cluster.islands.groups[0]
+    reports = wait_for_learners_to_finish(cluster)
+    wait_until(lambda: group.returncode is not None, 30, "the group to end with its island")
+    island.start()  # a kill that landed as the island finished: restarted, nothing is left to train
+    wait_until(lambda: len(read_report(cluster, island.name).get("incarnations", [])) == 2
+               and read_report(cluster, island.name)["phase"] == "catching_up", TIMEOUT,
+               "the restarted leader to catch up")
+    cluster.stop_learners()  # as `diloco sim` ends its run
+    assert island.returncode == 0, f"see {island.log_path}"
+    report = read_report(cluster, island.name)
+    assert report["phase"] == "done" and report["steps"] == reports[island.name]["steps"] == 100
+    assert held_fragments(report) == served_fragments(cfg, island.name)
