@@ -252,8 +252,9 @@ class StreamingSync:
             waited = pipeline.wait(wait_limit)
         finally:
             self.waiting_for = None
-        self.stats.blocked_seconds += waited
-        if not pipeline.result_in():
+        result_in = pipeline.result_in()
+        self.stats.waited(fragment_id, waited, result_in)
+        if not result_in:
             if self.schedule.result_still_out(fragment_id, waited):
                 log.debug("fragment %d: result still out after %.2fs; training on", fragment_id, waited)
                 pipeline.keep_local_at_apply()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -10,6 +11,11 @@ import torch
 from diloco.services.contract.wire import pb
 
 log = logging.getLogger(__name__)
+
+# Waits for a result at least this long are recorded one by one (when, which fragment, how
+# long), so a run's blocked time can be laid beside its failures; shorter ones only add up.
+RECORDED_WAIT_SECONDS = 0.1
+RECORDED_WAITS = 500  # per incarnation: the report stays small however long the run
 
 
 @dataclass
@@ -49,7 +55,14 @@ class SyncStats:
     hash_mismatches: int = 0  # pulls whose result did not have the shard's hash: pulled again whole
     push_results: dict[str, int] = field(default_factory=dict)
     undelivered: dict[int, str] = field(default_factory=dict)  # fragment: why its last push never got through
+    waits: list[list] = field(default_factory=list)  # [unix time it began, fragment, seconds, result in], the long ones
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def waited(self, fragment_id: int, seconds: float, result_in: bool) -> None:
+        """The training thread waited `seconds` for the fragment's result, just now."""
+        self.blocked_seconds += seconds
+        if seconds >= RECORDED_WAIT_SECONDS and len(self.waits) < RECORDED_WAITS:
+            self.waits.append([round(time.time() - seconds, 3), fragment_id, round(seconds, 3), result_in])
 
     def count(self, name: str) -> None:
         with self._lock:

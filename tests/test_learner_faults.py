@@ -383,6 +383,7 @@ def test_a_learner_waiting_for_one_fragments_result_does_not_hold_the_others_rou
                      c_steps=4, c_tokens=4, step_seconds=0.01)
         released = []
         trainer = threading.Thread(target=train, args=(sync, params, lambda: bool(released), "the test"))
+        started_at = time.time()
         trainer.start()
         try:
             wait_until(lambda: fragment_status(cfg, 1).version == 1, 10, "fragment 1's round to close")
@@ -395,3 +396,6 @@ def test_a_learner_waiting_for_one_fragments_result_does_not_hold_the_others_rou
                          c_steps=4, c_tokens=4, step_seconds=0.01)
             trainer.join(TIMEOUT)
     assert not trainer.is_alive() and sync.stats.blocked_seconds > 0
+    # The long wait is recorded one by one: when it began, for which fragment, how long, result in.
+    began, fragment_id, seconds, result_in = max(sync.stats.waits, key=lambda wait: wait[2])
+    assert fragment_id == 0 and result_in and started_at <= began and seconds >= 0.1
