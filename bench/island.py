@@ -1,12 +1,14 @@
 """Elastic islands, local: learner islands of replica groups losing groups in a `diloco sim` run.
 
-    python bench/island.py [--replica-groups 2] [--chaos-replicas 60] [--steps 600] [--heartbeat-timeout 2]
-                           [--json PATH]
+    python bench/island.py [--replica-groups 2] [--chaos-replicas 30] [--chaos-islands 1] [--steps 600]
+                           [--heartbeat-timeout 2] [--json PATH]
 
 Two runs of the same `diloco sim` command on examples/local-4-regions.yaml with two learners,
 each an island of R replica groups (learner/replica_groups.py): one without failures, one where
-every group, the leading ones too, is SIGKILLed at exponential intervals (`--chaos-replicas`,
-mean seconds per group) and restarted 3 s later. For each kill: the seconds until the island's
+every group of the first learner's island, the leading one too, is SIGKILLed at exponential
+intervals (`--chaos-replicas`, mean seconds per group) and restarted 3 s later. The second
+learner loses nothing: its blocked seconds, against the run without failures, are what the
+first island's losses cost the other learners. For each kill: the seconds until the island's
 leader (a new one, where the leader was killed) trained a step without the group (the leader's
 own record of the groups in each step) and, after the group's restart, until it trained with it
 again. Then what the losses cost the run: the learners' blocked seconds (waiting for a round's
@@ -55,6 +57,8 @@ def figures(report: dict, learners: dict[str, dict]) -> dict:
         "takeovers": sum(len(r["incarnations"]) - 1 for r in learners.values()),
         "blocked_seconds": {name: learner["blocked_seconds"] for name, learner in report["per_learner"].items()},
         "learner_restarts": report["restarts"]["learners"],
+        # the learners whose islands lost no group (--chaos-islands: all but the first N)
+        "spared_learners": list(report["per_learner"])[report["config"]["chaos_islands"] or len(report["per_learner"]):],
         "state_hashes_agree": report["state_hashes_agree"],
         "groups_verified_identical": {name: (r.get("island", {}).get("verified") or {}).get("groups")
                                       for name, r in learners.items()},
@@ -64,7 +68,8 @@ def figures(report: dict, learners: dict[str, dict]) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replica-groups", type=int, default=2)
-    parser.add_argument("--chaos-replicas", type=float, default=60.0)
+    parser.add_argument("--chaos-replicas", type=float, default=30.0)
+    parser.add_argument("--chaos-islands", type=int, default=1, help="how many learners' islands lose groups")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0,
@@ -79,7 +84,8 @@ def main() -> int:
              *(flag for override in args.overrides for flag in ("--set", override))]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, extra in (("without_failures", []), ("groups_killed", ["--chaos-replicas", str(args.chaos_replicas)])):
+        for name, extra in (("without_failures", []), ("groups_killed", ["--chaos-replicas", str(args.chaos_replicas),
+                                                                    "--chaos-islands", str(args.chaos_islands)])):
             command, report, learners = sim(pathlib.Path(tmp) / name, flags + extra)
             results[name] = {"command": " ".join(command), **figures(report, learners)}
     base, chaos = results["without_failures"], results["groups_killed"]
@@ -92,6 +98,9 @@ def main() -> int:
               f"{chaos['badput_seconds'][category]:18.1f}")
     for name in base["blocked_seconds"]:
         print(f"{'blocked seconds ' + name:32} {base['blocked_seconds'][name]:18.2f} {chaos['blocked_seconds'][name]:18.2f}")
+    for name in chaos["spared_learners"]:
+        print(f"{name} lost no group: blocked {chaos['blocked_seconds'][name]:.2f} s, "
+              f"{base['blocked_seconds'][name]:.2f} s without failures")
     print(f"trained again after a kill: median {chaos['trained_again_seconds_median']} s, "
           f"max {chaos['trained_again_seconds_max']} s; with the group again {chaos['rejoined_seconds_median']} s "
           f"after its restart (median); after a leader's kill {chaos['trained_again_after_leader_kill_seconds']} s")

@@ -130,7 +130,7 @@ FULL = Profile("full", steps=3000, quality=(
                      "--wan-gbps", "20"),
                plan_speed=("--chips", "2457600", "--learners", "16", "--hours", "24"),
                calibration_seconds=120, calibration_mtbfs=(200, 90, 40), calibration_shard_mtbf=40,
-               island=("--steps", "600", "--chaos-replicas", "60"))
+               island=("--steps", "600", "--chaos-replicas", "30", "--chaos-islands", "1"))
 QUICK = Profile("quick", steps=60, quality=(QualityRun("gpt", 2, 10, "int4"), QualityRun("gpt", 2, 25, "int4", (1, 2)),
                                              QualityRun("gpt", 2, 25, "int4", (1, 2), learner_script=PLAIN_LOOP)),
                 goodput_learners=2, goodput_seconds=20, down_shares=(0.25,), restart_delay=4.0,
@@ -142,7 +142,7 @@ QUICK = Profile("quick", steps=60, quality=(QualityRun("gpt", 2, 10, "int4"), Qu
                 plan=("--chips", "153600,307200", "--learners", "2,4", "--hours", "0.05", "--wan-gbps", "20"),
                 plan_speed=("--chips", "153600", "--learners", "4", "--hours", "0.1"),
                 calibration_seconds=30, calibration_mtbfs=(20,), calibration_shard_mtbf=15,
-                island=("--steps", "100", "--chaos-replicas", "10"))
+                island=("--steps", "100", "--chaos-replicas", "5", "--chaos-islands", "1"))
 
 
 class Runner:

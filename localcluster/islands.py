@@ -58,11 +58,12 @@ class Islands:
         for proc in self.lighthouses + self.groups:
             proc.start()
 
-    def supervise(self, chaos: Chaos, now: float, finished: set[str]) -> None:
+    def supervise(self, chaos: Chaos, now: float, finished: set[str], spared: frozenset[str] = frozenset()) -> None:
         """One pass of the supervisor and of the groups' chaos: a group that died is restarted
-        after the restart delay; chaos kills a group now and then, but not once its island is done."""
+        after the restart delay; chaos kills a group now and then, but not once its island is
+        done, nor in the islands of the `spared` learners."""
         for i, proc in enumerate(self.members):
-            if learner_of(proc.name) in finished:
+            if learner_of(proc.name) in finished or learner_of(proc.name) in spared:
                 chaos.retire(i)
             if i not in chaos.down and proc.returncode not in (None, 0):
                 log.warning("replica group %s exited with %s; restarting it", proc.name, proc.returncode)

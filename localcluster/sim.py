@@ -85,6 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chaos-replicas", type=float, metavar="MTBF",
                         help="mean seconds between SIGKILLs of each replica group (a leading one too: another "
                              "group takes the lead)")
+    parser.add_argument("--chaos-islands", type=int, metavar="N",
+                        help="with --chaos-replicas: only the first N learners' islands lose groups (default: "
+                             "every island); the others' blocked time is what those losses cost learners that "
+                             "lost nothing")
     parser.add_argument("--restart-delay", type=float, default=5.0, help="seconds a killed process stays down")
     parser.add_argument("--warm-restarts", action=argparse.BooleanOptionalAction, default=True,
                         help="a killed learner's next life is a standby that imported torch and the learner "
@@ -156,6 +160,9 @@ def build_config(base: Config, args: argparse.Namespace, run_dir: pathlib.Path) 
 
 
 def check_flags(args: argparse.Namespace, cfg: Config) -> None:
+    if args.chaos_islands is not None and not (args.chaos_replicas and 1 <= args.chaos_islands <= len(cfg.learners)):
+        raise ConfigError(f"--chaos-islands {args.chaos_islands}: give it with --chaos-replicas, from 1 to the "
+                          f"run's {len(cfg.learners)} learners")
     if cfg.island.replica_groups > 1 and args.chaos_mtbf:
         raise ConfigError("--chaos-mtbf: a learner of island.replica_groups > 1 fails only when every group does; "
                           "kill its groups with --chaos-replicas")
@@ -311,6 +318,7 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
     replica_chaos = Chaos("replica", len(cluster.islands.members) if cluster.islands else 0, args.chaos_replicas,
                           args.restart_delay, rng, started)
     startup_failures = StartupFailures(cluster)
+    spared = frozenset(l.id for l in cfg.learners[args.chaos_islands or len(cfg.learners):])  # no group killed
     finished_at: dict[str, float] = {}
     timeline: list[dict] = []  # goodput over time
     total_steps = cfg.trainer.max_steps * len(cfg.learners)
@@ -359,7 +367,7 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
                     cluster.restart_shard(downtime.proc_index)
                     shard_chaos.restarted(downtime, time.time())
                 if cluster.islands:
-                    cluster.islands.supervise(replica_chaos, now, set(finished_at))
+                    cluster.islands.supervise(replica_chaos, now, set(finished_at), spared)
                 done = sum(observer.steps.values())
                 timeline.append({"time": now - started, "steps": done})
                 if progress:
@@ -604,7 +612,7 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
                    "codec": cfg.sync.codec, "K": cfg.syncer.quorum, "wan_mbps": cfg.rpc.wan_mbps,
                    "chaos_mtbf": args.chaos_mtbf, "restart_delay": args.restart_delay,
                    "warm_restarts": args.warm_restarts, "replica_groups": cfg.island.replica_groups,
-                   "chaos_replicas": args.chaos_replicas,
+                   "chaos_replicas": args.chaos_replicas, "chaos_islands": args.chaos_islands,
                    "slow_learner": args.slow_learner, "max_block_seconds": cfg.sync.max_block_seconds,
                    "learner_script": str(args.learner_script) if args.learner_script else None},
         "cluster_config": cfg.model_dump(mode="json"),  # as the processes ran it (diloco plan --calibrate-from)

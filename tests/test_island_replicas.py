@@ -156,8 +156,10 @@ def test_after_every_group_died_another_group_leads_if_group_0_does_not_come_bac
 @pytest.mark.slow
 def test_diloco_sim_runs_islands_of_replica_groups_under_chaos_and_reports_each_loss(tmp_path):
     report = run_sim(tmp_path, "--learners", "2", "--shards", "1", "--steps", "400", "--replica-groups", "2",
-                     "--chaos-replicas", "8", "--restart-delay", "1", "--seed", "3")
+                     "--chaos-replicas", "8", "--chaos-islands", "1", "--restart-delay", "1", "--seed", "3")
     assert report["config"]["replica_groups"] == 2 and report["state_hashes_agree"]
+    first, second = report["per_learner"]  # only the first learner's island loses groups
+    assert report["islands"][first]["recoveries"] and not report["islands"][second]["recoveries"]
     assert report["restarts"]["learners"] == 0  # a group's loss is not a learner's
     kills = [e for e in report["chaos_events"] if e["kind"] == "replica" and e["event"] == "kill"]
     recoveries = [r for island in report["islands"].values() for r in island["recoveries"]]
@@ -215,6 +217,14 @@ def test_a_loss_is_timed_from_the_kill_to_the_first_step_without_the_group_and_b
     (starting,) = recoveries([{"event": "kill", "kind": "replica", "index": 0, "time": 5.0}], changes,
                              ["us-east-0-group-1"], "us-east-0")
     assert starting["trained_again_seconds"] is None
+
+
+@pytest.mark.parametrize("flags", [["--chaos-islands", "1"], ["--chaos-replicas", "10", "--chaos-islands", "3"]])
+def test_diloco_sim_refuses_chaos_islands_without_replica_chaos_or_beyond_its_learners(tmp_path, flags):
+    result = subprocess.run(sim_command(tmp_path, "--learners", "2", "--replica-groups", "2", *flags),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and f"--chaos-islands {flags[-1]}" in result.stderr, result.stdout + result.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_diloco_sim_refuses_learner_chaos_for_islands_whose_learner_fails_only_with_every_group(tmp_path):
