@@ -12,20 +12,23 @@ Modelled: time and bytes. A step takes the learner's step time; a push or pull t
 (the codec's size of a fragment of the real model) over the learner's region link, one
 transfer at a time in each direction, plus the link's latency; a round close takes the
 fragment's parameters at the syncer's round-close throughput. A learner's process takes its
-start-up time before it joins, and each step its loop's other work (step_overhead_seconds). A
-learner that fails ends its Attend call (the shard stops waiting for it at once) and loses the
-steps its fragments have not delivered, or those since its last checkpoint, and the step in
-progress; after its repair and start-up it rejoins with a new incarnation and pulls the whole
-model (fp32) before it trains again. A shard that is down fails its fragments' pushes and
-pulls at once (those syncs are skipped, as a learner skips a sync to a shard it cannot reach),
-and a learner (re)joining waits until every shard is back. A learner of several slices trains
-on without a failed one, on fewer tokens per step; where that is its leader slice, another
-takes the lead: the learner loses what a failed one loses and restores as a restarted one
-does, without a repair or a start-up (planner/island.py).
+start-up time before it joins, and each step its loop's other work (step_overhead_seconds). Its
+heartbeats keep their own time, every heartbeat_seconds from a moment of the first interval
+drawn from the seed, not from a step's start (the real learner's thread is not timed to its
+steps). A learner that fails ends its Attend call (the shard stops waiting for it at once)
+and loses the steps its fragments have not delivered, or those since its last checkpoint, and
+the step in progress; after its repair and start-up it rejoins with a new incarnation and
+pulls the whole model (fp32) before it trains again. A shard that is down fails its
+fragments' pushes and pulls at once (those syncs are skipped, as a learner skips a sync to a
+shard it cannot reach), and a learner (re)joining waits until every shard is back. A learner
+of several slices trains on without a failed one, on fewer tokens per step; where that is its
+leader slice, another takes the lead: the learner loses what a failed one loses and restores
+as a restarted one does, without a repair or a start-up (planner/island.py).
 """
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -114,6 +117,9 @@ class Learner:
         link = inputs.link(index)
         self.up = Link(link.up_mbps, link.latency_ms / 1000)
         self.down = Link(link.down_mbps, link.latency_ms / 1000)
+        # A learner's heartbeat thread keeps its own time, not its steps' (learner/session.py):
+        # each start of its heartbeats is at a moment drawn from this, the same for a seed.
+        self.heartbeat_phases = random.Random(f"{inputs.seed}/heartbeats/{index}")
         self.incarnation = 0
         self.attendance = 0  # its Attend call on the shard, which ends when it fails
         self.life = 0  # bumped by every failure and rejoin: events of an earlier life are void
@@ -197,7 +203,10 @@ class DilocoRun:
         learner.island.started()
         self._next_step(learner, at)
         life = learner.life
-        self.queue.at(at, lambda: self._heartbeat(learner, life))
+        # Its first heartbeat comes at any moment of the first interval, so they do not land on
+        # the step ends (they would, at the same instant, for a step time that divides it).
+        first = at + learner.heartbeat_phases.random() * self.cfg.trainer.heartbeat_seconds
+        self.queue.at(first, lambda: self._heartbeat(learner, life))
 
     def _next_step(self, learner: Learner, ready: float) -> None:
         """The next step starts once the learner is ready and its island is not reconfiguring."""
