@@ -68,13 +68,14 @@ def merged_fragment(alpha: float, global_value: torch.Tensor, local: torch.Tenso
 def position_of_the_others(learners: Iterable[pb.LearnerStatus], learner_id: str,
                            interval_steps: int) -> float | None:
     """Where the live learners already training are on the sync schedule now, modulo H (None
-    when there are none): each one's position is its sync_step at its last heartbeat plus the
-    steps since (a learner is at position n + 1 as its step n ends; a heartbeat's step is taken
-    as just begun). Of these the median around the circle of H (read from the widest gap
-    between them): a schedule taken from one learner ordered by step count, say one that
-    regrouped a moment ago, hands its lag on, and rejoins drift the fleet apart."""
+    when there are none): each one's position is its sync_step at its last heartbeat, plus half
+    a step, plus the steps since (a learner is at position n + 1 as its step n ends; its
+    heartbeats keep their own time, not its steps', so one comes on average half a step into
+    the step after the count it carries). Of these the median around the circle of H (read
+    from the widest gap between them): a schedule taken from one learner ordered by step count,
+    say one that regrouped a moment ago, hands its lag on, and rejoins drift the fleet apart."""
     positions = sorted(
-        (l.sync_step + (l.seconds_since_heartbeat / l.step_seconds if l.step_seconds > 0 else 0.0))
+        (l.sync_step + 0.5 + (l.seconds_since_heartbeat / l.step_seconds if l.step_seconds > 0 else 0.0))
         % interval_steps
         for l in learners if l.alive and l.learner_id != learner_id and l.last_step > 0)
     if not positions:

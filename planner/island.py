@@ -7,7 +7,7 @@ without a failed one: an elastic island, as torchft's replica groups make one in
   carry the tokens trained, so the syncer's merge weighs them by what was trained. After a
   pause the learner syncs on at its own step count, a pause behind the others' schedule
   (with `island_rephase`, it takes its phase from them again as a rejoining learner does:
-  planner/diloco.py).
+  planner/training.py).
 - A repaired slice starts (`startup_seconds`), receives the learner's state from a peer slice in
   the data centre (STATE_BYTES_PER_PARAMETER per parameter at `island_gbps`) while the others
   train, and joins at the next step boundary, with another pause.
@@ -17,7 +17,7 @@ without a failed one: an elastic island, as torchft's replica groups make one in
   the lead in its running process; the learner loses what a failed learner loses (the steps
   since its checkpoint, the step in progress) and its Attend call, and its slices wait for the
   pause and for the new leader's restore (the pull of the updates since the checkpoint, a new
-  incarnation's join, in phase: planner/diloco.py), with no repair and no start-up; the failed
+  incarnation's join, in phase: planner/restarts.py), with no repair and no start-up; the failed
   slice rejoins later as any repaired slice does. `learner_failure`: a learner failure, down
   until slice 0 is repaired.
 - A failure that leaves no slice training is a learner failure, as for a learner of one slice:
@@ -25,8 +25,8 @@ without a failed one: an elastic island, as torchft's replica groups make one in
   pulls the model from the syncer and rejoins, with every slice repaired by then.
 
 This keeps one learner's slices, the share of the learner that trains over time, and the time
-its other slices spend out of it and all of them paused; planner/diloco.py drives it from the
-fleet's changes and asks it when the learner's next step may start.
+its other slices spend out of it and all of them paused; planner/restarts.py drives it from the
+fleet's changes, and planner/training.py asks it when the learner's next step may start.
 """
 from __future__ import annotations
 

@@ -337,26 +337,36 @@ def test_a_learner_alone_syncs_on_its_own_step():
     assert schedule.sync_offset == 0
 
 
-def test_the_others_position_is_their_median_schedule_step_modulo_h():
+def test_the_others_position_is_their_median_schedule_step_half_a_step_on_modulo_h():
+    # 6.5, 17.5 and 2.5 around the circle of 24: the widest gap is from 6.5 to 17.5, so the
+    # median is 2.5 (26.5 between 17.5 and 30.5).
     others = [learner("a", 30), learner("b", 50), learner("c", 41)]
-    assert position_of_the_others(others, "me", 24) == pytest.approx(50 % 24)  # 6, 17, 2: 6 between
+    assert position_of_the_others(others, "me", 24) == pytest.approx(50.5 % 24)
+
+
+def test_a_heartbeat_is_counted_half_a_step_into_the_step_it_reports_next():
+    # Its heartbeats keep their own time: one comes at any moment of a step, on average half a
+    # step after the step count it carries. Taken as just begun, every learner read from
+    # Status would be half a step behind on average, and a rejoining one with them.
+    others = [learner("a", 30, step_seconds=1.0)]
+    assert position_of_the_others(others, "me", 24) == pytest.approx(30.5 % 24)
 
 
 def test_the_others_schedules_are_advanced_by_the_steps_since_their_heartbeat():
     others = [learner("a", 30, seconds_since_heartbeat=0.5, step_seconds=0.1)]
-    assert position_of_the_others(others, "me", 24) == pytest.approx(35 % 24)
+    assert position_of_the_others(others, "me", 24) == pytest.approx(35.5 % 24)
 
 
 def test_the_phase_ignores_this_learner_the_dead_and_those_yet_to_train():
     others = [learner("me", 3), learner("dead", 7, alive=False), learner("new", 9, last_step=0), learner("a", 12)]
-    assert position_of_the_others(others, "me", 8) == pytest.approx(4)
+    assert position_of_the_others(others, "me", 8) == pytest.approx(4.5)
 
 
 def test_the_others_median_is_taken_around_the_schedules_circle_not_by_step_count():
     # Two at schedule step 23 and one at 1 of H = 24 (one period on, or one that trained fewer
     # steps): by step count the median is the odd one at 25 (1 + H), around the circle 23.
     others = [learner("a", 23), learner("b", 1 + 24), learner("c", 47)]
-    assert position_of_the_others(others, "me", 24) == pytest.approx(23)
+    assert position_of_the_others(others, "me", 24) == pytest.approx(23.5)
 
 
 def test_joining_in_phase_sets_the_sync_offset():
@@ -366,15 +376,28 @@ def test_joining_in_phase_sets_the_sync_offset():
 
 
 def test_a_learner_slow_to_train_its_first_step_after_joining_keeps_the_others_phase():
-    # Joined when the others' schedule was at step 12 (H=8); its pulls and checkpoint take 0.4 s
-    # (4 of their 0.1 s steps) before its first step ends, one of which it trained itself: its
-    # schedule moves on by 3, and it syncs fragment 0 (offset 0) at the others' schedule step 16.
+    # Joined when the others' schedule was at 12.5 (H=8: heartbeats just now, half a step into
+    # their step 12); its pulls and checkpoint take 0.33 s (3.3 of their 0.1 s steps) before its
+    # first step ends, nearest the end of their step 15 (0.35 s on): its first step is their 15,
+    # and it syncs fragment 0 (offset 0) after its second, their 16.
     schedule, clock = make_schedule(interval_steps=8)
     schedule.join_in_phase([learner("a", 12), learner("b", 12, step_seconds=0.1)], "me", 3)
-    clock.now += 0.4
+    clock.now += 0.33
     first = schedule.step_done(3, 100)
-    assert schedule.sync_offset == (12 - 3 + 3) % 8
+    assert schedule.sync_offset == (15 - 3) % 8
     assert [s.fragment_id for s in first.start] == [] and [s.fragment_id for s in schedule.step_done(4, 100).start] == [0]
+
+
+def test_a_rejoined_learners_first_step_takes_the_others_step_that_ends_nearest_to_it():
+    # Their step 12 ends about 0.05 s after the Status (a heartbeat just now, half a step into
+    # it, 0.1 s steps): a first step ending 0.38 s after it ends nearer their step 15 (0.35 s)
+    # than 16 (0.45 s), and one ending 0.42 s after it nearer their 16.
+    for seconds, nearest in ((0.38, 15), (0.42, 16)):
+        schedule, clock = make_schedule(interval_steps=8)
+        schedule.join_in_phase([learner("a", 12)], "me", 3)
+        clock.now += seconds
+        schedule.step_done(3, 100)
+        assert schedule.sync_offset == (nearest - 3) % 8
 
 
 def test_a_rejoining_learner_takes_the_phase_most_others_sync_at_not_that_of_the_median_step_count():

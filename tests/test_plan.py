@@ -3,9 +3,11 @@ and LearnerSchedule. Small fleets and short runs, no sockets: the file runs in s
 import itertools
 import json
 import pathlib
+from collections import defaultdict
 
 import pytest
 
+from diloco.planner.diloco import DilocoRun
 from diloco.planner.failures import FailureModel
 from diloco.planner.inputs import PlanError, load_file, load_inputs
 from diloco.planner.simulate import simulate
@@ -145,6 +147,26 @@ def test_the_same_seed_gives_the_same_result_and_another_seed_another():
     other = simulate(plan(hours=1.0, chip_mtbf_hours=32.0, repair_minutes=10.0, step_seconds=(20.0,),
                           lease_seconds=80.0, heartbeat_seconds=10.0, seed=1), "diloco")
     assert other.as_json() != first.as_json()
+
+
+def test_a_learners_heartbeats_keep_their_own_time_not_its_steps():
+    # A real learner's heartbeat thread ticks on its own timer (learner/session.py). Started
+    # with the first step, a 0.5 s interval would put every other heartbeat on a 1 s step's end,
+    # where one counted half a step into its step (learner/schedule.py) reads half a step ahead.
+    inputs = plan(hours=0.02, step_seconds=(1.0,), heartbeat_seconds=0.5)
+    run = DilocoRun(inputs, FailureModel.from_inputs(inputs))
+    into_step = defaultdict(set)  # learner -> how far into its step each heartbeat came
+    heartbeat = run.core.heartbeat
+
+    def heard(learner_id, *args, **kwargs):
+        learner = next(l for l in run.learners if l.id == learner_id)
+        into_step[learner_id].add(round(run.clock.now - learner.last_step_end, 6))
+        return heartbeat(learner_id, *args, **kwargs)
+
+    run.core.heartbeat = heard
+    run.run(lambda _: None)
+    assert len(into_step) == 4 and all(0 < seconds < 1 for s in into_step.values() for seconds in s)
+    assert len({min(s) for s in into_step.values()}) == 4  # each learner's at its own moment
 
 
 def test_diloco_rounds_are_closed_by_the_shard_core():
