@@ -207,6 +207,11 @@ class LearnerSchedule:
         self.own_link_steps: float | None = None  # own, above: the steps its own transfers take per sync
         self._heard: HeardRunTokens | None = None
 
+    @property
+    def first_step_pending(self) -> bool:
+        """Joined in phase with the others and not yet stepped (see heard_again_before_first_step)."""
+        return self._phase_heard is not None
+
     def step_done(self, step: int, tokens: int) -> StepActions:
         """Inner step `step` (0-based) trained `tokens`: the syncs that start now and the
         results that are due now."""
@@ -270,14 +275,27 @@ class LearnerSchedule:
         pushes after the round it belongs to closed (it joined after that round opened, so the
         round does not wait for it) and then waits for a round nobody else reaches before a
         period has passed."""
+        position, self._phase_heard = self._phase_of_the_others(learners, learner_id)
+        # Alone: its own step count; else its next step is their next.
+        self.sync_offset = 0 if position is None else (math.floor(position) - step) % self._interval_steps
+
+    def heard_again_before_first_step(self, learners: Iterable[pb.LearnerStatus], learner_id: str) -> None:
+        """Fresher heartbeats than the join's, just before the first step_done: that step is
+        numbered from them instead of from the join's, extrapolated over the pulls, restore and
+        regroup between. No learner heard: the join's stand."""
+        if self._phase_heard is not None:
+            self._phase_heard = self._phase_of_the_others(learners, learner_id)[1] or self._phase_heard
+
+    def _phase_of_the_others(self, learners: Iterable[pb.LearnerStatus], learner_id: str) \
+            -> tuple[float | None, tuple[float, float, float] | None]:
+        """The others' position now, and (now, their median step time, that position) for the
+        first step_done (None where no step time was heard)."""
         learners = [l for l in learners if l.alive and l.learner_id != learner_id and l.last_step > 0]
         position = position_of_the_others(learners, learner_id, self._interval_steps)
-        if position is None:  # alone: its own step count
-            self.sync_offset, self._phase_heard = 0, None
-            return
-        self.sync_offset = (math.floor(position) - step) % self._interval_steps  # its next step is their next
         times = sorted(l.step_seconds for l in learners if l.step_seconds > 0)
-        self._phase_heard = (self._clock(), times[len(times) // 2], position) if times else None
+        if position is None or not times:
+            return position, None
+        return position, (self._clock(), times[len(times) // 2], position)
 
     def result_still_out(self, fragment_id: int, waited: float) -> bool:
         """The training thread waited `waited` seconds for a due result and it is still out.

@@ -141,18 +141,24 @@ class StreamingSync:
         shard that answers Status sees them (none answers: at this learner's own step), and
         counts the run's tokens from there until a heartbeat does. Returns the tokens the other
         learners trained, as far as that shard knows (0: none answered)."""
+        status = self._first_status()
+        if status is None:
+            return 0
+        self.schedule.join_in_phase(status.learners, self.learner_id, self.step)
+        # A restarted shard forgot the learners; its fragments' merged tokens it keeps.
+        others = max(sum(l.tokens for l in status.learners if l.learner_id != self.learner_id),
+                     max((f.merged_tokens for f in status.fragments), default=0))
+        self.schedule.heard_run_tokens(others + self.tokens, 0.0, self.tokens, 0.0)
+        return others
+
+    def _first_status(self) -> pb.StatusResponse | None:
+        """The Status of the first shard that answers (None: none does)."""
         for session in self.sessions:
             try:
-                status = session.client.status(timeout=self.cfg.rpc.deadline_seconds)
+                return session.client.status(timeout=self.cfg.rpc.deadline_seconds)
             except grpc.RpcError:
                 continue
-            self.schedule.join_in_phase(status.learners, self.learner_id, self.step)
-            # A restarted shard forgot the learners; its fragments' merged tokens it keeps.
-            others = max(sum(l.tokens for l in status.learners if l.learner_id != self.learner_id),
-                         max((f.merged_tokens for f in status.fragments), default=0))
-            self.schedule.heard_run_tokens(others + self.tokens, 0.0, self.tokens, 0.0)
-            return others
-        return 0
+        return None
 
     def _tell_what_it_joined(self, others_tokens: int, resumed: bool) -> None:
         """Says so when the run joined has a spent token budget, or progress this learner did
@@ -233,6 +239,8 @@ class StreamingSync:
         for pipeline in self.fragments.values():
             if (seconds := pipeline.take_push_seconds()) is not None:
                 self.schedule.pushed(seconds, step_seconds)
+        if self.schedule.first_step_pending and (status := self._first_status()) is not None:
+            self.schedule.heard_again_before_first_step(status.learners, self.learner_id)
         actions = self.schedule.step_done(step, tokens)
         if actions.held:
             self.stats.held_steps += 1

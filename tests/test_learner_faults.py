@@ -399,3 +399,21 @@ def test_a_learner_waiting_for_one_fragments_result_does_not_hold_the_others_rou
     # The long wait is recorded one by one: when it began, for which fragment, how long, result in.
     began, fragment_id, seconds, result_in = max(sync.stats.waits, key=lambda wait: wait[2])
     assert fragment_id == 0 and result_in and started_at <= began and seconds >= 0.1
+
+
+def test_a_joined_learners_first_step_takes_the_others_phase_from_their_heartbeats_just_before_it(tmp_path, cluster,
+                                                                                                    learners):
+    # The other learner reports schedule step 5 with a 10 s step time, then step 9 while this
+    # one pulls and restores: extrapolated from the join, this learner's first step would be
+    # their 5; heard again just before it, it is their 9 (each heartbeat half a step in: 9.5).
+    cfg = fault_config(tmp_path, sync={"interval_steps": 16})
+    cluster(cfg)
+    other = cfg.learners[1]
+    with ShardClient(cfg.shards[0].address, cfg.rpc, other.id, time.time_ns(), identity=None) as shard:
+        shard.join(other.region, MANIFEST)
+        shard.heartbeat(step=5, step_seconds=10.0)
+        sync = learners(cfg, model())
+        assert sync.schedule.first_step_pending
+        shard.heartbeat(step=9, step_seconds=10.0)
+        sync.after_step(0, tokens=256, step_seconds=0.01)
+    assert not sync.schedule.first_step_pending and sync.schedule.sync_offset == 9

@@ -400,6 +400,19 @@ def test_a_rejoined_learners_first_step_takes_the_others_step_that_ends_nearest_
         assert schedule.sync_offset == (nearest - 3) % 8
 
 
+def test_heartbeats_heard_again_before_the_first_step_number_it_and_none_heard_keep_the_joins():
+    # Joined at their 12.5 (0.1 s steps); 5 s of pulls and restore later, extrapolating would
+    # say their 62. Heard again just before the first step they are at 20.5: it is their 20.
+    schedule, clock = make_schedule(interval_steps=8)
+    schedule.join_in_phase([learner("a", 12)], "me", 3)
+    clock.now += 5.0
+    schedule.heard_again_before_first_step([learner("a", 20, alive=False)], "me")  # nobody live: the join's stand
+    assert schedule.first_step_pending
+    schedule.heard_again_before_first_step([learner("a", 20)], "me")
+    schedule.step_done(3, 100)
+    assert schedule.sync_offset == (20 - 3) % 8 and not schedule.first_step_pending
+
+
 def test_a_rejoining_learner_takes_the_phase_most_others_sync_at_not_that_of_the_median_step_count():
     # H = 24: three learners sync at schedule step 23 (mod H), the one with the median step
     # count among them and a fourth that regrouped a moment ago at 1. Taking the fourth's phase
