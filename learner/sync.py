@@ -49,6 +49,11 @@ __all__ = ["JoinRefused", "StreamingSync"]
 
 log = logging.getLogger(__name__)
 
+# Weight of the newest step in the learner's step-time average. One step's time varies a lot
+# (data, the other processes on its cores): the others reading a fast one as the rate placed
+# this learner up to several steps ahead of where it was.
+STEP_TIME_SMOOTHING = 0.2
+
 # How long the last pull after training keeps retrying a shard that is down.
 FINAL_PULL_SECONDS = 60.0
 
@@ -71,6 +76,8 @@ class StreamingSync:
         self.stats = SyncStats()
         self.fragments: dict[int, FragmentPipeline] = {}
         self.step = 0
+        # A moving average of the steps' time: what heartbeats and pushes report, and what the
+        # others extrapolate this learner's schedule with over the seconds since its heartbeat.
         self.step_seconds = 0.0
         self.tokens_per_second = 0.0
         self.waiting_for: int | None = None  # the fragment whose result training waits for (heartbeats report it)
@@ -234,8 +241,9 @@ class StreamingSync:
             raise self.failure
         self.step = step + 1
         self.tokens += tokens
-        self.step_seconds = step_seconds
-        self.tokens_per_second = tokens / step_seconds if step_seconds > 0 else 0.0
+        mean = self.step_seconds
+        self.step_seconds = step_seconds if mean <= 0 else mean + STEP_TIME_SMOOTHING * (step_seconds - mean)
+        self.tokens_per_second = tokens / self.step_seconds if self.step_seconds > 0 else 0.0
         for pipeline in self.fragments.values():
             if (seconds := pipeline.take_push_seconds()) is not None:
                 self.schedule.pushed(seconds, step_seconds)

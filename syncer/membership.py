@@ -44,7 +44,10 @@ class Learner:
     incarnation: int
     last_seen: float  # last join, heartbeat or push, on the core's clock
     lease_expires: float
-    joined_at: float = 0.0
+    # When this shard learnt where the learner is on the sync schedule: at its join when no
+    # other live learner had trained yet (it starts on its own step), else at its first
+    # heartbeat since (it took the others' phase, which a push around its join says nothing of).
+    placed_at: float | None = None
     left: bool = False
     expired: bool = False  # set (and counted) the first time the lease is seen expired
     step: int = 0
@@ -93,8 +96,9 @@ class Membership:
                 raise Refusal("old_incarnation", "FAILED_PRECONDITION",
                               f"learner {learner_id!r} incarnation {incarnation} is older than its "
                               f"joined incarnation {current.incarnation}")
-            self._learners[learner_id] = Learner(learner_id, region, incarnation, now,
-                                                 now + self._lease_seconds, joined_at=now)
+            others_training = any(l.alive and l.step > 0 for i, l in self._learners.items() if i != learner_id)
+            self._learners[learner_id] = Learner(learner_id, region, incarnation, now, now + self._lease_seconds,
+                                                 placed_at=None if others_training else now)
             self._live = self._roster = None
         self._counters.add("learners.rejoined" if current is not None else "learners.joined")
 
@@ -118,6 +122,8 @@ class Membership:
             learner.tokens_per_second, learner.tokens, learner.heartbeat_at = report.tokens_per_second, report.tokens, now
             learner.held_versions = dict(report.held_versions)
             learner.waiting_for, learner.standing_still = report.waiting_for, report.standing_still
+            if learner.placed_at is None:
+                learner.placed_at = now
 
     def attend(self, learner_id: str, incarnation: int, now: float) -> int:
         """This live incarnation holds an Attend call open: the call's number, which replaces
@@ -161,17 +167,21 @@ class Membership:
         self._counters.add("learners.left")
 
     def awaited_ids(self, now: float, round_opened_at: float | None) -> frozenset[str]:
-        """Whom a round that opened at `round_opened_at` waits for: the live learners that had
-        joined by then. One that (re)joined later syncs in phase with the others, so its next
-        push of the fragment comes a whole period later: waiting for it would hold the round,
-        and every learner waiting for its result, that long. Every live learner when none had
-        joined by then (the shard restarted, and replayed the round before anyone rejoined)."""
+        """Whom a round that opened at `round_opened_at` waits for: the live learners this
+        shard had placed on the sync schedule by then (Learner.placed_at). One that (re)joined a
+        run in progress takes the others' phase, and a round they opened around its join is
+        most likely one whose turn it passed while it pulled and restored: its next push of the
+        fragment comes a whole period later, and waiting for it would hold the round, and
+        every learner waiting for its result, that long. A push of it into the round still
+        counts. Every live learner when none was placed by then (the shard restarted, and
+        replayed the round before anyone rejoined)."""
         with self._lock:
             live = self._refresh_all(now)
             if round_opened_at is None:  # no round open: every live learner
                 return live
-            joined = frozenset(i for i in live if self._learners[i].joined_at <= round_opened_at)
-            return joined or live
+            placed = frozenset(i for i in live if (at := self._learners[i].placed_at) is not None
+                               and at <= round_opened_at)
+            return placed or live
 
     def waiting_elsewhere(self, fragment_id: int) -> frozenset[str]:
         """Live learners whose last heartbeat said their training waits for another fragment's

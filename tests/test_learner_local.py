@@ -512,3 +512,18 @@ def test_a_value_is_hashed_once_and_known_hashes_keep_no_value_alive(monkeypatch
     del later
     gc.collect()
     assert dropped() is None
+
+
+def test_heartbeats_report_a_moving_average_of_the_step_time_not_the_last_step(tmp_path, monkeypatch):
+    # The others extrapolate this learner's schedule by it: one fast step read as the rate
+    # placed it steps ahead of where it was.
+    from diloco.learner.sync import STEP_TIME_SMOOTHING
+    sync, _, release = _sync_with_a_held_result(tmp_path, monkeypatch)
+    release.set()
+    for step in range(5):
+        sync.after_step(step, tokens=10, step_seconds=0.1)
+    sync.after_step(5, tokens=10, step_seconds=0.02)
+    progress = sync.progress()
+    assert progress.step_seconds == pytest.approx(0.1 + STEP_TIME_SMOOTHING * (0.02 - 0.1))
+    assert progress.tokens_per_second == pytest.approx(10 / progress.step_seconds)
+    sync.close(leave=False)

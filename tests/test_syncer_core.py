@@ -166,6 +166,34 @@ def test_a_round_does_not_wait_for_a_learner_that_rejoined_after_it_opened():
     assert shard.version() == 2
 
 
+def test_a_learner_that_rejoined_a_run_in_progress_is_awaited_by_rounds_opened_after_its_first_heartbeat():
+    # c restarted while a and b trained: it takes their phase, and a round they opened just
+    # after its join is one whose turn it passed while it restored. Heard from, it is placed.
+    shard = Shard(make_config(quorum=3, lease_seconds=60.0, grace={"mode": "fixed", "seconds": 60.0}))
+    for learner_id in ("a", "b", "c"):
+        shard.core.heartbeat(learner_id, 1, step=40)
+    shard.core.join("c", 2, "r", MANIFEST)
+    shard.clock.advance(0.01)
+    shard.push("a", 0, delta(1, shard.numel()))
+    shard.push("b", 0, delta(2, shard.numel()))
+    assert shard.version() == 1 and shard.core.fragments[0].committed.last_round.close_reason == "all"
+    shard.core.heartbeat("c", 2, step=12)
+    shard.clock.advance(0.01)
+    shard.push("a", 0, delta(3, shard.numel()), base=1)
+    shard.push("b", 0, delta(4, shard.numel()), base=1)
+    assert shard.core.tick() == [] and shard.version() == 1  # this round waits for c
+    shard.push("c", 0, delta(5, shard.numel()), base=1, incarnation=2)
+    assert shard.version() == 2
+
+
+def test_at_a_runs_start_rounds_wait_for_every_learner_that_joined_before_they_opened():
+    # Nobody has trained yet: each learner starts on its own step, in phase with the others.
+    shard = Shard(make_config(quorum=3, lease_seconds=60.0, grace={"mode": "fixed", "seconds": 60.0}))
+    shard.push("a", 0, delta(1, shard.numel()))
+    shard.push("b", 0, delta(2, shard.numel()))
+    assert shard.core.tick() == [] and shard.version() == 0  # c joined, not heard from: still awaited
+
+
 def test_a_round_does_not_wait_for_a_learner_whose_training_waits_for_another_fragment():
     # c waits for fragment 1's round, which waits for a and b, who wait for this one: without
     # the rule all three would sit out sync.max_block_seconds.
