@@ -57,8 +57,7 @@ def figures(report: dict, learners: dict[str, dict]) -> dict:
         "takeovers": sum(len(r["incarnations"]) - 1 for r in learners.values()),
         "blocked_seconds": {name: learner["blocked_seconds"] for name, learner in report["per_learner"].items()},
         "learner_restarts": report["restarts"]["learners"],
-        # the learners whose islands lost no group (--chaos-islands: all but the first N)
-        "spared_learners": list(report["per_learner"])[report["config"]["chaos_islands"] or len(report["per_learner"]):],
+        "spared_learners": report["config"]["spared_islands"],  # their islands lost no group
         "state_hashes_agree": report["state_hashes_agree"],
         "groups_verified_identical": {name: (r.get("island", {}).get("verified") or {}).get("groups")
                                       for name, r in learners.items()},

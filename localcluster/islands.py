@@ -63,7 +63,8 @@ class Islands:
         after the restart delay; chaos kills a group now and then, but not once its island is
         done, nor in the islands of the `spared` learners."""
         for i, proc in enumerate(self.members):
-            if learner_of(proc.name) in finished or learner_of(proc.name) in spared:
+            island = learner_of(proc.name)
+            if island in finished or island in spared:
                 chaos.retire(i)
             if i not in chaos.down and proc.returncode not in (None, 0):
                 log.warning("replica group %s exited with %s; restarting it", proc.name, proc.returncode)

@@ -159,6 +159,11 @@ def build_config(base: Config, args: argparse.Namespace, run_dir: pathlib.Path) 
     return cfg
 
 
+def spared_islands(cfg: Config, args: argparse.Namespace) -> list[str]:
+    """The learners whose islands --chaos-islands keeps from losing groups (all but the first N)."""
+    return [l.id for l in cfg.learners[args.chaos_islands or len(cfg.learners):]]
+
+
 def check_flags(args: argparse.Namespace, cfg: Config) -> None:
     if args.chaos_islands is not None and not (args.chaos_replicas and 1 <= args.chaos_islands <= len(cfg.learners)):
         raise ConfigError(f"--chaos-islands {args.chaos_islands}: give it with --chaos-replicas, from 1 to the "
@@ -318,7 +323,7 @@ def simulate(cfg: Config, cluster: LocalCluster, args: argparse.Namespace) -> di
     replica_chaos = Chaos("replica", len(cluster.islands.members) if cluster.islands else 0, args.chaos_replicas,
                           args.restart_delay, rng, started)
     startup_failures = StartupFailures(cluster)
-    spared = frozenset(l.id for l in cfg.learners[args.chaos_islands or len(cfg.learners):])  # no group killed
+    spared = frozenset(spared_islands(cfg, args))
     finished_at: dict[str, float] = {}
     timeline: list[dict] = []  # goodput over time
     total_steps = cfg.trainer.max_steps * len(cfg.learners)
@@ -613,6 +618,7 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
                    "chaos_mtbf": args.chaos_mtbf, "restart_delay": args.restart_delay,
                    "warm_restarts": args.warm_restarts, "replica_groups": cfg.island.replica_groups,
                    "chaos_replicas": args.chaos_replicas, "chaos_islands": args.chaos_islands,
+                   "spared_islands": spared_islands(cfg, args),
                    "slow_learner": args.slow_learner, "max_block_seconds": cfg.sync.max_block_seconds,
                    "learner_script": str(args.learner_script) if args.learner_script else None},
         "cluster_config": cfg.model_dump(mode="json"),  # as the processes ran it (diloco plan --calibrate-from)

@@ -159,6 +159,7 @@ def test_diloco_sim_runs_islands_of_replica_groups_under_chaos_and_reports_each_
                      "--chaos-replicas", "8", "--chaos-islands", "1", "--restart-delay", "1", "--seed", "3")
     assert report["config"]["replica_groups"] == 2 and report["state_hashes_agree"]
     first, second = report["per_learner"]  # only the first learner's island loses groups
+    assert report["config"]["spared_islands"] == [second]
     assert report["islands"][first]["recoveries"] and not report["islands"][second]["recoveries"]
     assert report["restarts"]["learners"] == 0  # a group's loss is not a learner's
     kills = [e for e in report["chaos_events"] if e["kind"] == "replica" and e["event"] == "kill"]
