@@ -33,15 +33,14 @@ import grpc
 import torch
 
 from diloco.learner.pipeline import FragmentPipeline, SyncContext
+from diloco.learner.run_end import RunEnd
 from diloco.learner.schedule import LearnerSchedule
 from diloco.learner.session import JoinRefused, Progress, ReanchorDue, ShardSession
-from diloco.learner.shard_errors import RETRY_INITIAL_SECONDS, Remedy, backoff_delays, remedy
 from diloco.learner.sync_stats import SyncStats
 from diloco.services.client import ShardClient, TransferObserver
 from diloco.services.contract.codecs import ErrorFeedback, get_codec
 from diloco.services.contract.config import Config
 from diloco.services.contract.fragments import Fragment, FragmentPlan, assemble, scatter
-from diloco.services.contract.state import StateHashMismatch
 from diloco.services.contract.tls import Identity
 from diloco.services.contract.wire import pb
 
@@ -53,9 +52,6 @@ log = logging.getLogger(__name__)
 # (data, the other processes on its cores): the others reading a fast one as the rate placed
 # this learner up to several steps ahead of where it was.
 STEP_TIME_SMOOTHING = 0.2
-
-# How long the last pull after training keeps retrying a shard that is down.
-FINAL_PULL_SECONDS = 60.0
 
 
 class StreamingSync:
@@ -100,6 +96,8 @@ class StreamingSync:
         self._context = SyncContext(cfg, params, ThreadPoolExecutor(len(plan.fragments), thread_name_prefix="sync"),
                                     self.stats, reanchor_due,
                                     stopping=lambda: self._stop.is_set() or self._should_stop())
+        self._end = RunEnd(cfg, learner_id, self.fragments, self.sessions, self.schedule, self.stats, self._stop,
+                           should_stop=lambda: self._should_stop())
 
     @property
     def failure(self) -> JoinRefused | None:
@@ -191,7 +189,7 @@ class StreamingSync:
         one) and takes it; returns how many versions this learner was behind on it."""
         session = self.sessions[fragment.shard]
         saved = self._restored.get(fragment.id)
-        result, anchor, reanchored = self._counted_pull(
+        result, anchor, reanchored = self.stats.counted_pull(
             lambda: session.retry(lambda: session.pull_at_start(fragment.id, saved), should_stop))
         version = result.version if result.version is not None else (saved["version"] if saved else 0)
         feedback = ErrorFeedback(get_codec(self.cfg.sync.codec), fragment.numel, self.cfg.sync.codec_block_size)
@@ -300,38 +298,8 @@ class StreamingSync:
                 self._finish(pipeline, wait_limit=None)
 
     def deliver(self) -> dict[int, str]:
-        """Budget spent: delivers the learner's last contributions, waiting until every push
-        has been answered but not for the rounds to close. A sync in flight carries its
-        fragment's progress to its start; every other fragment's progress since its last
-        applied sync is pushed now, so no trained step is left out of the global model. The
-        shards hold these contributions durably, the rounds close without this learner once
-        it has left, and catch_up pulls what they made. A push the shard asked to retry
-        (down, restarting, its disk full) is pushed again, with all the fragment trained
-        since its last applied sync, for up to trainer.final_delivery_seconds. Returns why
-        each of those is still undelivered then ({fragment: reason}), which it also logs."""
-        for pipeline in self.fragments.values():
-            if pipeline.in_flight is not None:
-                pipeline.pushed.wait()
-        deadline = time.monotonic() + self.cfg.trainer.final_delivery_seconds
-        # Refused for good (counted, warned about) is not retried: only what the shard asked to retry.
-        retry = lambda p: p.undelivered is not None and p.undelivered[0] is not Remedy.STOP  # noqa: E731
-        since = lambda p: self.schedule.since_last_sync(p.fragment.id)  # noqa: E731
-        pending = [p for p in self.fragments.values()
-                   if retry(p) or (p.in_flight is None and since(p).c_steps > 0)]
-        delays = backoff_delays()
-        while pending and time.monotonic() < deadline and not self._should_stop():
-            for pushed in [p.push_last(since(p), self.step_seconds) for p in pending]:
-                pushed.result()
-            pending = [p for p in pending if retry(p)]
-            if pending:
-                self._stop.wait(min(next(delays), max(0.0, deadline - time.monotonic())))
-        undelivered = {p.fragment.id: p.undelivered[1] for p in pending}
-        if undelivered:
-            log.error("learner %s: its last contributions to fragments %s were not delivered (%s): the "
-                      "steps they carry are lost to the run", self.learner_id, sorted(undelivered),
-                      "; ".join(f"fragment {fid}: {why}" for fid, why in sorted(undelivered.items())))
-        self.stats.undelivered = undelivered
-        return undelivered
+        """Budget spent: the learner's last contributions delivered (learner/run_end.py)."""
+        return self._end.deliver(self.step_seconds)
 
     # ---- leave, the final pulls, the state held ----------------------------------------
 
@@ -342,69 +310,9 @@ class StreamingSync:
             session.leave()
 
     def catch_up(self, quiet_seconds: float, should_stop: Callable[[], bool] = lambda: False) -> None:
-        """After training: keep pulling until no fragment changed for `quiet_seconds` or
-        until stopped, then pull once more, reaching every shard (one that is restarting is
-        retried for up to FINAL_PULL_SECONDS), so this learner ends holding the run's final
-        global values."""
-        quiet_since = time.monotonic()
-        while not should_stop() and time.monotonic() - quiet_since < quiet_seconds:
-            changed, reached_all = self._pull_newer_versions(wait_seconds=0.2)
-            if changed or not reached_all:  # a shard that is down is not quiet
-                quiet_since = time.monotonic()
-        deadline = time.monotonic() + FINAL_PULL_SECONDS
-        past_deadline = lambda: time.monotonic() >= deadline  # noqa: E731
-        while not self._pull_newer_versions(wait_seconds=0.0, give_up=past_deadline)[1] and not past_deadline():
-            self._stop.wait(RETRY_INITIAL_SECONDS)
-        self._take_the_shards_bits()
-
-    def _take_the_shards_bits(self) -> None:
-        """After the final pulls: a fragment whose last pull was a delta from an anchor off the
-        shards' lineage holds the shards' value less that delta's encoding error (docs/protocol.md,
-        "The downlink"); one snapshot of each such fragment, once per run, leaves the learner
-        holding the shards' exact bits, the global model an export from the shards gives."""
-        for session in self.sessions:
-            try:
-                status = session.client.status(timeout=self.cfg.rpc.deadline_seconds)
-                exact = {f.fragment_id: (f.version, f.state_hash) for f in status.fragments}
-                for pipeline in self.fragments.values():
-                    fid = pipeline.fragment.id
-                    if pipeline.session is session and fid in exact and pipeline.hash() != exact[fid]:
-                        result, value = self._counted_pull(lambda: session.pull_checked(fid, None, None))
-                        pipeline.adopt(value, result.version)
-            except (grpc.RpcError, StateHashMismatch) as error:  # the shard left: keep what was served
-                log.warning("shard %d: not taking its exact final values: %s", session.index, error)
-
-    def _pull_newer_versions(self, wait_seconds: float,
-                             give_up: Callable[[], bool] = lambda: True) -> tuple[bool, bool]:
-        """Pulls every fragment's newer versions, retrying a shard that is down until
-        `give_up()`: (whether any fragment changed, whether every shard answered)."""
-        changed, reached_all = False, True
-        for pipeline in self.fragments.values():
-            session = pipeline.session
-            try:
-                result, value = self._counted_pull(lambda: session.retry(lambda: pipeline.pull_newer(wait_seconds), give_up))
-            except grpc.RpcError as error:
-                if remedy(error) is not Remedy.RETRY_LATER:
-                    raise
-                reached_all = False
-                continue
-            except StateHashMismatch as mismatch:  # a snapshot too
-                log.error("%s", mismatch)
-                reached_all = False
-                continue
-            if result.items:
-                pipeline.adopt(value, result.version)
-                changed = True
-        return changed, reached_all
-
-    def _counted_pull(self, pull: Callable[[], tuple]) -> tuple:
-        """Runs a pull outside a sync (at start, catching up, the final values) and counts its
-        bytes and seconds, as a sync's own are: the link's measured rate is bytes over both."""
-        started = time.perf_counter()
-        answer = pull()
-        self.stats.transfer_seconds += time.perf_counter() - started
-        self.stats.bytes_down += answer[0].payload_bytes
-        return answer
+        """After training: pull until the run is quiet and end holding the shards' exact final
+        values (learner/run_end.py)."""
+        self._end.catch_up(quiet_seconds, should_stop)
 
     def take_global_model(self) -> None:
         """Writes every fragment's global value into the model: a learner that left the run

@@ -5,6 +5,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -63,6 +64,15 @@ class SyncStats:
         self.blocked_seconds += seconds
         if seconds >= RECORDED_WAIT_SECONDS and len(self.waits) < RECORDED_WAITS:
             self.waits.append([round(time.time() - seconds, 3), fragment_id, round(seconds, 3), result_in])
+
+    def counted_pull(self, pull: Callable[[], tuple]) -> tuple:
+        """Runs a pull outside a sync (at start, catching up, the final values) and counts its
+        bytes and seconds, as a sync's own are: the link's measured rate is bytes over both."""
+        started = time.perf_counter()
+        answer = pull()
+        self.transfer_seconds += time.perf_counter() - started
+        self.bytes_down += answer[0].payload_bytes
+        return answer
 
     def count(self, name: str) -> None:
         with self._lock:
