@@ -39,20 +39,26 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from bench.one_learner import one_learner_config  # noqa: E402
 from diloco import DecoupledDiLoCo  # noqa: E402
 from diloco.learner.model import build_model  # noqa: E402
+from diloco.learner.train import manifest  # noqa: E402
 from diloco.localcluster.cluster import LocalCluster  # noqa: E402
+from diloco.services.contract.codecs import get_codec  # noqa: E402
+from diloco.services.contract.fragments import plan_for_config  # noqa: E402
 from diloco.services.contract.config import Config  # noqa: E402
 
 TARGET_RATIO = 1.01
 DEMO_CONFIG = ROOT / "examples" / "local-4-regions.yaml"
 DISTINCT_BATCHES = 8  # the loop cycles through these: data loading is not what is measured
+GPU_SHAPED_STEP_SECONDS = 0.020
 
 
 @dataclass(frozen=True)
 class Size:
-    """A model: steps per run, and what its runs change in the demo's config (by section)."""
+    """A model: steps per run, what its runs change in the demo's config (by section), and its
+    shards (a syncer of that size is deployed as several: one fragment per shard)."""
     name: str
     steps: int
     config: dict[str, dict]
+    shards: int = 1
 
 
 SIZES = {size.name: size for size in (
@@ -62,6 +68,8 @@ SIZES = {size.name: size for size in (
     # A GPU's size (make gpu-check): too slow for the default CPU run.
     Size("85M", steps=64, config={"model": {"n_layer": 12, "n_head": 12, "n_embd": 768, "seq_len": 256},
                                   "trainer": {"batch_size": 8}, "sync": {"interval_steps": 16}}),
+    Size("350M", steps=64, shards=4, config={"model": {"n_layer": 28, "n_head": 16, "n_embd": 1024, "seq_len": 256},
+                                             "trainer": {"batch_size": 8}, "sync": {"interval_steps": 16}}),
 )}
 DEFAULT_SIZES = ("demo", "25M")
 
@@ -77,6 +85,19 @@ def user_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
+
+
+def gpu_shaped_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    """What a GPU step looks like to the host: a wait that holds no core and releases the
+    interpreter (the kernels run elsewhere), then every parameter changed in place (a little of
+    each: the changes must land in every fragment, not cost a pass over the model)."""
+    time.sleep(GPU_SHAPED_STEP_SECONDS)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.view(-1)[:64].add_(1e-6)
+
+
+STEPS = {"model": user_step, "gpu-shaped": gpu_shaped_step}
 
 
 def fresh_model(cfg: Config, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -100,9 +121,11 @@ class Run:
     idle_calls: list[float]  # of those on a step where nothing was due
     syncs: int  # started
     blocked_seconds: float  # waiting in sync.step() for results past tau
+    device_to_host_bytes: int = 0  # what the syncs copied off the GPU
+    host_to_device_bytes: int = 0  # and onto it
 
 
-def timed_run(cfg: Config, batches: list, enabled: bool, device: torch.device) -> Run:
+def timed_run(cfg: Config, batches: list, enabled: bool, device: torch.device, step=user_step) -> Run:
     """The user's loop to the end of the config's step budget."""
     model, optimizer = fresh_model(cfg, device)
     run = Run(0.0, [], [], 0, 0.0)
@@ -110,7 +133,7 @@ def timed_run(cfg: Config, batches: list, enabled: bool, device: torch.device) -
         started = time.perf_counter()
         while not sync.should_stop:
             x, y = batches[len(run.step_calls) % len(batches)]
-            user_step(model, optimizer, x, y)
+            step(model, optimizer, x, y)
             syncs_before = sync.sync.stats.syncs_started if sync.sync else 0
             called = time.perf_counter()
             applied = sync.step(tokens=x.numel())
@@ -124,14 +147,18 @@ def timed_run(cfg: Config, batches: list, enabled: bool, device: torch.device) -
         run.seconds_per_step = (time.perf_counter() - started) / len(run.step_calls)
         run.syncs = sync.sync.stats.syncs_started if sync.sync else 0
         run.blocked_seconds = sync.sync.stats.blocked_seconds if sync.sync else 0.0
+        if sync.sync:
+            run.device_to_host_bytes = sync.sync.stats.device_to_host_bytes
+            run.host_to_device_bytes = sync.sync.stats.host_to_device_bytes
     return run
 
 
-def measure(size: Size, pairs: int, device: torch.device) -> dict:
+def measure(size: Size, pairs: int, device: torch.device, step_kind: str = "model", steps: int | None = None) -> dict:
     runs: dict[bool, list[Run]] = {False: [], True: []}  # by sync enabled
     for pair in range(pairs):
         with tempfile.TemporaryDirectory() as tmp:
-            cfg = one_learner_config(DEMO_CONFIG, pathlib.Path(tmp) / "state", size.steps, **size.config)
+            cfg = one_learner_config(DEMO_CONFIG, pathlib.Path(tmp) / "state", steps or size.steps, size.shards,
+                                     **size.config)
             batches = random_batches(cfg, device)
             if pair == 0:
                 warm_up(cfg, batches, device)
@@ -139,7 +166,7 @@ def measure(size: Size, pairs: int, device: torch.device) -> dict:
             try:
                 cluster.start_shards()
                 for enabled in ((False, True) if pair % 2 == 0 else (True, False)):
-                    runs[enabled].append(timed_run(cfg, batches, enabled, device))
+                    runs[enabled].append(timed_run(cfg, batches, enabled, device, STEPS[step_kind]))
             finally:
                 cluster.stop()
     off, on = [run.seconds_per_step for run in runs[False]], [run.seconds_per_step for run in runs[True]]
@@ -150,9 +177,12 @@ def measure(size: Size, pairs: int, device: torch.device) -> dict:
     # shard, which competes with the loop for the machine's cores.
     step_calls = statistics.median(sum(run.step_calls) / len(run.step_calls) for run in runs[True])
     model = build_model(cfg.model, seed=0)
+    plan = plan_for_config(cfg, manifest(model))
+    codec = get_codec(cfg.sync.codec)
+    encoded_per_sync = statistics.mean(codec.encoded_size(f.numel, cfg.sync.codec_block_size) for f in plan.fragments)
     return {"size": size.name, "device": str(device), "model_parameters": sum(p.numel() for p in model.parameters()),
             "layers": cfg.model.n_layer, "width": cfg.model.n_embd, "seq_len": cfg.model.seq_len,
-            "batch_size": cfg.trainer.batch_size, "steps": size.steps, "H": cfg.sync.interval_steps,
+            "batch_size": cfg.trainer.batch_size, "steps": cfg.trainer.max_steps, "step": step_kind, "H": cfg.sync.interval_steps,
             "P": cfg.sync.fragments, "tau": cfg.sync.overlap_steps, "codec": cfg.sync.codec,
             "sync_off_step_seconds": off_median, "sync_on_step_seconds": on_median, "ratio": on_median / off_median,
             "pair_ratios": [b / a for a, b in zip(off, on)], "runs_off": off, "runs_on": on,
@@ -161,7 +191,12 @@ def measure(size: Size, pairs: int, device: torch.device) -> dict:
             "step_calls_seconds_per_step": step_calls, "step_calls_share": step_calls / off_median,
             "idle_step_call_seconds": {"p50": statistics.median(idle_calls),
                                        "p90": statistics.quantiles(idle_calls, n=10)[8], "calls": len(idle_calls)},
-            "idle_step_call_share": statistics.median(idle_calls) / off_median}
+            "idle_step_call_share": statistics.median(idle_calls) / off_median,
+            "shards": size.shards, "encoded_bytes_per_sync": encoded_per_sync,
+            "device_to_host_bytes_per_sync": statistics.median(
+                run.device_to_host_bytes / run.syncs for run in runs[True] if run.syncs),
+            "host_to_device_bytes_per_sync": statistics.median(
+                run.host_to_device_bytes / run.syncs for run in runs[True] if run.syncs)}
 
 
 def main() -> int:
@@ -169,14 +204,18 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(DEFAULT_SIZES))
     parser.add_argument("--device", default="cpu", help="where the model trains: cpu (default) or cuda")
+    parser.add_argument("--step", choices=list(STEPS), default="model",
+                        help="model: the GPT's forward, backward and AdamW; gpu-shaped: a 20 ms wait that holds no "
+                             "core, then each parameter changed in place (a GPU step as the host sees it)")
+    parser.add_argument("--steps", type=int, help="steps per run (default: the size's)")
     parser.add_argument("--json", help="also write the figures here (bench/run_all.py reads them)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     device = torch.device(args.device)
     load_before = os.getloadavg()[0]
-    rows = [measure(SIZES[name], args.pairs, device) for name in args.sizes]
+    rows = [measure(SIZES[name], args.pairs, device, args.step, args.steps) for name in args.sizes]
     load_after = os.getloadavg()[0]
-    print(f"user loop on {device}: sync on vs enabled=False, median of {args.pairs} alternating pairs, 1 torch thread; "
+    print(f"user loop on {device}, {args.step} step: sync on vs enabled=False, median of {args.pairs} alternating pairs, 1 torch thread; "
           f"load average {load_before:.2f} at the start, {load_after:.2f} at the end")
     for r in rows:
         verdict = "met" if r["ratio"] <= TARGET_RATIO else "MISSED"
@@ -189,7 +228,9 @@ def main() -> int:
               f"sync.step() with nothing due {idle['p50'] * 1e6:.0f} us p50, {idle['p90'] * 1e6:.0f} us p90 "
               f"({r['idle_step_call_share']:.3%} of the step); every sync.step() call "
               f"{r['step_calls_seconds_per_step'] * 1e3:.2f} ms per step ({r['step_calls_share']:.2%} of the step), "
-              f"of which blocked waiting for results {r['blocked_seconds_per_step'] * 1e3:.2f} ms")
+              f"of which blocked waiting for results {r['blocked_seconds_per_step'] * 1e3:.2f} ms; per sync "
+              f"{r['device_to_host_bytes_per_sync'] / 1e6:.2f} MB device to host (the payload: "
+              f"{r['encoded_bytes_per_sync'] / 1e6:.2f} MB), {r['host_to_device_bytes_per_sync'] / 1e6:.2f} MB back")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({
             "target_ratio": TARGET_RATIO, "pairs": args.pairs, "torch_threads": 1,

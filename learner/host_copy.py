@@ -27,16 +27,25 @@ from diloco.services.contract.fragments import Fragment, gather
 
 
 class HostCopy:
-    """Flat fp32 values in host memory, readable once `wait()` returns."""
+    """Values in host memory, readable once `wait()` returns."""
 
-    def __init__(self, values: torch.Tensor, copied: torch.cuda.Event | None = None):
+    def __init__(self, values: torch.Tensor, copied: torch.cuda.Event | None = None,
+                 rest: tuple[torch.Tensor, ...] = ()):
         self._values = values
+        self._rest = rest  # more tensors copied with it
         self._copied = copied  # None: the values were copied synchronously
+        # What crossed from the device to the host (0: nothing did).
+        self.device_to_host_bytes = 0 if copied is None else sum(t.nbytes for t in (values, *rest))
 
     def wait(self) -> torch.Tensor:
         if self._copied is not None:
             self._copied.synchronize()
         return self._values
+
+    @property
+    def copies(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor copied, in order (the first is what wait() gives); call wait() first."""
+        return (self._values, *self._rest)
 
 
 @functools.cache
@@ -47,18 +56,27 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
 
 def copy_to_host(fragment: Fragment, params: Mapping[str, torch.Tensor]) -> HostCopy:
     """Starts copying the fragment's current values to host memory (see the module's docstring)."""
-    flat = gather(fragment, params)
-    if flat.device.type != "cuda":
-        return HostCopy(flat)
-    stream = _copy_stream(flat.device)
-    host = torch.empty(flat.numel(), dtype=torch.float32, pin_memory=True)
-    stream.wait_stream(torch.cuda.current_stream(flat.device))  # the gather comes first
+    return to_pinned(gather(fragment, params))
+
+
+def to_pinned(*tensors: torch.Tensor) -> HostCopy:
+    """Starts copying tensors to host memory: of CUDA tensors into pinned memory on the side
+    stream, after the work queued on the current stream, without waiting (a host tensor is
+    taken as it is). `wait()` gives the first copy; `copies` all of them once waited for."""
+    device = tensors[0].device
+    if device.type != "cuda":
+        return HostCopy(tensors[0], rest=tensors[1:])
+    stream = _copy_stream(device)
+    hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    stream.wait_stream(torch.cuda.current_stream(device))  # what made them comes first
     with torch.cuda.stream(stream):
-        host.copy_(flat, non_blocking=True)
+        for host, t in zip(hosts, tensors):
+            host.copy_(t, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record(stream)
-    flat.record_stream(stream)  # the allocator must not hand flat's memory out before the copy ran
-    return HostCopy(host, copied)
+    for t in tensors:
+        t.record_stream(stream)  # the allocator must not hand its memory out before the copy ran
+    return HostCopy(hosts[0], copied, rest=tuple(hosts[1:]))
 
 
 def to_host(state):

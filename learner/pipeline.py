@@ -3,9 +3,12 @@ the model: compress the outer gradient `anchor - theta` (with error feedback), p
 the round's result, all on a background thread while training goes on; then, when the
 training thread takes the result, merge it (learner/schedule.py: merged_fragment).
 
-What it keeps is fp32 in host memory whatever the training dtype: the anchor (the global
-value at `version`) and the error-feedback residual. Results are merged on the model's
-device one tensor at a time and cast to each parameter's dtype between steps.
+What it keeps is fp32 whatever the training dtype: the anchor (the global value at
+`version`) in host memory, where pulls are decoded and checked against the shard's state hash;
+on a GPU also the anchor's copy and the error-feedback residual on the device, where the outer
+gradient is compressed (learner/outer_gradient.py), on the CPU the residual in host memory.
+Results are merged on the model's device one tensor at a time and cast to each parameter's
+dtype between steps.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import grpc
 import torch
 
 from diloco.learner.host_copy import HostCopy, copy_to_host
+from diloco.learner.outer_gradient import OuterGradient, start_outer_gradient
 from diloco.learner.schedule import SyncStart, merged_fragment
 from diloco.learner.session import ReanchorDue, ShardSession
 from diloco.learner.shard_errors import Remedy, reason, remedy
@@ -61,7 +65,7 @@ class FragmentPipeline:
     def __init__(self, fragment: Fragment, anchor: torch.Tensor, version: int, feedback: ErrorFeedback,
                  session: ShardSession, context: SyncContext):
         self.fragment = fragment
-        self.anchor = anchor  # the global value at `version`, fp32 flat
+        self.anchor = anchor  # the global value at `version`, fp32 flat, in host memory
         self.version = version
         self.feedback = feedback
         self.session = session
@@ -77,6 +81,8 @@ class FragmentPipeline:
         # thread takes it for the schedule (LearnerSchedule.pushed): as soon as it is known.
         self.push_seconds: float | None = None
         self._on_gpu = any(p.is_cuda for p in context.params.values())
+        # On a GPU: the anchor's copy on the fragment's device, what outer gradients are taken against.
+        self.device_anchor = anchor.to(feedback.device, copy=True) if feedback.device.type == "cuda" else None
         self._lock = threading.Lock()  # anchor and version are read as a pair by a rejoin
 
     def held(self) -> tuple[int, torch.Tensor]:
@@ -88,13 +94,16 @@ class FragmentPipeline:
     def start(self, c_steps: int, c_tokens: int, step_seconds: float) -> None:
         """Snapshots the fragment now (the only work on the training thread); the rest runs
         on the fragment's sync thread. The counters are the push's (LearnerSchedule)."""
-        local = copy_to_host(self.fragment, self.context.params)
         meta = PushMeta(self.version, c_steps, c_tokens, step_seconds)
         self.pushed.clear()
         if self.context.reanchor_due.take(self.fragment.id):
             self.in_flight = self.context.pool.submit(self._reanchor)
         else:
-            self.in_flight = self.context.pool.submit(self.exchange, self.anchor, local, meta)
+            self.in_flight = self.context.pool.submit(self.exchange, self.anchor, self._outer_gradient(), meta)
+
+    def _outer_gradient(self) -> OuterGradient:
+        return start_outer_gradient(self.fragment, self.context.params, self.anchor, self.device_anchor,
+                                    self.feedback)
 
     def wait(self, limit: float | None) -> float:
         """Waits up to `limit` seconds (None: as long as it takes) for the sync in flight;
@@ -116,6 +125,7 @@ class FragmentPipeline:
     def keep_local_at_apply(self) -> None:
         """The result missed its apply step: the values now are what it is merged with."""
         self.local_at_apply = copy_to_host(self.fragment, self.context.params)
+        self.context.stats.device_to_host_bytes += self.local_at_apply.device_to_host_bytes
 
     def take(self) -> tuple[SyncOutcome, HostCopy | None]:
         """The finished sync's outcome (the sync is no longer in flight) and, for a late
@@ -138,7 +148,11 @@ class FragmentPipeline:
             self.anchor, self.version = global_value, version
         params, alpha = self.context.params, self.context.cfg.sync.mix_alpha
         source = global_value if staged is None else staged
-        if alpha == 0 and local_at_apply is None:  # overwritten: straight from the host
+        if self.device_anchor is not None:  # the one copy across: the model's fragment is merged from it
+            self.device_anchor.copy_(source, non_blocking=source.is_pinned())
+            self.context.stats.host_to_device_bytes += source.nbytes
+            source = self.device_anchor
+        if alpha == 0 and local_at_apply is None:  # overwritten: straight from the host (or the device anchor)
             scatter(self.fragment, source, params)
             return
         at_apply = repeat(None) if local_at_apply is None else \
@@ -179,18 +193,18 @@ class FragmentPipeline:
 
     # ---- the sync thread ----------------------------------------------------------------
 
-    def exchange(self, anchor: torch.Tensor, local: HostCopy, meta: PushMeta) -> SyncOutcome:
-        """Compress the outer gradient, push it, pull the result. While it runs the training
-        thread leaves `feedback` and `anchor` alone."""
+    def exchange(self, anchor: torch.Tensor, outer: OuterGradient, meta: PushMeta) -> SyncOutcome:
+        """Push the outer gradient, pull the result. While it runs the training thread leaves
+        `feedback` and `anchor` alone."""
         try:
-            return self._push_then_pull(anchor, local.wait(), meta)
+            return self._push_then_pull(anchor, outer, meta)
         finally:
             self.pushed.set()  # also when the push never went out
 
-    def _push_then_pull(self, anchor: torch.Tensor, local: torch.Tensor, meta: PushMeta) -> SyncOutcome:
+    def _push_then_pull(self, anchor: torch.Tensor, outer: OuterGradient, meta: PushMeta) -> SyncOutcome:
         started = time.perf_counter()
         fragment_id, version, session = self.fragment.id, meta.base_version, self.session
-        delivered = self._push(anchor, local, meta)
+        delivered = self._push(outer, meta)
         if delivered is None:
             return SyncOutcome(None, version)
         push_result, round_version, payload_bytes = delivered
@@ -231,31 +245,34 @@ class FragmentPipeline:
         through): pushes its progress since its last applied sync, the learner's last
         contribution to it, on the fragment's sync thread; the snapshot is taken here. The
         future says whether it got through (`undelivered` says why not)."""
-        local = copy_to_host(self.fragment, self.context.params)
+        outer = self._outer_gradient()
         meta = PushMeta(self.version, counters.c_steps, counters.c_tokens, step_seconds)
-        return self.context.pool.submit(lambda: self._push(self.anchor, local.wait(), meta) is not None)
+        return self.context.pool.submit(lambda: self._push(outer, meta) is not None)
 
-    def _push(self, anchor: torch.Tensor, local: torch.Tensor, meta: PushMeta) -> tuple[int, int, int] | None:
-        """Compresses the outer gradient and pushes it: (the shard's answer, the version of the
-        round that holds it, payload bytes), or None when it did not get through (`undelivered`
-        says why; the residual is as before, so the next push carries this progress)."""
+    def _push(self, outer: OuterGradient, meta: PushMeta) -> tuple[int, int, int] | None:
+        """Pushes the outer gradient: (the shard's answer, the version of the round that holds
+        it, payload bytes), or None when it did not get through (`undelivered` says why; the
+        residual is rolled back, so the next push carries this progress)."""
         session = self.session
         if not session.joined:
+            outer.rollback()
             self.undelivered = (Remedy.REJOIN, f"shard {session.index} is being rejoined")
             return None
-        residual_before = self.feedback.residual
         try:
-            payload, _ = self.feedback.compress(anchor - local)
+            payload = outer.payload()
         except ValueError as exc:  # non-finite values: never send them
+            outer.rollback()
             log.error("fragment %d: not pushing: %s", self.fragment.id, exc)
             self.undelivered = (Remedy.STOP, str(exc))
             return None
+        finally:
+            self.context.stats.copied_to_host(outer.device_to_host_bytes)
         try:
             push_result, round_version = self._deliver(payload, meta)
         except grpc.RpcError as error:
             # Lost push: undo the residual update so nothing is counted twice; the next
             # outer gradient still holds this progress.
-            self.feedback.residual = residual_before
+            outer.rollback()
             if remedy(error) is Remedy.REJOIN:
                 session.forgotten()
             elif remedy(error) is Remedy.STOP:

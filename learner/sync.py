@@ -40,7 +40,7 @@ from diloco.learner.sync_stats import SyncStats
 from diloco.services.client import ShardClient, TransferObserver
 from diloco.services.contract.codecs import ErrorFeedback, get_codec
 from diloco.services.contract.config import Config
-from diloco.services.contract.fragments import Fragment, FragmentPlan, assemble, scatter
+from diloco.services.contract.fragments import Fragment, FragmentPlan, assemble, device_of, scatter
 from diloco.services.contract.tls import Identity
 from diloco.services.contract.wire import pb
 
@@ -192,7 +192,9 @@ class StreamingSync:
         result, anchor, reanchored = self.stats.counted_pull(
             lambda: session.retry(lambda: session.pull_at_start(fragment.id, saved), should_stop))
         version = result.version if result.version is not None else (saved["version"] if saved else 0)
-        feedback = ErrorFeedback(get_codec(self.cfg.sync.codec), fragment.numel, self.cfg.sync.codec_block_size)
+        device = device_of(fragment, self.params)  # on a GPU the residual lives there (learner/outer_gradient.py)
+        feedback = ErrorFeedback(get_codec(self.cfg.sync.codec), fragment.numel, self.cfg.sync.codec_block_size,
+                                 device if device.type == "cuda" else "cpu")
         if saved and not reanchored:  # a residual built on another value means nothing
             feedback.residual = saved["residual"].clone()
         pipeline = FragmentPipeline(fragment, anchor, version, feedback, session, self._context)

@@ -54,6 +54,10 @@ class SyncStats:
     versions_behind_at_join: int = 0
     reanchored: int = 0  # fragments taken from a shard that served them below our version
     hash_mismatches: int = 0  # pulls whose result did not have the shard's hash: pulled again whole
+    # A GPU learner's syncs, across PCIe: outer gradients' payloads (and late results' snapshots)
+    # to the host, global values to the device.
+    device_to_host_bytes: int = 0
+    host_to_device_bytes: int = 0
     push_results: dict[str, int] = field(default_factory=dict)
     undelivered: dict[int, str] = field(default_factory=dict)  # fragment: why its last push never got through
     waits: list[list] = field(default_factory=list)  # [unix time it began, fragment, seconds, result in], the long ones
@@ -73,6 +77,11 @@ class SyncStats:
         self.transfer_seconds += time.perf_counter() - started
         self.bytes_down += answer[0].payload_bytes
         return answer
+
+    def copied_to_host(self, nbytes: int) -> None:
+        """A sync thread's copy from the device."""
+        with self._lock:
+            self.device_to_host_bytes += nbytes
 
     def count(self, name: str) -> None:
         with self._lock:

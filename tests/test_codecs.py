@@ -180,11 +180,13 @@ def test_chunking_does_not_change_the_result(monkeypatch):
     cases = [(get_codec(name), block_size) for name in QUANTISED for block_size in (1, 3, 7)]
     whole = [codec.encode(values, block_size) for codec, block_size in cases]
     decoded = [codec.decode(payload, 1001, block_size) for (codec, block_size), payload in zip(cases, whole)]
-    monkeypatch.setattr(codecs, "_CHUNK_VALUES", 10)  # many chunks of a few blocks each
-    monkeypatch.setattr(codecs, "_DECODE_CHUNK_VALUES", 10)
+    monkeypatch.setattr(codecs, "_CPU_CHUNK_VALUES", 10)  # many chunks of a few blocks each
     for (codec, block_size), payload, expected in zip(cases, whole, decoded):
         assert codec.encode(values, block_size) == payload
         assert torch.equal(codec.decode(payload, 1001, block_size), expected)
+        residual = values.clone()
+        codec.decode(payload, 1001, block_size, out=residual, subtract=True)
+        assert torch.equal(residual, values - expected)
 
 
 @pytest.mark.parametrize("name", CODEC_NAMES)
@@ -385,3 +387,75 @@ def test_norm_bound_of_a_block_codec_is_within_a_small_factor(name):
     payload = codec.encode(values, DEFAULT_BLOCK_SIZE)
     decoded_norm = float(torch.linalg.vector_norm(codec.decode(payload, values.numel(), DEFAULT_BLOCK_SIZE)))
     assert decoded_norm <= codec.norm_bound(payload, values.numel(), DEFAULT_BLOCK_SIZE) < 5 * decoded_norm
+
+
+# ---- the same codec on every device ----------------------------------------------------------
+
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
+
+def awkward_values(numel: int, block_size: int) -> torch.Tensor:
+    """Random magnitudes over many decades, a block of zeros, exact ties and a partial last block."""
+    generator = torch.Generator().manual_seed(numel)
+    values = torch.randn(numel, generator=generator) * 10.0 ** torch.randint(-30, 30, (numel,), generator=generator)
+    if numel >= 2 * block_size + 4:
+        values[block_size : 2 * block_size] = 0.0  # a whole block of zeros
+        values[2 * block_size : 2 * block_size + 4] = torch.tensor([3.5, -2.5, 0.5, 7.0])  # ties round to even
+    return values
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("numel", [1, 255, 1001, (1 << 20) + 3])
+def test_encoding_on_a_device_gives_the_hosts_bytes_and_decoded_values(device, name, numel, monkeypatch):
+    monkeypatch.setattr(codecs, "_DEVICE_CHUNK_VALUES", 1 << 18)  # several chunks on a device too
+    codec, block_size = get_codec(name), 7 if numel < 1000 else DEFAULT_BLOCK_SIZE
+    values = awkward_values(numel, block_size)
+    payload = codec.encode(values, block_size)
+    on_device, finite = codec.encode_to_tensor(values.to(device), block_size)
+    assert on_device.device.type == device and on_device.dtype == torch.uint8 and bool(finite)
+    assert codecs.payload_bytes(on_device) == payload
+    decoded = codec.decode(payload, numel, block_size)
+    decoded_there = codec.decode(on_device, numel, block_size)
+    assert decoded_there.device.type == device
+    assert torch.equal(decoded_there.cpu(), decoded)
+    residual = values.to(device, copy=True)
+    codec.decode(on_device, numel, block_size, out=residual, subtract=True)
+    assert torch.equal(residual.cpu(), values - decoded)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_non_finite_value_is_flagged_on_every_device(device, name, bad):
+    values = torch.randn(300)
+    values[257] = bad
+    codec = get_codec(name)
+    _, finite = codec.encode_to_tensor(values.to(device), 128)
+    assert not bool(finite)
+    with pytest.raises(ValueError, match="1 non-finite"):
+        codec.encode(values.to(device), 128)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_error_feedback_on_a_device_sends_and_keeps_what_it_does_on_the_host(device, name):
+    host, there = ErrorFeedback(get_codec(name), 1001, 64), ErrorFeedback(get_codec(name), 1001, 64, device)
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        values = torch.randn(1001, generator=generator)
+        payload, _ = host.compress(values)
+        on_device, finite = there.compress_on_device(values.to(device, copy=True))
+        assert bool(finite) and codecs.payload_bytes(on_device) == payload
+        assert there.residual.device.type == device
+        assert torch.equal(there.residual.cpu(), host.residual)
+
+
+def test_decode_refuses_an_out_on_another_device_than_its_payload():
+    codec = get_codec("int4")
+    payload, _ = codec.encode_to_tensor(torch.randn(10), 4)
+    with pytest.raises(ValueError, match="out is on meta, the payload on cpu"):
+        codec.decode(payload, 10, 4, out=torch.empty(10, device="meta"))
+    with pytest.raises(ValueError, match="subtract"):
+        codec.decode(payload, 10, 4, subtract=True)

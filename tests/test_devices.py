@@ -1,6 +1,6 @@
 """Devices, precision and batch: a fragment goes to host memory and comes back exactly, a sync
 leaves every parameter on its device in its dtype (bf16 included) with fp32 anchors on the
-host, a checkpoint takes no room on the model's device and carries its random state, the
+host and, on a GPU, the residual there and only payloads crossing to the host, a checkpoint takes no room on the model's device and carries its random state, the
 built-in learner trains under bf16 autocast and with gradient accumulation and ends holding the
 shards' bits, and a device or precision the config or the machine cannot give is refused naming
 the key. CUDA cases (marked `cuda`: `make gpu-check` runs them) run where torch sees a GPU and
@@ -21,6 +21,7 @@ from diloco.learner.adamw import AdamW
 from diloco.learner.checkpoint import checkpoint_state, restore_rng
 from diloco.learner.device import DeviceUnavailable, resolve_device
 from diloco.learner.host_copy import copy_to_host
+from diloco.learner.outer_gradient import DeviceOuterGradient
 from diloco.learner.model import build_model
 from diloco.learner.train import Trainer, make_optimizer, manifest, named_parameters
 from diloco.services.contract.config import GPTConfig, InnerOptimizerConfig, dump_config
@@ -71,13 +72,21 @@ def shard(tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("device", DEVICES)
-def test_syncs_keep_each_parameter_on_its_device_in_its_dtype_and_anchors_fp32_on_the_host(shard, device, dtype):
+def test_syncs_keep_each_parameter_on_its_device_in_its_dtype_and_sync_state_fp32(shard, device, dtype,
+                                                                                   monkeypatch):
     cfg = shard.cfg
     model = net()
     sync = DecoupledDiLoCo(model, cfg, cfg.learners[0].id, catch_up_seconds=0.0)
     model.to(device, dtype)  # after making the learner, before entering: the moved tensors are synced
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    applied = []
+    applied, pushed = [], []  # (payload bytes, bytes that crossed from the device) per push
+    payload = DeviceOuterGradient.payload
+
+    def payload_counted(outer):
+        sent = payload(outer)
+        pushed.append((len(sent), outer.device_to_host_bytes))
+        return sent
+    monkeypatch.setattr(DeviceOuterGradient, "payload", payload_counted)
     with sync:
         for _ in range(12):
             x = torch.randn(TOKENS_PER_STEP, 8, device=device)
@@ -91,8 +100,15 @@ def test_syncs_keep_each_parameter_on_its_device_in_its_dtype_and_anchors_fp32_o
     for name, p in model.named_parameters():
         assert (p.device.type, p.dtype) == (device, dtype), name
     for state in sync.sync.fragments.values():
-        for kept in (state.anchor, state.feedback.residual):
-            assert (kept.device.type, kept.dtype) == ("cpu", torch.float32)
+        assert (state.anchor.device.type, state.anchor.dtype) == ("cpu", torch.float32)  # pulls are checked there
+        assert (state.feedback.residual.device.type, state.feedback.residual.dtype) == (device, torch.float32)
+        if device == "cuda":  # outer gradients are taken on the device, against the anchor's copy there
+            assert torch.equal(state.device_anchor.cpu(), state.anchor)
+        else:
+            assert state.device_anchor is None
+    # From a GPU only each push's payload crosses to the host (and a byte saying it was finite).
+    assert all(crossed == size + 1 for size, crossed in pushed) and bool(pushed) == (device == "cuda")
+    assert sync.sync.stats.device_to_host_bytes == sum(crossed for _, crossed in pushed)
     held = {str(fid): held for fid, held in sync.sync.fragment_hashes().items()}
     assert held == shard_fragments(cfg)  # the learner holds the shard's bits
 

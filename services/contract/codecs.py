@@ -6,6 +6,13 @@
 
 Decoding always gives fp32: accumulation never happens in a compressed format.
 
+The codecs are torch operations, so they run where the tensor lives. On a GPU a fragment is
+encoded there and only its payload crosses to the host: `encode_to_tensor` gives the payload as
+a uint8 tensor on the values' device without waiting for the device, and `decode` takes a
+payload as bytes (decoded on the host) or as a uint8 tensor (decoded on its device). The CPU
+and a GPU give the same payload and the same decoded values, bit for bit
+(tests/test_codecs.py).
+
 Payload layouts (little-endian; `n` values, `b = ceil(n / block_size)` blocks):
 
     fp32      n x float32
@@ -37,6 +44,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+import functools
 from functools import cache, cached_property
 
 import numpy as np
@@ -47,23 +55,45 @@ from diloco.services.contract.wire import pb
 
 DEFAULT_BLOCK_SIZE = 128
 
-# Quantise this many values at a time, so that the fp32 temporaries stay in cache instead of
-# costing fresh (page-faulting) allocations the size of the whole tensor.
-_CHUNK_VALUES = 1 << 18
-# Decoding takes only a few operations per chunk, but under concurrent pulls each one waits to
-# take the GIL back from the receiving threads (they hold it a whole message at a time), so a
-# decode is cut into few, large chunks.
-_DECODE_CHUNK_VALUES = 1 << 22
+# Values per chunk of work. On the CPU each torch operation costs microseconds however small its
+# chunk, and a codec takes about twenty per chunk: chunks of 1M values (4 MB temporaries) cost
+# that overhead a few times per fragment, where cache-sized ones paid it hundreds of times. On a
+# GPU each operation is a kernel launch on the calling thread: few enough launches per fragment,
+# while bounding the temporaries beside it (WORKSPACE_BYTES_PER_CHUNK_VALUE per value of a chunk).
+_CPU_CHUNK_VALUES = 1 << 20
+_DEVICE_CHUNK_VALUES = 1 << 22
+WORKSPACE_BYTES_PER_CHUNK_VALUE = 12
 
 
-def _read(payload: bytes | memoryview, dtype: torch.dtype, offset: int = 0, count: int = -1) -> torch.Tensor:
-    """`count` values of `dtype` at byte `offset` of `payload`, copied into a new tensor.
+def workspace_bytes(device: torch.device) -> int:
+    """At most what one encode or decode allocates on `device` beside its payload and output."""
+    return WORKSPACE_BYTES_PER_CHUNK_VALUE * _chunk_values(device)
 
-    torch cannot wrap read-only memory such as `bytes` without warning, so a read is a copy;
-    the block codecs read chunk by chunk, so the copies stay in cache.
+Payload = bytes | memoryview | torch.Tensor  # a tensor: uint8, 1-D, on any device
+
+
+def _chunk_values(device: torch.device) -> int:
+    return _CPU_CHUNK_VALUES if device.type == "cpu" else _DEVICE_CHUNK_VALUES
+
+
+def _read(payload: Payload, dtype: torch.dtype, offset: int = 0, count: int = -1) -> torch.Tensor:
+    """`count` values of `dtype` at byte `offset` of `payload`: of a tensor a view, on its
+    device; of bytes a copy in a new host tensor (torch cannot wrap read-only memory such as
+    `bytes` without warning; the block codecs read chunk by chunk, so the copies stay in cache).
     """
     size = -1 if count == -1 else count * dtype.itemsize
+    if isinstance(payload, torch.Tensor):
+        return payload[offset : None if size == -1 else offset + size].view(dtype)
     return torch.from_numpy(np.frombuffer(payload, np.uint8, size, offset).copy()).view(dtype)
+
+
+def _size(payload: Payload) -> int:
+    return payload.numel() if isinstance(payload, torch.Tensor) else memoryview(payload).nbytes
+
+
+def payload_bytes(payload: torch.Tensor) -> bytes:
+    """A payload tensor's bytes (copied to the host first where it is on a device)."""
+    return payload.cpu().numpy().tobytes()
 
 
 def _check_block_size(block_size: int) -> None:
@@ -71,10 +101,11 @@ def _check_block_size(block_size: int) -> None:
         raise ValueError(f"block_size must be positive, got {block_size}")
 
 
-def _non_finite_error(codec: str, values: torch.Tensor) -> ValueError:
-    count = values.numel() - int(torch.isfinite(values).sum())
+def non_finite_error(codec: "Codec", values: torch.Tensor) -> ValueError:
+    """What `encode` raises for values of which some are NaN or Inf once encoded."""
+    count = values.numel() - int(torch.isfinite(codec.as_sent(values)).sum())
     return ValueError(
-        f"{codec} refuses to encode {count} non-finite value(s) out of {values.numel()}: "
+        f"{codec.name} refuses to encode {count} non-finite value(s) out of {values.numel()}: "
         "a NaN or Inf must never leave the sender"
     )
 
@@ -86,33 +117,55 @@ class Codec(ABC):
     wire: int  # pb.Codec value
 
     def encode(self, values: torch.Tensor, block_size: int) -> bytes:
+        """The payload of `values` (on any device), as bytes on the host."""
+        payload, finite = self.encode_to_tensor(values, block_size)
+        if not finite:
+            raise non_finite_error(self, values)
+        return payload_bytes(payload)
+
+    def as_sent(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` in the precision the payload holds them before any scaling (where a value
+        beyond that precision's range becomes Inf)."""
+        return values
+
+    def encode_to_tensor(self, values: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the payload, a uint8 tensor on `values`' device; whether every value is finite, a
+        bool tensor there). Nothing waits for the device: where some value is not finite the
+        payload is garbage, so a sender checks `finite` before it sends."""
         _check_block_size(block_size)
         if values.dtype != torch.float32 or values.dim() != 1:
             shape = tuple(values.shape)
             raise ValueError(f"{self.name} encodes 1-D float32 tensors, got {values.dtype} of shape {shape}")
         return self._encode(values.contiguous(), block_size)
 
-    def decode(self, payload: bytes | memoryview, numel: int, block_size: int,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(self, payload: Payload, numel: int, block_size: int,
+               out: torch.Tensor | None = None, *, subtract: bool = False) -> torch.Tensor:
         """A 1-D fp32 tensor of `numel` values: a new one, or `out` (contiguous, fp32, `numel`
-        values) overwritten, for a caller that decodes many payloads into one buffer."""
+        values) overwritten, for a caller that decodes many payloads into one buffer, or with
+        `subtract` less the decoded values (error feedback's residual, without a second buffer
+        of the fragment's size). Bytes decode on the host, a tensor on its device (`out` there)."""
         expected = self.encoded_size(numel, block_size)
-        size = memoryview(payload).nbytes
+        size = _size(payload)
         if size != expected:
             raise ValueError(
                 f"{self.name} payload of {size} bytes does not match numel={numel}, "
                 f"block_size={block_size}: expected {expected}"
             )
+        device = payload.device if isinstance(payload, torch.Tensor) else torch.device("cpu")
         if out is None:  # only now: a header's numel alone must not allocate
-            out = torch.empty(numel)
+            if subtract:
+                raise ValueError("decode(subtract=True) subtracts from out: give it")
+            out = torch.empty(numel, device=device)
         elif out.dtype != torch.float32 or out.shape != (numel,) or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous float32 tensor of shape ({numel},), "
                              f"got {out.dtype} of shape {tuple(out.shape)}")
+        elif out.device != device:
+            raise ValueError(f"out is on {out.device}, the payload on {device}")
         if numel == 0:  # nothing to read (and torch cannot view an empty byte buffer as another dtype)
             return out
-        return self._decode(payload, block_size, out)
+        return self._decode(payload, block_size, out, subtract)
 
-    def norm_bound(self, payload: bytes | memoryview, numel: int, block_size: int) -> float:
+    def norm_bound(self, payload: Payload, numel: int, block_size: int) -> float:
         """An upper bound of the L2 norm of `decode(payload, ...)` of a payload of the right
         length, read from its first `scale_bytes(numel, block_size)` bytes alone (`payload`
         may hold just those). NaN or Inf when a decoded value could be non-finite (so any
@@ -133,10 +186,10 @@ class Codec(ABC):
         return self._encoded_size(numel, block_size)
 
     @abstractmethod
-    def _encode(self, values: torch.Tensor, block_size: int) -> bytes: ...
+    def _encode(self, values: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     @abstractmethod
-    def _decode(self, payload: bytes | memoryview, block_size: int, out: torch.Tensor) -> torch.Tensor: ...
+    def _decode(self, payload: Payload, block_size: int, out: torch.Tensor, subtract: bool) -> torch.Tensor: ...
 
     @abstractmethod
     def _encoded_size(self, numel: int, block_size: int) -> int: ...
@@ -150,15 +203,18 @@ class FloatCodec(Codec):
     wire: int
     dtype: torch.dtype
 
-    def _encode(self, values: torch.Tensor, block_size: int) -> bytes:
-        encoded = values.to(self.dtype)  # bf16: values beyond its range become Inf, refused here too
-        if not torch.isfinite(encoded).all():
-            raise _non_finite_error(self.name, encoded)
-        # numpy has no bfloat16: hand it the bits as int16.
-        return encoded.view(torch.int16 if self.dtype == torch.bfloat16 else self.dtype).numpy().tobytes()
+    def as_sent(self, values: torch.Tensor) -> torch.Tensor:
+        return values.to(self.dtype)
 
-    def _decode(self, payload: bytes | memoryview, block_size: int, out: torch.Tensor) -> torch.Tensor:
-        return out.copy_(_read(payload, self.dtype))
+    def _encode(self, values: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # A copy for fp32 too: the payload must not change with the caller's tensor. bf16 turns
+        # values beyond its range into Inf, which `finite` refuses too.
+        encoded = values.to(self.dtype, copy=True)
+        return encoded.view(torch.uint8), torch.isfinite(encoded).all()
+
+    def _decode(self, payload: Payload, block_size: int, out: torch.Tensor, subtract: bool) -> torch.Tensor:
+        values = _read(payload, self.dtype)
+        return out.sub_(values) if subtract else out.copy_(values)
 
     def _encoded_size(self, numel: int, block_size: int) -> int:
         return numel * self.dtype.itemsize
@@ -209,25 +265,29 @@ class BlockCodec(Codec):
         codes pack into whole bytes."""
         return block_size * 2 * max(1, about // (2 * block_size))
 
-    def _encode(self, values: torch.Tensor, block_size: int) -> bytes:
-        scales, codes = [], []  # bytes per chunk; one join makes the payload, without a staging copy
-        step = self._chunk_values(block_size, _CHUNK_VALUES)
-        for start in range(0, values.numel(), step):
+    def _encode(self, values: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        numel, device = values.numel(), values.device
+        blocks = -(-numel // block_size)
+        payload = torch.empty(4 * blocks + self._code_bytes(numel), dtype=torch.uint8, device=device)
+        scales, codes = payload[: 4 * blocks].view(torch.float32), payload[4 * blocks :]
+        finite = torch.ones((), dtype=torch.bool, device=device)
+        step = self._chunk_values(block_size, _chunk_values(device))
+        for start in range(0, numel, step):
             x = values[start : start + step]
             count = len(x)
             if count % block_size:  # only the last block can be partial: pad it with zeros
                 x = F.pad(x, (0, block_size - count % block_size))
             x = x.view(-1, block_size)
             absmax = x.abs().amax(1)  # NaN and Inf propagate into it
-            if not torch.isfinite(absmax).all():
-                raise _non_finite_error(self.name, values)
+            finite &= torch.isfinite(absmax).all()
             scale = _block_scales(absmax, self.top)
+            scales[start // block_size : start // block_size + len(scale)] = scale
             scaled = x / scale.masked_fill(scale == 0, 1.0)[:, None]  # an all-zero block stays zero
-            scales.append(scale.numpy().tobytes())
-            codes.append(self._pack(self._to_codes(scaled.view(-1)[:count])).numpy().tobytes())
-        return b"".join(scales + codes)
+            first = self._code_bytes(start)
+            codes[first : first + self._code_bytes(count)] = self._pack(self._to_codes(scaled.view(-1)[:count]))
+        return payload, finite
 
-    def norm_bound(self, payload: bytes | memoryview, numel: int, block_size: int) -> float:
+    def norm_bound(self, payload: Payload, numel: int, block_size: int) -> float:
         # Every value of a block is at most the largest code's magnitude times the block's
         # scale, so reading the scales (4 bytes per block) bounds the norm. Sums in float64,
         # where squares of fp32 scales cannot overflow; a non-finite scale makes it NaN or Inf,
@@ -246,44 +306,35 @@ class BlockCodec(Codec):
         nibble reaches -8, one more than encode writes)."""
         return float(self._from_codes(torch.arange(2**self.bits, dtype=torch.uint8)).abs().max())
 
-    def _decode(self, payload: bytes | memoryview, block_size: int, out: torch.Tensor) -> torch.Tensor:
+    def _decode(self, payload: Payload, block_size: int, out: torch.Tensor, subtract: bool) -> torch.Tensor:
         numel = len(out)
         blocks = -(-numel // block_size)
         scales = _read(payload, torch.float32, count=blocks)
-        step = self._chunk_values(block_size, _DECODE_CHUNK_VALUES)
+        step = self._chunk_values(block_size, _chunk_values(out.device))
+        scratch = torch.empty(min(step, numel), device=out.device) if subtract else None
         for start in range(0, numel, step):
             count = min(step, numel - start)
-            chunk = out[start : start + count]
+            chunk = out[start : start + count] if scratch is None else scratch[:count]
             self._unscaled(payload, 4 * blocks + self._code_bytes(start), chunk)
             scale = scales[start // block_size : start // block_size + -(-count // block_size)]
             whole = count // block_size * block_size  # whole blocks, then the partial one (if any)
             chunk[:whole].view(-1, block_size).mul_(scale[: whole // block_size, None])
             chunk[whole:].mul_(scale[whole // block_size :])
+            if scratch is not None:
+                out[start : start + count].sub_(chunk)
         return out
 
-    def _unscaled(self, payload: bytes | memoryview, offset: int, out: torch.Tensor) -> torch.Tensor:
+    def _unscaled(self, payload: Payload, offset: int, out: torch.Tensor) -> torch.Tensor:
         """Writes the values of the len(out) codes at byte `offset` of the payload, before
         scaling, into `out`: one gather from the table of what each byte decodes to."""
-        table = self._byte_values
+        table = _byte_values(self, out.device)
         per_byte = 8 // self.bits
         whole = len(out) // per_byte  # bytes all of whose codes are wanted
-        codes = torch.from_numpy(np.frombuffer(payload, np.uint8, whole, offset).astype(np.int32))
-        torch.index_select(table, 0, codes, out=out[: whole * per_byte].view(table.dtype))
+        codes = _read(payload, torch.uint8, offset, whole + len(out) % per_byte).int()
+        torch.index_select(table, 0, codes[:whole], out=out[: whole * per_byte].view(table.dtype))
         if len(out) % per_byte:  # an odd count of 4-bit codes ends on a low nibble
-            last = int(np.frombuffer(payload, np.uint8, 1, offset + whole)[0])
-            out[-1] = table[last : last + 1].view(torch.float32)[0]
+            out[-1:] = table.index_select(0, codes[whole:]).view(torch.float32)[:1]
         return out
-
-    @cached_property
-    def _byte_values(self) -> torch.Tensor:
-        """What each of the 256 byte values decodes to before scaling: its code (8-bit), or
-        its pair of codes, low nibble first (4-bit), held as integer bits so that a gather
-        copies a byte's values whole, as one element."""
-        codes = torch.arange(256, dtype=torch.uint8)
-        if self.bits == 8:
-            return self._from_codes(codes).view(torch.int32)
-        pairs = torch.stack((self._from_codes(codes & 0xF), self._from_codes(codes >> 4)), dim=1)
-        return pairs.contiguous().view(torch.int64).view(-1)
 
     def _pack(self, chunk_codes: torch.Tensor) -> torch.Tensor:
         if self.bits == 8:
@@ -353,6 +404,18 @@ class Fp4E3M0Codec(BlockCodec):
         return bits.masked_fill_(exponent == 0, 0).view(torch.float32)
 
 
+@functools.cache
+def _byte_values(codec: BlockCodec, device: torch.device) -> torch.Tensor:
+    """What each of the 256 byte values decodes to before scaling, on `device`: its code (8-bit),
+    or its pair of codes, low nibble first (4-bit), held as integer bits so that a gather copies
+    a byte's values whole, as one element."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    if codec.bits == 8:
+        return codec._from_codes(codes).view(torch.int32).to(device)
+    pairs = torch.stack((codec._from_codes(codes & 0xF), codec._from_codes(codes >> 4)), dim=1)
+    return pairs.contiguous().view(torch.int64).view(-1).to(device)
+
+
 CODECS: tuple[Codec, ...] = (
     FloatCodec("fp32", pb.CODEC_FP32, torch.float32),
     FloatCodec("bf16", pb.CODEC_BF16, torch.bfloat16),
@@ -387,14 +450,16 @@ class ErrorFeedback:
     exactly the current residual, so nothing is lost for good, only delayed.
     """
 
-    def __init__(self, codec: Codec, numel: int, block_size: int):
+    def __init__(self, codec: Codec, numel: int, block_size: int, device: torch.device | str = "cpu"):
         codec.encoded_size(numel, block_size)  # validates the arguments
         self.codec, self.numel, self.block_size = codec, numel, block_size
-        self._residual = torch.zeros(numel)
+        self.device = torch.device(device)
+        self._residual = torch.zeros(numel, device=self.device)
 
     @property
     def residual(self) -> torch.Tensor:
-        """fp32, `numel` values; save it with a checkpoint and assign it back on restore."""
+        """fp32, `numel` values on `device`; save it with a checkpoint and assign it back on
+        restore (from any device)."""
         return self._residual
 
     @residual.setter
@@ -402,7 +467,7 @@ class ErrorFeedback:
         if value.dtype != torch.float32 or value.shape != (self.numel,):
             expected, got = f"float32 of shape ({self.numel},)", f"{value.dtype} of shape {tuple(value.shape)}"
             raise ValueError(f"residual must be {expected}, got {got}")
-        self._residual = value
+        self._residual = value.to(self.device)
 
     def compress(self, values: torch.Tensor, *, in_place: bool = False) -> tuple[bytes, torch.Tensor]:
         """(payload, decoded): the payload to send and exactly what the receiver will decode.
@@ -413,7 +478,20 @@ class ErrorFeedback:
         (a syncer shard, which never rolls back, saves a copy of it).
         """
         total = self._residual.add_(values) if in_place else values + self._residual
-        payload = self.codec.encode(total, self.block_size)
+        payload, finite = self.codec.encode_to_tensor(total, self.block_size)
+        if not finite:
+            raise non_finite_error(self.codec, total)
         decoded = self.codec.decode(payload, self.numel, self.block_size)
         self._residual = total.sub_(decoded)
-        return payload, decoded
+        return payload_bytes(payload), decoded
+
+    def compress_on_device(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(payload, finite) as Codec.encode_to_tensor gives them, for `values` on the
+        residual's device, launched without waiting for the device: the payload as a uint8
+        tensor there, to be copied to the host once. `values` is consumed: it becomes the new
+        residual. Where `finite` turns out false, the new residual is garbage: the caller
+        assigns back the residual it held before."""
+        total = values.add_(self._residual)
+        payload, finite = self.codec.encode_to_tensor(total, self.block_size)
+        self._residual = self.codec.decode(payload, self.numel, self.block_size, out=total, subtract=True)
+        return payload, finite
