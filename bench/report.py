@@ -371,6 +371,35 @@ def user_loop(section: dict, out: pathlib.Path) -> list[str]:
         lines += ["Pairs above the target: " + ", ".join(f"{s['size']} up to {max(s['pair_ratios']):.3f}" for s in noisy)
                   + f". On this machine one pair's ratio moves by more than the target's margin: a verdict holds "
                   f"as a median of {section['pairs']} pairs, not for every pair.", ""]
+    if "gpu_shaped" in section:
+        lines += gpu_shaped(section["gpu_shaped"])
+    return lines
+
+
+def gpu_shaped(section: dict) -> list[str]:
+    """The same loop with a GPU's step as the host sees it (issue 51)."""
+    sizes = section["sizes"]
+    lines = ["### A GPU-shaped step on this machine", "",
+             "The same loop and shard, the step replaced by what a GPU step looks like to the host: a 20 ms wait "
+             "that releases the interpreter and holds no core, then every parameter changed in place "
+             "(`--step gpu-shaped`). Blocked: the time `sync.step()` waited for results past tau, per step. The "
+             "user's step: its own time with the sync on and off (what the sync's threads cost it through the "
+             "interpreter lock and the cores). CPU ms per sync: the CPU time a sync costs the training thread, "
+             "the sync's threads and the shard, against the time between two syncs' starts (P syncs every H "
+             "steps); learner and shard share this machine's 2 cores.", ""]
+    lines += table(["model", "steps a run (syncs)", "H, P, tau", "sync off ms/step", "sync on ms/step",
+                    "ratio (pairs)", "target", "blocked ms/step", "user's step off / on ms",
+                    "CPU ms per sync: training thread / sync threads / shard", "a sync starts every", "command"],
+                   [[f"{s['size']} ({s['model_parameters'] / 1e6:.1f}M)", f"{s['steps']} ({s['syncs_per_run']:.0f})",
+                     f"{s['H']}, {s['P']}, {s['tau']} ({s['codec']})", f"{s['sync_off_step_seconds'] * 1e3:.1f}",
+                     f"{s['sync_on_step_seconds'] * 1e3:.1f}", f"{s['ratio']:.3f} ({pair_range(s)})",
+                     "-" if s["target_ratio"] is None else f"<= {s['target_ratio']} "
+                     + verdict(s["ratio"] <= s["target_ratio"]),
+                     f"{s['blocked_seconds_per_step'] * 1e3:.1f}",
+                     f"{s['user_step_seconds']['off'] * 1e3:.2f} / {s['user_step_seconds']['on'] * 1e3:.2f}",
+                     " / ".join(f"{s['cpu_seconds_per_sync'][k] * 1e3:.0f}"
+                                for k in ("training_thread", "sync_threads", "shards")),
+                     f"{s['seconds_between_syncs'] * 1e3:.0f} ms", code(section["command"])] for s in sizes])
     return lines
 
 
@@ -602,6 +631,13 @@ def summary(results: dict) -> list[str]:
                      f"<= {u['target_ratio']} (issue 17)", ("met" if met == len(u["sizes"]) else
                      f"**{met} of {len(u['sizes'])} met**") + (" (in the median; some pairs above)" if any(
                          max(s["pair_ratios"]) > u["target_ratio"] for s in u["sizes"]) else "")])
+        if "gpu_shaped" in u:
+            shaped = u["gpu_shaped"]["sizes"]
+            rows.append(["↳ 7. GPU-shaped step", "; ".join(
+                f"{s['model_parameters'] / 1e6:.0f}M: sync on / off {s['ratio']:.2f}, blocked "
+                f"{s['blocked_seconds_per_step'] * 1e3:.0f} ms/step" for s in shaped),
+                         ", ".join(f"{s['size']} <= {s['target_ratio']}" for s in shaped) + " (issue 51)",
+                         verdict(all(s["ratio"] <= s["target_ratio"] for s in shaped))])
     if "hf" in results:
         h = results["hf"]
         rows.append(["8. HF Llama", f"sync on / off {h['ratio']:.3f} (pairs {pair_range(h)}), "

@@ -103,6 +103,7 @@ class Profile:
     scale: tuple[str, ...]  # of bench/syncer_scale.py
     recovery: tuple[str, ...]  # of bench/recovery.py
     user_loop: tuple[str, ...]  # of bench/user_loop.py
+    gpu_shaped: tuple[str, ...]  # of bench/user_loop.py with the GPU-shaped step
     hf: tuple[str, ...]  # of bench/hf_overlap.py
     plan: tuple[str, ...]  # of `diloco plan` for the goodput table, besides the config and failure model
     plan_speed: tuple[str, ...]  # of `diloco plan` for its speed figure
@@ -125,7 +126,9 @@ FULL = Profile("full", steps=3000, quality=(
                # 8 iterations: at 16M a push phase takes a tenth of a second, and single ones vary by +-20 %
                transport=("--params", "16000000", "--rounds", "8", "--shards", "1", "2", "--memory-state"), scale=(),
                recovery=("--sizes", "2x64", "4x256", "4x512", "--kills", "3"),
-               user_loop=("--pairs", "3"), hf=("--steps", "300", "--repeats", "3"),
+               user_loop=("--pairs", "3"),
+               gpu_shaped=("--step", "gpu-shaped", "--sizes", "25M", "85M", "--steps", "96", "--pairs", "3"),
+               hf=("--steps", "300", "--repeats", "3"),
                plan=("--chips", "153600,307200,614400,1228800,2457600", "--learners", "2,4,8,16", "--hours", "6",
                      "--wan-gbps", "20"),
                plan_speed=("--chips", "2457600", "--learners", "16", "--hours", "24"),
@@ -138,7 +141,9 @@ QUICK = Profile("quick", steps=60, quality=(QualityRun("gpt", 2, 10, "int4"), Qu
                 transport=("--params", "1000000", "--rounds", "1", "--shards", "1", "2", "--memory-state"),
                 scale=("--params", "4000000", "--compare-params", "0", "--rounds", "2"),
                 recovery=("--sizes", "2x64", "--kills", "1"),
-                user_loop=("--pairs", "1", "--sizes", "demo"), hf=("--steps", "60", "--repeats", "1"),
+                user_loop=("--pairs", "1", "--sizes", "demo"),
+                gpu_shaped=("--step", "gpu-shaped", "--sizes", "25M", "--steps", "32", "--pairs", "1"),
+                hf=("--steps", "60", "--repeats", "1"),
                 plan=("--chips", "153600,307200", "--learners", "2,4", "--hours", "0.05", "--wan-gbps", "20"),
                 plan_speed=("--chips", "153600", "--learners", "4", "--hours", "0.1"),
                 calibration_seconds=30, calibration_mtbfs=(20,), calibration_shard_mtbf=15,
@@ -525,7 +530,9 @@ def main() -> int:
     if "recovery" in wanted:
         results["recovery"] = runner.script("recovery", "bench/recovery.py", profile.recovery)
     if "user_loop" in wanted:
-        results["user_loop"] = runner.script("user_loop", "bench/user_loop.py", profile.user_loop)
+        results["user_loop"] = {**runner.script("user_loop", "bench/user_loop.py", profile.user_loop),
+                                "gpu_shaped": runner.script("user_loop-gpu-shaped", "bench/user_loop.py",
+                                                            profile.gpu_shaped)}
     if "hf" in wanted:
         results["hf"] = runner.script("hf", "bench/hf_overlap.py", profile.hf)
     if "plan" in wanted:

@@ -1,23 +1,30 @@
 """The API's cost in a user's own loop: a plain PyTorch loop (a GPT of learner/model.py, torch
 AdamW, batches of random bytes) with `DecoupledDiLoCo` syncing, against the same loop with
-`DecoupledDiLoCo(enabled=False)`, both in this process, against a real shard process on loopback.
+`DecoupledDiLoCo(enabled=False)`, both in this process, against real shard processes on loopback.
 
     python bench/user_loop.py [--pairs 3] [--sizes demo 25M] [--device cuda] [--json PATH]
+    python bench/user_loop.py --step gpu-shaped --sizes 25M 85M --steps 96   # a GPU's step, on the CPU
 
-Two sizes: the demo's model and sync settings (examples/local-4-regions.yaml: 446k parameters,
-H=50, P=4, tau=3, int4), and a GPT of 25M parameters (8 layers, width 512) with H=16, so that
-its short runs hold several syncs of every fragment. For each size, `--pairs` pairs of runs
-alternate which one goes first (off-on, on-off, ...) so machine noise hits both alike; each
-pair gets a fresh shard. A run's figure is its mean loop seconds per step (the user's step
-and `sync.step()`); the ratio is of the medians over the pairs. Target: <= 1.01. The loop runs
-on one torch thread, as the examples do: the shard and the sync's threads get the other cores.
+Sizes: the demo's model and sync settings (examples/local-4-regions.yaml: 446k parameters,
+H=50, P=4, tau=3, int4), and GPTs of 25M, 85M and 350M parameters with H=16, so that short runs
+hold several syncs of every fragment (350M: one shard per fragment). For each size, `--pairs`
+pairs of runs alternate which one goes first (off-on, on-off, ...) so machine noise hits both
+alike; each pair gets fresh shards. A run's figure is its mean loop seconds per step (the user's
+step and `sync.step()`); the ratio is of the medians over the pairs. The loop runs on one torch
+thread, as the examples do: the shard and the sync's threads get the other cores.
 
-Also times every `sync.step()` of the syncing runs: on a step where nothing was due (no sync
-started and no result applied), p50 and p90 in microseconds and p50 as a share of the sync-off
-step; and all calls together per step (what the API itself takes on the training thread, where
-the rest of the ratio is the sync's work elsewhere competing for the cores). Exits 1 when a size
-misses the target. `--device cuda` trains the model on the GPU (make gpu-check); the sync's
-state stays in host memory as always.
+`--step model` (default) trains the GPT: forward, backward, AdamW (target: <= 1.01 on the CPU,
+<= 1.05 with `--device cuda`). `--step gpu-shaped` is what a GPU step looks like to the host: a
+20 ms wait that releases the interpreter and holds no core, then every parameter changed in
+place, so that the host-side cost of a sync shows on a machine without a GPU (targets: 25M
+<= 1.05, 85M <= 1.2).
+
+Also per size: every `sync.step()` of the syncing runs (on a step where nothing was due, p50
+and p90; all calls per step: the API's time on the training thread), the time blocked waiting
+for results, the bytes a sync moved off and onto a GPU against its payload, the user's own step
+with the sync on and off (what the sync's threads cost the loop through the interpreter lock
+and the cores), and the CPU time per sync of the training thread, the sync's threads and the
+shards. Exits 1 when a size misses its target.
 """
 from __future__ import annotations
 
@@ -45,7 +52,11 @@ from diloco.services.contract.codecs import get_codec  # noqa: E402
 from diloco.services.contract.fragments import plan_for_config  # noqa: E402
 from diloco.services.contract.config import Config  # noqa: E402
 
-TARGET_RATIO = 1.01
+TARGET_RATIO = 1.01  # the model's own step on the CPU: the API's share of a CPU step
+# A step that leaves the host's cores to the sync (issue 51): a GPU's, and the GPU-shaped step on
+# this machine's 2 cores, where the learner's shard shares them.
+GPU_TARGET_RATIO = 1.05
+GPU_SHAPED_TARGET_RATIOS = {"25M": 1.05, "85M": 1.2}
 DEMO_CONFIG = ROOT / "examples" / "local-4-regions.yaml"
 DISTINCT_BATCHES = 8  # the loop cycles through these: data loading is not what is measured
 GPU_SHAPED_STEP_SECONDS = 0.020
@@ -123,17 +134,33 @@ class Run:
     blocked_seconds: float  # waiting in sync.step() for results past tau
     device_to_host_bytes: int = 0  # what the syncs copied off the GPU
     host_to_device_bytes: int = 0  # and onto it
+    user_step_seconds: float = 0.0  # mean seconds of the user's own step (outside sync.step())
+    training_thread_cpu_seconds: float = 0.0  # CPU time of the loop's thread
+    other_threads_cpu_seconds: float = 0.0  # of this process's other threads: the sync's
+    shard_cpu_seconds: float = 0.0  # of the shard processes
 
 
-def timed_run(cfg: Config, batches: list, enabled: bool, device: torch.device, step=user_step) -> Run:
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far (Linux /proc)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def timed_run(cfg: Config, batches: list, enabled: bool, device: torch.device, shard_pids: list[int],
+              step=user_step) -> Run:
     """The user's loop to the end of the config's step budget."""
     model, optimizer = fresh_model(cfg, device)
     run = Run(0.0, [], [], 0, 0.0)
+    user_seconds = 0.0
     with DecoupledDiLoCo(model, cfg, cfg.learners[0].id, enabled=enabled, catch_up_seconds=0) as sync:
         started = time.perf_counter()
+        cpu_started, thread_started = time.process_time(), time.thread_time()
+        shards_started = sum(cpu_seconds(pid) for pid in shard_pids)
         while not sync.should_stop:
             x, y = batches[len(run.step_calls) % len(batches)]
+            stepped = time.perf_counter()
             step(model, optimizer, x, y)
+            user_seconds += time.perf_counter() - stepped
             syncs_before = sync.sync.stats.syncs_started if sync.sync else 0
             called = time.perf_counter()
             applied = sync.step(tokens=x.numel())
@@ -145,6 +172,10 @@ def timed_run(cfg: Config, batches: list, enabled: bool, device: torch.device, s
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         run.seconds_per_step = (time.perf_counter() - started) / len(run.step_calls)
+        run.user_step_seconds = user_seconds / len(run.step_calls)
+        run.training_thread_cpu_seconds = time.thread_time() - thread_started
+        run.other_threads_cpu_seconds = time.process_time() - cpu_started - run.training_thread_cpu_seconds
+        run.shard_cpu_seconds = sum(cpu_seconds(pid) for pid in shard_pids) - shards_started
         run.syncs = sync.sync.stats.syncs_started if sync.sync else 0
         run.blocked_seconds = sync.sync.stats.blocked_seconds if sync.sync else 0.0
         if sync.sync:
@@ -166,7 +197,8 @@ def measure(size: Size, pairs: int, device: torch.device, step_kind: str = "mode
             try:
                 cluster.start_shards()
                 for enabled in ((False, True) if pair % 2 == 0 else (True, False)):
-                    runs[enabled].append(timed_run(cfg, batches, enabled, device, STEPS[step_kind]))
+                    runs[enabled].append(timed_run(cfg, batches, enabled, device,
+                                                   [proc.popen.pid for proc in cluster.shards], STEPS[step_kind]))
             finally:
                 cluster.stop()
     off, on = [run.seconds_per_step for run in runs[False]], [run.seconds_per_step for run in runs[True]]
@@ -182,7 +214,8 @@ def measure(size: Size, pairs: int, device: torch.device, step_kind: str = "mode
     encoded_per_sync = statistics.mean(codec.encoded_size(f.numel, cfg.sync.codec_block_size) for f in plan.fragments)
     return {"size": size.name, "device": str(device), "model_parameters": sum(p.numel() for p in model.parameters()),
             "layers": cfg.model.n_layer, "width": cfg.model.n_embd, "seq_len": cfg.model.seq_len,
-            "batch_size": cfg.trainer.batch_size, "steps": cfg.trainer.max_steps, "step": step_kind, "H": cfg.sync.interval_steps,
+            "batch_size": cfg.trainer.batch_size, "steps": cfg.trainer.max_steps, "step": step_kind,
+            "target_ratio": target_ratio(size, device, step_kind), "H": cfg.sync.interval_steps,
             "P": cfg.sync.fragments, "tau": cfg.sync.overlap_steps, "codec": cfg.sync.codec,
             "sync_off_step_seconds": off_median, "sync_on_step_seconds": on_median, "ratio": on_median / off_median,
             "pair_ratios": [b / a for a, b in zip(off, on)], "runs_off": off, "runs_on": on,
@@ -196,7 +229,29 @@ def measure(size: Size, pairs: int, device: torch.device, step_kind: str = "mode
             "device_to_host_bytes_per_sync": statistics.median(
                 run.device_to_host_bytes / run.syncs for run in runs[True] if run.syncs),
             "host_to_device_bytes_per_sync": statistics.median(
-                run.host_to_device_bytes / run.syncs for run in runs[True] if run.syncs)}
+                run.host_to_device_bytes / run.syncs for run in runs[True] if run.syncs),
+            # The loop's own step with the sync on over off: what the sync's threads cost it
+            # (the interpreter lock, the cores), apart from sync.step() itself.
+            "user_step_seconds": {"off": statistics.median(run.user_step_seconds for run in runs[False]),
+                                  "on": statistics.median(run.user_step_seconds for run in runs[True])},
+            # CPU seconds per sync started: what a sync costs the machine, by where it runs.
+            "cpu_seconds_per_sync": {
+                where: statistics.median(getattr(on, attr) / on.syncs - getattr(off, attr) / on.syncs
+                                         for off, on in zip(runs[False], runs[True]) if on.syncs)
+                for where, attr in (("training_thread", "training_thread_cpu_seconds"),
+                                    ("sync_threads", "other_threads_cpu_seconds"), ("shards", "shard_cpu_seconds"))},
+            "seconds_between_syncs": on_median * cfg.sync.interval_steps / cfg.sync.fragments}
+
+
+def target_ratio(size: Size, device: torch.device, step_kind: str) -> float | None:
+    """The ratio the issue that asked for this row set (None: none was set)."""
+    if step_kind == "gpu-shaped":
+        return GPU_SHAPED_TARGET_RATIOS.get(size.name)
+    return GPU_TARGET_RATIO if device.type == "cuda" else TARGET_RATIO
+
+
+def met(row: dict) -> bool:
+    return row["target_ratio"] is None or row["ratio"] <= row["target_ratio"]
 
 
 def main() -> int:
@@ -218,24 +273,27 @@ def main() -> int:
     print(f"user loop on {device}, {args.step} step: sync on vs enabled=False, median of {args.pairs} alternating pairs, 1 torch thread; "
           f"load average {load_before:.2f} at the start, {load_after:.2f} at the end")
     for r in rows:
-        verdict = "met" if r["ratio"] <= TARGET_RATIO else "MISSED"
+        verdict = "no target" if r["target_ratio"] is None else "met" if met(r) else "MISSED"
         idle = r["idle_step_call_seconds"]
         print(f"{r['size']:>5}: {r['model_parameters'] / 1e6:.2f}M parameters, {r['steps']} steps a run "
               f"(H={r['H']} P={r['P']} tau={r['tau']}, {r['syncs_per_run']:.0f} syncs): "
               f"sync off {r['sync_off_step_seconds'] * 1e3:.1f} ms/step, on {r['sync_on_step_seconds'] * 1e3:.1f}; "
               f"ratio {r['ratio']:.3f} ({r['ratio'] - 1:+.1%} against the loop without sync; pairs "
-              f"{min(r['pair_ratios']):.3f} to {max(r['pair_ratios']):.3f}), target <= {TARGET_RATIO} {verdict}; "
+              f"{min(r['pair_ratios']):.3f} to {max(r['pair_ratios']):.3f}), target <= {r['target_ratio']} {verdict}; "
               f"sync.step() with nothing due {idle['p50'] * 1e6:.0f} us p50, {idle['p90'] * 1e6:.0f} us p90 "
               f"({r['idle_step_call_share']:.3%} of the step); every sync.step() call "
               f"{r['step_calls_seconds_per_step'] * 1e3:.2f} ms per step ({r['step_calls_share']:.2%} of the step), "
               f"of which blocked waiting for results {r['blocked_seconds_per_step'] * 1e3:.2f} ms; per sync "
               f"{r['device_to_host_bytes_per_sync'] / 1e6:.2f} MB device to host (the payload: "
-              f"{r['encoded_bytes_per_sync'] / 1e6:.2f} MB), {r['host_to_device_bytes_per_sync'] / 1e6:.2f} MB back")
+              f"{r['encoded_bytes_per_sync'] / 1e6:.2f} MB), {r['host_to_device_bytes_per_sync'] / 1e6:.2f} MB back; "
+              f"the user's step {r['user_step_seconds']['off'] * 1e3:.2f} ms off, {r['user_step_seconds']['on'] * 1e3:.2f} "
+              f"on; CPU ms per sync (a sync starts every {r['seconds_between_syncs'] * 1e3:.0f} ms): "
+              + ", ".join(f"{where} {seconds * 1e3:.1f}" for where, seconds in r["cpu_seconds_per_sync"].items()))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({
-            "target_ratio": TARGET_RATIO, "pairs": args.pairs, "torch_threads": 1,
+            "target_ratio": TARGET_RATIO, "step": args.step, "pairs": args.pairs, "torch_threads": 1,
             "load_average": {"start": load_before, "end": load_after}, "sizes": rows}, indent=1))
-    return 0 if all(r["ratio"] <= TARGET_RATIO for r in rows) else 1
+    return 0 if all(met(r) for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -2,19 +2,20 @@
 error-feedback residual, compressed. It is started on the training thread when the fragment's
 sync is due and finished on the fragment's sync thread.
 
-    outer = start_outer_gradient(fragment, params, anchor, device_anchor, feedback)  # training thread
+    outer = OuterGradient(fragment, params, anchor, feedback)   # training thread
     payload = outer.payload()       # sync thread: bytes; ValueError for a NaN or Inf
     outer.rollback()                # the push did not get through: the residual as it was
 
-Where the model lives decides who does the work:
-- on a GPU everything runs on the device, launched by the training thread without waiting
-  for it: the fragment gathered into one flat buffer on the training stream (ordered before
-  the optimizer's next in-place update), the outer gradient against the anchor's copy on the
-  device, the codec (services/contract/codecs.py), the new residual; then only the encoded
-  payload (and one flag saying whether every value was finite) is copied into pinned host
-  memory on a side stream. The sync thread waits for that copy alone.
-- on the CPU the training thread copies the fragment (the snapshot must be taken before the
-  next step changes it) and the sync thread does the rest.
+The same operations on every device, in one buffer: the fragment gathered into a flat fp32
+snapshot (on the training thread: the next step changes the model), the outer gradient against
+the anchor written over it, error feedback added, the codec (services/contract/codecs.py), and
+the decoded payload subtracted, which leaves the new residual in that buffer. Where the model
+lives decides who runs them:
+- on a GPU the training thread launches them all on the training stream (ordered before the
+  optimizer's next in-place update) without waiting for the device, against the anchor's copy
+  and the residual there; only the payload and one flag saying whether every value was finite
+  are copied into pinned host memory, on a side stream. The sync thread waits for that copy.
+- on the CPU the training thread copies the fragment and the sync thread does the rest.
 """
 from __future__ import annotations
 
@@ -22,66 +23,46 @@ from typing import Mapping
 
 import torch
 
-from diloco.learner.host_copy import HostCopy, copy_to_host, to_pinned
+from diloco.learner.host_copy import HostCopy, to_pinned
 from diloco.services.contract.codecs import ErrorFeedback, payload_bytes
 from diloco.services.contract.fragments import Fragment, gather
 
 
 class OuterGradient:
-    """One push's payload; the residual it replaced, for a rollback."""
+    """One push's payload, in the making from a snapshot of the fragment; the residual it
+    replaced, for a rollback."""
 
-    def __init__(self, feedback: ErrorFeedback):
+    def __init__(self, fragment: Fragment, params: Mapping[str, torch.Tensor], anchor: torch.Tensor,
+                 feedback: ErrorFeedback):
         self.feedback = feedback
         self._residual_before = feedback.residual
+        self._anchor = anchor  # where the residual lives, like it
         self.device_to_host_bytes = 0  # what crossed from the device for it, once payload() returned
+        self._snapshot = gather(fragment, params)  # now: the next step changes the model
+        self._compressed: HostCopy | None = None
+        if self._snapshot.is_cuda:  # launched now, on the training stream; only the payload crosses
+            self._compressed = to_pinned(*self._compress())
+
+    def _compress(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(payload, finite): the outer gradient compressed in the snapshot's buffer, which
+        becomes the new residual (ErrorFeedback.compress_in_place)."""
+        outer = torch.sub(self._anchor, self._snapshot, out=self._snapshot)
+        payload, finite = self.feedback.compress_in_place(outer)
+        return payload, finite.reshape(1)
 
     def payload(self) -> bytes:
-        raise NotImplementedError
+        """The payload's bytes; ValueError for a NaN or Inf (the caller rolls back)."""
+        if self._compressed is None:  # a CPU model's: compressed here, on the sync thread
+            payload, finite = self._compress()
+        else:
+            payload, finite = self._compressed.wait(), self._compressed.copies[1]
+            self.device_to_host_bytes = self._compressed.device_to_host_bytes
+        if not bool(finite):
+            raise ValueError(f"{self.feedback.codec.name} refuses to encode non-finite values (NaN or Inf in "
+                             "the outer gradient, that is in the model): a NaN or Inf must never leave the sender")
+        return payload_bytes(payload)
 
     def rollback(self) -> None:
         """The push did not get through: the residual is what it was before this outer gradient,
         so the next one still carries this progress and nothing is counted twice."""
         self.feedback.residual = self._residual_before
-
-
-class HostOuterGradient(OuterGradient):
-    """A CPU model's: the snapshot copied now, compressed on the sync thread."""
-
-    def __init__(self, fragment: Fragment, params: Mapping[str, torch.Tensor], anchor: torch.Tensor,
-                 feedback: ErrorFeedback):
-        super().__init__(feedback)
-        self._anchor = anchor
-        self._local: HostCopy = copy_to_host(fragment, params)
-
-    def payload(self) -> bytes:
-        payload, _ = self.feedback.compress(self._anchor - self._local.wait())  # the residual: only if it encodes
-        return payload
-
-
-class DeviceOuterGradient(OuterGradient):
-    """A GPU model's: compressed on the device now, its payload copied to the host on a side stream."""
-
-    def __init__(self, fragment: Fragment, params: Mapping[str, torch.Tensor], device_anchor: torch.Tensor,
-                 feedback: ErrorFeedback):
-        super().__init__(feedback)
-        flat = gather(fragment, params)
-        torch.sub(device_anchor, flat, out=flat)  # the outer gradient, in the snapshot's buffer
-        payload, finite = feedback.compress_on_device(flat)
-        self._copy = to_pinned(payload, finite.reshape(1))
-
-    def payload(self) -> bytes:
-        payload = self._copy.wait()
-        self.device_to_host_bytes = self._copy.device_to_host_bytes
-        if not bool(self._copy.copies[1]):
-            raise ValueError(f"{self.feedback.codec.name} refuses to encode non-finite values (NaN or Inf in "
-                             "the outer gradient, that is in the model): a NaN or Inf must never leave the sender")
-        return payload_bytes(payload)
-
-
-def start_outer_gradient(fragment: Fragment, params: Mapping[str, torch.Tensor], anchor: torch.Tensor,
-                         device_anchor: torch.Tensor | None, feedback: ErrorFeedback) -> OuterGradient:
-    """The outer gradient of the fragment's values now against its anchor (the host's `anchor`,
-    or on a GPU its copy `device_anchor` there)."""
-    if device_anchor is None:
-        return HostOuterGradient(fragment, params, anchor, feedback)
-    return DeviceOuterGradient(fragment, params, device_anchor, feedback)

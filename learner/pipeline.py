@@ -24,7 +24,7 @@ import grpc
 import torch
 
 from diloco.learner.host_copy import HostCopy, copy_to_host
-from diloco.learner.outer_gradient import OuterGradient, start_outer_gradient
+from diloco.learner.outer_gradient import OuterGradient
 from diloco.learner.schedule import SyncStart, merged_fragment
 from diloco.learner.session import ReanchorDue, ShardSession
 from diloco.learner.shard_errors import Remedy, reason, remedy
@@ -102,8 +102,8 @@ class FragmentPipeline:
             self.in_flight = self.context.pool.submit(self.exchange, self.anchor, self._outer_gradient(), meta)
 
     def _outer_gradient(self) -> OuterGradient:
-        return start_outer_gradient(self.fragment, self.context.params, self.anchor, self.device_anchor,
-                                    self.feedback)
+        anchor = self.anchor if self.device_anchor is None else self.device_anchor
+        return OuterGradient(self.fragment, self.context.params, anchor, self.feedback)
 
     def wait(self, limit: float | None) -> float:
         """Waits up to `limit` seconds (None: as long as it takes) for the sync in flight;

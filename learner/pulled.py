@@ -14,14 +14,18 @@ def value_after(result: PullResult, base: torch.Tensor | None) -> torch.Tensor |
     """The fragment's value after the pull's items on `base` (left as it was). Raises
     StateHashMismatch unless the result has the hash the shard sent: a wrong base, or an
     update that is not the one that made its version."""
-    value = None if base is None else base.clone()
+    value = base  # copied by the first update (one pass), or at the end
     for item in result.items:
         if item.kind == pb.PAYLOAD_KIND_SNAPSHOT:
             value = item.values.clone()
         elif value is None:
             raise ValueError(f"fragment {result.fragment_id}: update to v{item.version} without a base value")
+        elif value is base:
+            value = apply_update(base, item.values, out=torch.empty_like(base))
         else:
             apply_update(value, item.values)
+    if value is base and base is not None:
+        value = base.clone()
     if result.items and result.state_hash:
         check_pulled(result.fragment_id, result.version, value, result.state_hash)
     return value

@@ -446,7 +446,7 @@ def test_error_feedback_on_a_device_sends_and_keeps_what_it_does_on_the_host(dev
     for _ in range(3):
         values = torch.randn(1001, generator=generator)
         payload, _ = host.compress(values)
-        on_device, finite = there.compress_on_device(values.to(device, copy=True))
+        on_device, finite = there.compress_in_place(values.to(device, copy=True))
         assert bool(finite) and codecs.payload_bytes(on_device) == payload
         assert there.residual.device.type == device
         assert torch.equal(there.residual.cpu(), host.residual)

@@ -1,14 +1,14 @@
-"""A push's payload: on a GPU the outer gradient is compressed on the device and only its payload
-crosses to the host; on the CPU the snapshot is copied and compressed on the sync thread. Both
-give the same payload and the same residual, bit for bit; the device path runs here on the CPU
-device (and on CUDA where present)."""
+"""A push's payload: the outer gradient compressed in the buffer of the fragment's snapshot, the
+same operations on every device. On a GPU they are launched by the training thread and only the
+payload (and a finite flag) crosses to the host; on the CPU the sync thread runs them. Either
+way the payload and the residual are the bits ErrorFeedback.compress gives on the host."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
-from diloco.learner.outer_gradient import DeviceOuterGradient, HostOuterGradient
+from diloco.learner.outer_gradient import OuterGradient
 from diloco.learner.train import manifest, named_parameters
 from diloco.services.contract.codecs import CODEC_NAMES, ErrorFeedback, get_codec
 from diloco.services.contract.fragments import gather, plan_fragments
@@ -24,23 +24,27 @@ def model_and_fragment(device: str):
     return params, fragment
 
 
+def train_a_little(params) -> None:
+    with torch.no_grad():
+        for p in params.values():
+            p.add_(torch.randn_like(p) * 0.01)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", CODEC_NAMES)
-def test_the_device_path_pushes_the_bytes_and_keeps_the_residual_of_the_host_path(device, name):
+def test_a_push_carries_the_bits_and_keeps_the_residual_of_compressing_on_the_host(device, name):
     params, fragment = model_and_fragment(device)
     anchor = gather(fragment, params).cpu()
     codec = get_codec(name)
     host, there = ErrorFeedback(codec, fragment.numel, 16), ErrorFeedback(codec, fragment.numel, 16, device)
     for _ in range(3):
-        with torch.no_grad():  # a few steps of training
-            for p in params.values():
-                p.add_(torch.randn_like(p) * 0.01)
-        on_host = HostOuterGradient(fragment, params, anchor, host)
-        on_device = DeviceOuterGradient(fragment, params, anchor.to(device), there)
-        with torch.no_grad():  # the next step changes the model before the sync thread reads it
+        train_a_little(params)
+        expected, _ = host.compress(anchor - gather(fragment, params).cpu())
+        outer = OuterGradient(fragment, params, anchor.to(device), there)
+        with torch.no_grad():  # the next step changes the model before the sync thread runs
             for p in params.values():
                 p.add_(1.0)
-        assert on_device.payload() == on_host.payload()
+        assert outer.payload() == expected
         assert torch.equal(there.residual.cpu(), host.residual)
         with torch.no_grad():
             for p in params.values():
@@ -51,11 +55,10 @@ def test_the_device_path_pushes_the_bytes_and_keeps_the_residual_of_the_host_pat
 def test_only_the_payload_and_a_finite_flag_cross_from_a_gpu(device):
     params, fragment = model_and_fragment(device)
     feedback = ErrorFeedback(get_codec("int4"), fragment.numel, 16, device)
-    outer = DeviceOuterGradient(fragment, params, gather(fragment, params) + 0.5, feedback)
+    outer = OuterGradient(fragment, params, gather(fragment, params) + 0.5, feedback)
     payload = outer.payload()
-    crossed = len(payload) + 1 if device == "cuda" else 0  # the CPU device copies nothing
     assert len(payload) == get_codec("int4").encoded_size(fragment.numel, 16)
-    assert outer.device_to_host_bytes == crossed
+    assert outer.device_to_host_bytes == (len(payload) + 1 if device == "cuda" else 0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -66,7 +69,7 @@ def test_a_nan_in_the_model_is_refused_and_the_residual_rolled_back(device):
     before = feedback.residual
     with torch.no_grad():
         next(iter(params.values())).view(-1)[3] = float("nan")
-    outer = DeviceOuterGradient(fragment, params, gather(fragment, params).nan_to_num(), feedback)
+    outer = OuterGradient(fragment, params, gather(fragment, params).nan_to_num(), feedback)
     with pytest.raises(ValueError, match="int4 refuses to encode non-finite values"):
         outer.payload()
     outer.rollback()

@@ -485,12 +485,12 @@ class ErrorFeedback:
         self._residual = total.sub_(decoded)
         return payload_bytes(payload), decoded
 
-    def compress_on_device(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def compress_in_place(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(payload, finite) as Codec.encode_to_tensor gives them, for `values` on the
-        residual's device, launched without waiting for the device: the payload as a uint8
-        tensor there, to be copied to the host once. `values` is consumed: it becomes the new
-        residual. Where `finite` turns out false, the new residual is garbage: the caller
-        assigns back the residual it held before."""
+        residual's device, without waiting for the device (a GPU's payload is then copied to
+        the host once) and without a buffer of the fragment's size beside `values`, which is
+        consumed: it becomes the new residual. Where `finite` turns out false the new residual
+        is garbage: the caller assigns back the residual it held before."""
         total = values.add_(self._residual)
         payload, finite = self.codec.encode_to_tensor(total, self.block_size)
         self._residual = self.codec.decode(payload, self.numel, self.block_size, out=total, subtract=True)
