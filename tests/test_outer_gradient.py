@@ -4,14 +4,20 @@ payload (and a finite flag) crosses to the host; on the CPU the sync thread runs
 way the payload and the residual are the bits ErrorFeedback.compress gives on the host."""
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 from torch import nn
 
+from diloco import DecoupledDiLoCo
+from diloco.learner import outer_gradient
 from diloco.learner.outer_gradient import OuterGradient
 from diloco.learner.train import manifest, named_parameters
-from diloco.services.contract.codecs import CODEC_NAMES, ErrorFeedback, get_codec
+from diloco.services.contract.codecs import CODEC_NAMES, Codec, ErrorFeedback, get_codec
 from diloco.services.contract.fragments import gather, plan_fragments
+from tests.cluster_config import running_shards, tiny_cluster
 
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
@@ -74,3 +80,57 @@ def test_a_nan_in_the_model_is_refused_and_the_residual_rolled_back(device):
         outer.payload()
     outer.rollback()
     assert feedback.residual is before and torch.equal(before.cpu(), torch.full((fragment.numel,), 0.25))
+
+
+# ---- the GPU-shaped step, in CI form: a loop whose step leaves the host's cores alone ------------
+
+STEP_TOKENS = 16
+
+
+def test_a_gpu_shaped_loop_leaves_the_codec_off_the_training_thread_and_hands_over_only_payloads(tmp_path,
+                                                                                               monkeypatch):
+    """A step that waits without using a core (what a GPU step is to the host), then changes
+    every parameter: the training thread's share of each sync is one snapshot of the fragment
+    (on a GPU, launching the device's work); every encode and decode of the learner runs on the
+    sync's threads, and what they hand over is exactly the payload's encoded size."""
+    cfg = tiny_cluster(tmp_path / "state", shards=1, learners=1, tls={"mode": "plaintext"},
+                       sync={"fragments": 2, "interval_steps": 4, "overlap_steps": 1},
+                       syncer={"max_tokens_per_step": STEP_TOKENS})
+    codec = get_codec(cfg.sync.codec)
+    training_thread = threading.get_ident()
+    codec_threads, snapshots, payloads = [], [], []
+
+    def spied(method, record):
+        def call(*args, **kwargs):
+            record()
+            return method(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(Codec, "encode_to_tensor",
+                        spied(Codec.encode_to_tensor, lambda: codec_threads.append(threading.get_ident())))
+    monkeypatch.setattr(Codec, "decode", spied(Codec.decode, lambda: codec_threads.append(threading.get_ident())))
+    monkeypatch.setattr(outer_gradient, "gather",
+                        spied(outer_gradient.gather, lambda: snapshots.append(threading.get_ident())))
+    payload = OuterGradient.payload
+
+    def payload_counted(outer):
+        sent = payload(outer)
+        payloads.append(len(sent) - codec.encoded_size(outer.feedback.numel, cfg.sync.codec_block_size))
+        return sent
+    monkeypatch.setattr(OuterGradient, "payload", payload_counted)
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    with running_shards(cfg, tmp_path / "run"):
+        with DecoupledDiLoCo(model, cfg, cfg.learners[0].id, catch_up_seconds=0.0) as sync:
+            codec_threads.clear()  # joining pulled on this thread; from here on only steps
+            for _ in range(16):
+                time.sleep(0.005)  # the device computes; the host's cores are free
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(1e-3)
+                sync.step(tokens=STEP_TOKENS)
+            started = sync.sync.stats.syncs_started
+    assert started >= 6  # 2 fragments every 4 steps
+    assert snapshots.count(training_thread) == started  # one snapshot per sync: the only per-value pass
+    assert codec_threads and training_thread not in codec_threads
+    assert payloads and payloads == [0] * len(payloads)  # every payload exactly its encoded size
