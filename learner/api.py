@@ -30,11 +30,12 @@ others receive what it applied, so the ranks stay identical.
 
 Devices and precision stay yours too: the model may live on any device (move it before entering
 the block) and train under torch.autocast, with parameters in fp32 or kept in bf16. The sync
-keeps its own state in fp32 in host memory whatever the model's dtype: per parameter a 4 B
-anchor (the global value) and a 4 B error-feedback residual, plus a 4 B snapshot of each
-fragment in flight, none of it on the accelerator. The outer gradient `anchor - theta` is
-computed in fp32 against the fp32 anchor from a snapshot copied off the device without
-stalling training (learner/host_copy.py); a result is merged on the model's device between
+keeps its own state in fp32 whatever the model's dtype: per parameter a 4 B anchor (the global
+value) in host memory and a 4 B error-feedback residual, plus a 4 B snapshot of each fragment
+in flight. On a GPU the residual and a copy of the anchor live on the device, where the outer
+gradient `anchor - theta` is taken and compressed without the training thread waiting for the
+device, and only the encoded payload is copied to the host (learner/outer_gradient.py; 8 B per
+parameter of device memory, docs/gpus.md). A result is merged on the model's device between
 steps and written back in each parameter's own device and dtype (bf16 parameters hold the
 global value rounded to bf16, and that rounding is part of their next outer gradient).
 

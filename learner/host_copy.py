@@ -1,19 +1,17 @@
-"""Copies off the model's device: a fragment for a sync to encode, and a whole state for a
-checkpoint, each straight into host memory (never a second copy on the device).
+"""Copies off the model's device: a fragment (a late result's values at its apply step, a seed),
+an outer gradient's payload, and a whole state for a checkpoint, each straight into host memory
+(never a second copy on the device).
 
     copy = copy_to_host(fragment, params)   # training thread: returns once the copy is queued
     values = copy.wait()                    # sync thread: blocks until the values are on the host
+    copy = to_pinned(payload, flag)         # tensors already on the device, the same way
     state = to_host({"model": model.state_dict(), ...})   # every tensor copied to the host
 
 On the CPU this is a plain copy (gather). On a GPU the fragment is gathered into one flat fp32
 buffer on the device, on the training stream (ordered before the optimizer's next in-place
 update), and that buffer is copied into pinned host memory with a non-blocking copy on a side
-stream; an event recorded after the copy is what the sync thread waits on before encoding. The
-training stream never waits for the device-to-host transfer.
-
-Why host memory: anchors, outer gradients and error-feedback residuals are fp32 and live on
-the host whatever the model's device and dtype (docs/gpus.md): they take no accelerator memory,
-and the codecs and the wire work on host tensors.
+stream; an event recorded after the copy is what the sync thread waits on. The training stream
+never waits for the device-to-host transfer.
 """
 from __future__ import annotations
 
