@@ -52,6 +52,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     args = parser.parse_args()
+    torch.set_num_threads(1)  # a codec's speed per core: the sync's threads share the machine with training
 
     values = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))
     payloads = {name: get_codec(name).encode(values, args.block_size) for name in CODEC_NAMES}

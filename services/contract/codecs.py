@@ -131,7 +131,8 @@ class Codec(ABC):
     def encode_to_tensor(self, values: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the payload, a uint8 tensor on `values`' device; whether every value is finite, a
         bool tensor there). Nothing waits for the device: where some value is not finite the
-        payload is garbage, so a sender checks `finite` before it sends."""
+        payload is garbage, so a sender checks `finite` before it sends. An fp32 payload is
+        `values`' own memory: copy it before changing them."""
         _check_block_size(block_size)
         if values.dtype != torch.float32 or values.dim() != 1:
             shape = tuple(values.shape)
@@ -207,9 +208,9 @@ class FloatCodec(Codec):
         return values.to(self.dtype)
 
     def _encode(self, values: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # A copy for fp32 too: the payload must not change with the caller's tensor. bf16 turns
-        # values beyond its range into Inf, which `finite` refuses too.
-        encoded = values.to(self.dtype, copy=True)
+        # fp32: the values themselves, no copy. bf16 turns values beyond its range into Inf,
+        # which `finite` refuses too.
+        encoded = values.to(self.dtype)
         return encoded.view(torch.uint8), torch.isfinite(encoded).all()
 
     def _decode(self, payload: Payload, block_size: int, out: torch.Tensor, subtract: bool) -> torch.Tensor:
@@ -481,9 +482,10 @@ class ErrorFeedback:
         payload, finite = self.codec.encode_to_tensor(total, self.block_size)
         if not finite:
             raise non_finite_error(self.codec, total)
+        sent = payload_bytes(payload)  # before total changes: an fp32 payload is total's memory
         decoded = self.codec.decode(payload, self.numel, self.block_size)
         self._residual = total.sub_(decoded)
-        return payload_bytes(payload), decoded
+        return sent, decoded
 
     def compress_in_place(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(payload, finite) as Codec.encode_to_tensor gives them, for `values` on the
@@ -493,5 +495,7 @@ class ErrorFeedback:
         is garbage: the caller assigns back the residual it held before."""
         total = values.add_(self._residual)
         payload, finite = self.codec.encode_to_tensor(total, self.block_size)
+        if payload.untyped_storage().data_ptr() == total.untyped_storage().data_ptr():  # fp32: total itself
+            payload = payload.clone()
         self._residual = self.codec.decode(payload, self.numel, self.block_size, out=total, subtract=True)
         return payload, finite
