@@ -28,6 +28,12 @@ from diloco.services.contract.codecs import ErrorFeedback, payload_bytes
 from diloco.services.contract.fragments import Fragment, gather
 
 
+def compress_when_taken(snapshot: torch.Tensor) -> bool:
+    """Whether the training thread launches the compression as it takes the snapshot (a GPU's:
+    launching costs it microseconds) rather than leave it to the sync thread (the CPU's)."""
+    return snapshot.is_cuda
+
+
 class OuterGradient:
     """One push's payload, in the making from a snapshot of the fragment; the residual it
     replaced, for a rollback."""
@@ -40,7 +46,7 @@ class OuterGradient:
         self.device_to_host_bytes = 0  # what crossed from the device for it, once payload() returned
         self._snapshot = gather(fragment, params)  # now: the next step changes the model
         self._compressed: HostCopy | None = None
-        if self._snapshot.is_cuda:  # launched now, on the training stream; only the payload crosses
+        if compress_when_taken(self._snapshot):  # launched now, on the training stream; only the payload crosses
             self._compressed = to_pinned(*self._compress())
 
     def _compress(self) -> tuple[torch.Tensor, torch.Tensor]:

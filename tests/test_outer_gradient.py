@@ -18,6 +18,7 @@ from diloco.learner.train import manifest, named_parameters
 from diloco.services.contract.codecs import CODEC_NAMES, Codec, ErrorFeedback, get_codec
 from diloco.services.contract.fragments import gather, plan_fragments
 from tests.cluster_config import running_shards, tiny_cluster
+from tests.cluster_watch import shard_fragments
 
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
@@ -87,6 +88,14 @@ def test_a_nan_in_the_model_is_refused_and_the_residual_rolled_back(device):
 STEP_TOKENS = 16
 
 
+def spied(method, record):
+    """`method`, calling `record()` first."""
+    def call(*args, **kwargs):
+        record()
+        return method(*args, **kwargs)
+    return call
+
+
 def test_a_gpu_shaped_loop_leaves_the_codec_off_the_training_thread_and_hands_over_only_payloads(tmp_path,
                                                                                                monkeypatch):
     """A step that waits without using a core (what a GPU step is to the host), then changes
@@ -99,12 +108,6 @@ def test_a_gpu_shaped_loop_leaves_the_codec_off_the_training_thread_and_hands_ov
     codec = get_codec(cfg.sync.codec)
     training_thread = threading.get_ident()
     codec_threads, snapshots, payloads = [], [], []
-
-    def spied(method, record):
-        def call(*args, **kwargs):
-            record()
-            return method(*args, **kwargs)
-        return call
 
     monkeypatch.setattr(Codec, "encode_to_tensor",
                         spied(Codec.encode_to_tensor, lambda: codec_threads.append(threading.get_ident())))
@@ -134,3 +137,31 @@ def test_a_gpu_shaped_loop_leaves_the_codec_off_the_training_thread_and_hands_ov
     assert snapshots.count(training_thread) == started  # one snapshot per sync: the only per-value pass
     assert codec_threads and training_thread not in codec_threads
     assert payloads and payloads == [0] * len(payloads)  # every payload exactly its encoded size
+
+
+def test_the_gpus_schedule_compressing_as_the_snapshot_is_taken_ends_on_the_shards_bits(tmp_path, monkeypatch):
+    """A GPU's learner compresses when the training thread takes the snapshot, not on the sync
+    thread: the same path, run here on the CPU, trains, syncs and ends holding the shard's bits."""
+    monkeypatch.setattr(outer_gradient, "compress_when_taken", lambda snapshot: True)
+    cfg = tiny_cluster(tmp_path / "state", shards=1, learners=1, tls={"mode": "plaintext"},
+                       sync={"fragments": 2, "interval_steps": 4, "overlap_steps": 1},
+                       syncer={"max_tokens_per_step": STEP_TOKENS})
+    training_thread = threading.get_ident()
+    encoded_on = []
+    monkeypatch.setattr(Codec, "encode_to_tensor", spied(Codec.encode_to_tensor,
+                                                         lambda: encoded_on.append(threading.get_ident())))
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    with running_shards(cfg, tmp_path / "run"):
+        with DecoupledDiLoCo(model, cfg, cfg.learners[0].id, catch_up_seconds=0.0) as sync:
+            encoded_on.clear()
+            applied = []
+            for _ in range(16):
+                model(torch.randn(STEP_TOKENS, 8)).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                applied += sync.step(tokens=STEP_TOKENS)
+        assert len(applied) >= 6 and sync.sync.stats.pushes >= 6
+        assert encoded_on and set(encoded_on) == {training_thread}
+        held = {str(fid): held for fid, held in sync.sync.fragment_hashes().items()}
+        assert held == shard_fragments(cfg)
