@@ -42,7 +42,7 @@ class OuterGradient:
                  feedback: ErrorFeedback):
         self.feedback = feedback
         self._residual_before = feedback.residual
-        self._anchor = anchor  # where the residual lives, like it
+        self._anchor = anchor  # on the residual's device
         self.device_to_host_bytes = 0  # what crossed from the device for it, once payload() returned
         self._snapshot = gather(fragment, params)  # now: the next step changes the model
         self._compressed: HostCopy | None = None

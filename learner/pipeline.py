@@ -92,8 +92,9 @@ class FragmentPipeline:
     # ---- the training thread ------------------------------------------------------------
 
     def start(self, c_steps: int, c_tokens: int, step_seconds: float) -> None:
-        """Snapshots the fragment now (the only work on the training thread); the rest runs
-        on the fragment's sync thread. The counters are the push's (LearnerSchedule)."""
+        """Snapshots the fragment now (the training thread's only work, and on a GPU launching
+        its compression: learner/outer_gradient.py); the rest runs on the fragment's sync
+        thread. The counters are the push's (LearnerSchedule)."""
         meta = PushMeta(self.version, c_steps, c_tokens, step_seconds)
         self.pushed.clear()
         if self.context.reanchor_due.take(self.fragment.id):
@@ -125,7 +126,7 @@ class FragmentPipeline:
     def keep_local_at_apply(self) -> None:
         """The result missed its apply step: the values now are what it is merged with."""
         self.local_at_apply = copy_to_host(self.fragment, self.context.params)
-        self.context.stats.device_to_host_bytes += self.local_at_apply.device_to_host_bytes
+        self.context.stats.copied_to_host(self.local_at_apply.device_to_host_bytes)
 
     def take(self) -> tuple[SyncOutcome, HostCopy | None]:
         """The finished sync's outcome (the sync is no longer in flight) and, for a late

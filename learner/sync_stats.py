@@ -79,7 +79,7 @@ class SyncStats:
         return answer
 
     def copied_to_host(self, nbytes: int) -> None:
-        """A sync thread's copy from the device."""
+        """A copy from the device (the sync threads' and the training thread's)."""
         with self._lock:
             self.device_to_host_bytes += nbytes
 
