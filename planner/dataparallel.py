@@ -4,7 +4,9 @@ Their slices are the fleet's failure units: M x S (planner/failures.py).
 - dp: every step needs every slice. A failure stops the whole job until every slice is up
   again (down, for every slice); the job then reloads its last checkpoint (restore) and the
   training since that checkpoint is done again (lost). A step takes the slowest slice's step
-  time; what faster slices wait is blocked.
+  time and, across regions, the gradient all-reduce over the WAN beyond the backward pass
+  (planner/allreduce.py); what faster slices wait, and what every slice waits for the WAN, is
+  blocked.
 - elastic: a failure costs every slice that is up a reconfiguration pause (restore) and the step
   in progress (lost); the job goes on without the failed slice, at a smaller batch, and takes
   it back after its repair (another pause). The failed slice is down meanwhile.
@@ -18,9 +20,10 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from diloco.planner import allreduce
 from diloco.planner.failures import FailureModel
 from diloco.planner.inputs import PlanInputs
-from diloco.planner.outcome import Ledger, PlanResult, Uptime
+from diloco.planner.outcome import Bandwidth, Ledger, PlanResult, Uptime
 
 Progress = Callable[[float], None]  # called with the virtual seconds reached, once per segment
 
@@ -54,7 +57,8 @@ def segments(failures: FailureModel, end: float) -> Iterator[Segment]:
 
 def simulate_dp(inputs: PlanInputs, failures: FailureModel, progress: Progress) -> PlanResult:
     m = inputs.num_slices
-    step = max(inputs.slice_step_seconds(u) for u in range(m))
+    regions = allreduce.regions_of(inputs, range(m))
+    step = allreduce.step_seconds(inputs, max(inputs.slice_step_seconds(u) for u in range(m)), regions)
     own_steps = sum(inputs.slice_step_seconds(u) for u in range(m))
     # The training time that trains the run's tokens; inf for a run of fixed wall time.
     needed = inputs.target_tokens / inputs.batch_tokens * step if inputs.target_tokens else math.inf
@@ -91,7 +95,8 @@ def simulate_dp(inputs: PlanInputs, failures: FailureModel, progress: Progress) 
     ledger.add("blocked", steps * (m * step - own_steps))
     ledger.provisioned = end * m
     return PlanResult("dp", inputs.chips, inputs.num_learners, end, ledger.goodput(), uptime.share(end),
-                      round(steps * inputs.batch_tokens), inputs.batch_tokens / step, count, step_seconds=step,
+                      round(steps * inputs.batch_tokens), inputs.batch_tokens / step, count,
+                      wan_bandwidth(inputs, {len(regions): steps}, end), step_seconds=step,
                       slices=inputs.slices_per_learner)
 
 
@@ -101,6 +106,7 @@ def simulate_elastic(inputs: PlanInputs, failures: FailureModel, progress: Progr
     target = inputs.target_tokens or math.inf
     ledger, uptime = Ledger(), Uptime()
     tokens, pause_left, end, count = 0.0, 0.0, 0.0, 0
+    steps_by_regions: dict[int, int] = {}  # steps taken across this many regions
     partial = 0.0  # unit-seconds of the step in progress when the last segment ended
     for segment in segments(failures, inputs.duration_seconds):
         count += segment.failed
@@ -117,7 +123,8 @@ def simulate_elastic(inputs: PlanInputs, failures: FailureModel, progress: Progr
         pause = min(pause_left, length)
         ledger.add("restore", pause * len(up))
         pause_left -= pause
-        step = max(inputs.slice_step_seconds(u) for u in up)
+        regions = allreduce.regions_of(inputs, up)
+        step = allreduce.step_seconds(inputs, max(inputs.slice_step_seconds(u) for u in up), regions)
         own = sum(inputs.slice_step_seconds(u) for u in up)
         tokens_per_step = inputs.learner_tokens_per_step() * len(up) / inputs.slices_per_learner
         available = length - pause  # inf: the last segment of a budget run
@@ -130,12 +137,28 @@ def simulate_elastic(inputs: PlanInputs, failures: FailureModel, progress: Progr
         uptime.training(segment.start + pause, True)
         uptime.training(end, False)
         tokens += steps * tokens_per_step
+        steps_by_regions[len(regions)] = steps_by_regions.get(len(regions), 0) + steps
         ledger.kept += steps * own
         ledger.add("blocked", steps * (step * len(up) - own))
         progress(end)
         if tokens >= target:
             break
     ledger.provisioned = end * m
-    failure_free = inputs.batch_tokens / max(inputs.slice_step_seconds(u) for u in units)
+    failure_free = inputs.batch_tokens / allreduce.step_seconds(
+        inputs, max(inputs.slice_step_seconds(u) for u in units), allreduce.regions_of(inputs, units))
     return PlanResult("elastic", inputs.chips, inputs.num_learners, end, ledger.goodput(), uptime.share(end),
-                      round(tokens), failure_free, count, slices=inputs.slices_per_learner)
+                      round(tokens), failure_free, count, wan_bandwidth(inputs, steps_by_regions, end),
+                      slices=inputs.slices_per_learner)
+
+
+def wan_bandwidth(inputs: PlanInputs, steps_by_regions: dict[int, float], end: float) -> Bandwidth | None:
+    """The all-reduce's traffic through each region's link, both directions (None: one region,
+    no WAN): per link over the run, and while an all-reduce runs, at the slowest link's pace."""
+    per_link = sum(2 * allreduce.link_bytes_per_step(inputs, r) * steps for r, steps in steps_by_regions.items())
+    widest = max((r for r, steps in steps_by_regions.items() if steps), default=1)
+    if widest < 2:
+        return None
+    regions = {inputs.region(i) for i in range(inputs.num_learners)}
+    peak = 2 * allreduce.link_bytes_per_step(inputs, widest) * 8 / 1e9 / allreduce.allreduce_seconds(inputs, regions)
+    total = sum(2 * allreduce.link_bytes_per_step(inputs, r) * r * steps for r, steps in steps_by_regions.items())
+    return Bandwidth(per_link * 8 / 1e9 / end if end else 0.0, peak, round(total), round(total / 2), round(total / 2))

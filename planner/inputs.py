@@ -126,6 +126,10 @@ class PlanInputs:
     # the syncer does not fail.
     shards: PositiveInt = 1
     shard_outages: tuple[ShardOutage, ...] = ()
+    # Data parallel across regions all-reduces its gradients over the links (planner/allreduce.py):
+    # in this precision, overlapped with the backward pass, this share of a step.
+    gradient_dtype: Literal["bf16", "fp32"] = "bf16"
+    backward_share: Annotated[float, Field(ge=0, le=1)] = 2 / 3
     # Data parallel: checkpoint interval and reload; elastic: the pause to reconfigure (its
     # ranks restart).
     checkpoint_minutes: Positive = 10.0
@@ -194,11 +198,15 @@ class PlanInputs:
 
     def link(self, index: int) -> LinkConfig:
         """Learner `index`'s link to the syncer."""
+        return self.region_link(self.region(index))
+
+    def region_link(self, region: str) -> LinkConfig:
+        """A region's link (region-<i>: wan_gbps' i-th)."""
         if self.links is not None:
-            return self.links[self.region(index)]
-        region = index % len(self.wan_gbps)
-        return LinkConfig(up_mbps=self.wan_gbps[region] * 1000, down_mbps=self.wan_gbps[region] * 1000,
-                          latency_ms=self.wan_latency_ms[region % len(self.wan_latency_ms)])
+            return self.links[region]
+        i = int(region.removeprefix("region-"))
+        return LinkConfig(up_mbps=self.wan_gbps[i] * 1000, down_mbps=self.wan_gbps[i] * 1000,
+                          latency_ms=self.wan_latency_ms[i % len(self.wan_latency_ms)])
 
     @property
     def target_tokens(self) -> int | None:

@@ -30,7 +30,7 @@ from diloco.planner.calibrate import CalibrationError, calibrate
 from diloco.planner.calibrate import table as calibration_table
 from diloco.planner.inputs import WAN_KEYS, PlanError, PlanInputs, load_file, load_inputs
 from diloco.planner.outcome import PlanResult
-from diloco.planner.report import Speed, plot, speed_table, table, write_json
+from diloco.planner.report import Speed, plot, speed_table, table, time_to_train, write_json
 from diloco.planner.simulate import MODES, simulate
 
 SWEPT = ("chips", "learners", "chips_per_learner", "slices_per_learner")  # keys that take a list of values to sweep
@@ -157,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
         speeds.append(Speed(time.perf_counter() - started, progress.events))
         progress.close()
     print(table(results))
+    print()
+    print(time_to_train(results))
     print()
     print(speed_table(results, speeds))
     if args.json == "-":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 from dataclasses import dataclass
 from itertools import groupby
@@ -39,6 +40,24 @@ def table(results: list[PlanResult]) -> str:
                      f"{r.tokens_per_second:.3g}", f"{r.effective_share:.1%}", str(r.failures),
                      f"{r.bandwidth.mean_gbps:.2f}/{r.bandwidth.peak_gbps:.2f}" if r.bandwidth else "-",
                      _staleness(r.staleness) if r.staleness else "-"])
+    return _aligned(rows)
+
+
+def time_to_train(results: list[PlanResult]) -> str:
+    """Each run's wall time to train the same tokens (the most any mode of its fleet kept), at
+    the rate it kept them, and how many times faster than data parallel of the same fleet."""
+    fleets: dict[tuple, list[PlanResult]] = {}
+    for r in results:
+        fleets.setdefault((r.chips, r.learners, r.slices), []).append(r)
+    rows = [["mode", "M", "chips", "tokens", "hours to train them", "speed-up over dp"]]
+    for fleet in fleets.values():
+        tokens = max(r.tokens for r in fleet)
+        dp = next((r for r in fleet if r.mode == "dp"), None)
+        for r in fleet:
+            hours = tokens / r.tokens_per_second / 3600 if r.tokens_per_second else math.inf
+            faster = dp.tokens_per_second and r.tokens_per_second / dp.tokens_per_second if dp else None
+            rows.append([r.mode, str(r.learners), f"{r.chips:,}", f"{tokens:.3g}", f"{hours:.3g}",
+                         f"{faster:.1f}x" if faster else "-"])
     return _aligned(rows)
 
 

@@ -47,6 +47,42 @@ def test_data_parallel_steps_at_the_slowest_learners_pace_and_the_others_wait():
     assert diloco.goodput.share > 0.95  # each learner trains at its own pace
 
 
+def test_data_parallel_across_regions_waits_for_its_all_reduce_beyond_the_backward_pass():
+    # 12B parameters in bf16 across two regions, ring over the slower 2 Gbit/s link: each link
+    # carries 2 (R - 1) / R of the 24 GB gradient each way, 96 s, of which 2/3 s overlaps the
+    # backward pass; each hop takes two links' latency (30 ms each way).
+    inputs = plan(hours=0.5, model_parameters=12_000_000_000, wan_gbps=(2.0, 5.0), wan_latency_ms=(30.0,))
+    allreduce = 24e9 * 8 / 2e9 + 2 * 0.06
+    dp = simulate(inputs, "dp")
+    assert dp.step_seconds == pytest.approx(1.0 + allreduce - 2 / 3)
+    assert dp.tokens_per_second == pytest.approx(inputs.batch_tokens / dp.step_seconds, rel=0.05)
+    assert dp.goodput.badput_shares()["blocked"] > 0.98  # every slice waits for the WAN
+    assert dp.bandwidth.peak_gbps == pytest.approx(2 * 24e9 * 8 / 1e9 / allreduce)  # both ways at 2 Gbit/s
+    elastic = simulate(inputs, "elastic")
+    assert elastic.failure_free_tokens_per_second == pytest.approx(inputs.batch_tokens / dp.step_seconds)
+    diloco = simulate(inputs, "diloco")
+    assert diloco.tokens_per_second > 50 * dp.tokens_per_second
+    fp32 = simulate(plan(hours=0.5, model_parameters=12_000_000_000, wan_gbps=(2.0, 5.0), gradient_dtype="fp32"),
+                    "dp")
+    assert fp32.step_seconds > 1.9 * dp.step_seconds
+
+
+def test_data_parallel_in_one_region_or_hiding_its_all_reduce_pays_nothing_for_the_wan():
+    assert simulate(plan(hours=0.05, wan_gbps=(2.0,)), "dp").step_seconds == 1.0
+    assert simulate(plan(hours=0.05, wan_gbps=(2.0,)), "dp").bandwidth is None
+    # 10M parameters across regions on 10 Gbit/s: a 16 ms all-reduce, inside the backward pass.
+    assert simulate(plan(hours=0.05, wan_gbps=(10.0, 10.0), wan_latency_ms=(0.0,)), "dp").step_seconds == 1.0
+
+
+def test_the_plan_prints_each_modes_time_to_train_the_same_tokens_and_its_speed_up_over_dp(capsys):
+    assert main(["plan", "--modes", "dp,diloco", "--chips", "64", "--learners", "4", "--chip-mtbf-hours", "null",
+                 "--hours", "0.05", "--wan-gbps", "2,5", "--model-parameters", "1000000000"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.split("speed-up over dp")[1].splitlines()[1:3]}
+    assert rows["dp"][-1] == "1.0x" and float(rows["diloco"][-1].rstrip("x")) > 3
+    assert float(rows["dp"][-2]) > 3 * float(rows["diloco"][-2])  # hours to train the same tokens
+
+
 def test_links_by_region_are_the_numbered_regions_links_when_they_say_the_same():
     numbered = simulate(plan(hours=0.05, wan_gbps=(10.0, 0.004), wan_latency_ms=(30.0, 80.0)), "diloco")
     named = simulate(plan_with_links({"us-east": {"up_mbps": 10_000, "down_mbps": 10_000, "latency_ms": 30},
