@@ -223,7 +223,7 @@ class DecoupledDiLoCo:
         self.sync = StreamingSync(self.cfg, self.learner.id, self.learner.region, self.params, self.plan,
                                   observer=self.metrics, identity=identity, standing_still=self.island.standing_still)
         self.sync.start(self._restored.get("sync"), should_stop=self._stop_signals.received.is_set, step=self.steps,
-                        tokens=self.tokens)
+                        tokens=self.tokens, process_started=self._process_started)
         if self.metrics:
             sync = self.sync
             self.metrics.watch_sync(sync.held_versions, lambda: sync.stats.blocked_seconds, lambda: {

@@ -107,14 +107,17 @@ class StreamingSync:
     # ---- start-up: join, seed, pull every fragment --------------------------------
 
     def start(self, restored: Mapping[str, object] | None = None,
-              should_stop: Callable[[], bool] = lambda: False, step: int = 0, tokens: int = 0) -> int:
+              should_stop: Callable[[], bool] = lambda: False, step: int = 0, tokens: int = 0,
+              process_started: float | None = None) -> int:
         """Joins every shard (retrying until each answers), seeds fragments nobody has
         seeded, pulls every fragment and moves the model onto the global values.
 
         `restored` is the sync state of a checkpoint (see state_dict); with it the
         learner pulls only the updates it missed. `should_stop` (the process was asked to
         stop) also ends waits for a round's result. `step` and `tokens` are where training
-        resumes. Returns how many versions it was behind, summed over fragments.
+        resumes. `process_started` (time.monotonic's clock; default now) tells a start beside
+        the learners already training from a join of a run with older progress. Returns how
+        many versions it was behind, summed over fragments.
         """
         self._should_stop = should_stop
         self.step, self.tokens = step, tokens
@@ -123,9 +126,11 @@ class StreamingSync:
             session.start_heartbeats()
         for session in self.sessions:
             session.join(should_stop)
-        others_tokens = self._join_in_phase()
+        status = self._join_in_phase()
         behind = sum(self._pull_at_start(fragment, should_stop) for fragment in self.plan.fragments)
-        self._tell_what_it_joined(others_tokens, resumed=bool(self._restored))
+        age = 0.0 if process_started is None else time.monotonic() - process_started
+        self._tell_what_it_joined(self._others_tokens(status), self._started_beside(status, age),
+                                  resumed=bool(self._restored))
         self._restored = {}
         self.stats.versions_behind_at_join = behind
         log.info("learner %s (incarnation %d) joined %d shards; %d versions behind; syncing at step + %d",
@@ -141,20 +146,36 @@ class StreamingSync:
         log.info("%s: sync schedule back in phase with the others (offset %d)", self.learner_id,
                  self.schedule.sync_offset)
 
-    def _join_in_phase(self) -> int:
+    def _join_in_phase(self) -> pb.StatusResponse | None:
         """Starts the sync schedule in phase with the learners already training, as the first
         shard that answers Status sees them (none answers: at this learner's own step), and
-        counts the run's tokens from there until a heartbeat does. Returns the tokens the other
-        learners trained, as far as that shard knows (0: none answered)."""
+        counts the run's tokens from there until a heartbeat does. Returns that Status."""
         status = self._first_status()
         if status is None:
-            return 0
+            return None
         self.schedule.join_in_phase(status.learners, self.learner_id, self.step)
-        # A restarted shard forgot the learners; its fragments' merged tokens it keeps.
-        others = max(sum(l.tokens for l in status.learners if l.learner_id != self.learner_id),
-                     max((f.merged_tokens for f in status.fragments), default=0))
-        self.schedule.heard_run_tokens(others + self.tokens, 0.0, self.tokens, 0.0)
-        return others
+        self.schedule.heard_run_tokens(self._others_tokens(status) + self.tokens, 0.0, self.tokens, 0.0)
+        return status
+
+    def _others_tokens(self, status: pb.StatusResponse | None) -> int:
+        """The tokens the other learners trained, as far as a shard knows (0: none answered).
+        A restarted shard forgot the learners; its fragments' merged tokens it keeps."""
+        if status is None:
+            return 0
+        return max(sum(l.tokens for l in status.learners if l.learner_id != self.learner_id),
+                   max((f.merged_tokens for f in status.fragments), default=0))
+
+    def _started_beside(self, status: pb.StatusResponse | None, age: float) -> bool:
+        """Whether the run's progress is the live learners' since about when this process
+        started, `age` seconds ago: what they could have trained meanwhile at their rate, twice
+        over (it varies), or any progress where one of them started about then (within twice
+        that age) and has yet to report a rate."""
+        if status is None:
+            return False
+        now, others = time.time_ns(), [l for l in status.learners if l.alive and l.learner_id != self.learner_id]
+        if any(l.tokens_per_second == 0 and now - l.incarnation <= 2 * age * 1e9 for l in others):
+            return True
+        return self._others_tokens(status) <= 2 * age * sum(l.tokens_per_second for l in others)
 
     def _first_status(self) -> pb.StatusResponse | None:
         """The Status of the first shard that answers (None: none does)."""
@@ -165,10 +186,12 @@ class StreamingSync:
                 continue
         return None
 
-    def _tell_what_it_joined(self, others_tokens: int, resumed: bool) -> None:
+    def _tell_what_it_joined(self, others_tokens: int, started_beside_them: bool, resumed: bool) -> None:
         """Says so when the run joined has a spent token budget, or progress this learner did
-        not resume from its own checkpoint: rerunning against an old state folder continues
-        the run that it holds."""
+        not resume from its own checkpoint and did not see made: rerunning against an old
+        state folder continues the run that it holds. Progress the live learners could have
+        trained since this process started (twice over: their rate varies) is a start beside
+        them, which needs no word."""
         run = f"run {self.cfg.run.name!r}"
         new_run = ("to start a new run instead, start the shards with `diloco syncer --new-run` (or give the "
                    "config another run.state_dir)")
@@ -178,7 +201,7 @@ class StreamingSync:
                         others_tokens + self.tokens, self.cfg.trainer.max_run_tokens, new_run)
             return
         versions = self.held_versions()
-        if not resumed and max(versions.values()) > 0:
+        if not resumed and max(versions.values()) > 0 and not started_beside_them:
             log.warning("learner %s joined %s, which already has progress (fragments %s; %d tokens trained): it "
                         "trains on from the run's global model, not from its own weights; %s", self.learner_id,
                         run, ", ".join(f"{fid}: v{v}" for fid, v in sorted(versions.items())), others_tokens,

@@ -1,7 +1,8 @@
 """What a user's model and report hold when a learner of their own loop joins and leaves a run
 of real shard processes: the model after leaving is the global model as of its leave, two
 learners leaving at different times hold consistent versions of one run, joining a run with
-progress or a spent budget says so, and a resumed learner's report keeps its earlier lives."""
+progress or a spent budget says so (a learner started beside one that is training need not be
+told), and a resumed learner's report keeps its earlier lives."""
 from __future__ import annotations
 
 import contextlib
@@ -9,6 +10,8 @@ import copy
 import json
 import logging
 import pathlib
+import threading
+import time
 
 import pytest
 import torch
@@ -121,6 +124,31 @@ def test_a_fresh_learner_joining_a_run_with_progress_is_told_the_run_its_version
     assert (f"learner us-west-0 joined run 'test', which already has progress (fragments {versions}; "
             f"{first.tokens} tokens trained)") in caplog.text
     assert "--new-run" in caplog.text
+
+
+def test_a_learner_started_beside_one_that_is_training_is_not_told_it_joined_a_run_with_progress(
+        cfg, shard, caplog):
+    synced, leave = threading.Event(), threading.Event()
+
+    def first_learner():  # trains slowly, so that it is still training when the second joins
+        with DecoupledDiLoCo(model(), cfg, "us-east-0", catch_up_seconds=0.0, stop_signals=()) as first:
+            while not (first.should_stop or leave.is_set()):
+                train(first, steps=1)
+                time.sleep(0.05)
+                if max(first.fragment_versions().values()) > 0:
+                    synced.set()
+
+    thread = threading.Thread(target=first_learner)
+    thread.start()
+    try:
+        assert synced.wait(30)
+        with caplog.at_level(logging.WARNING, logger="diloco.learner.sync"):
+            with DecoupledDiLoCo(model(), cfg, "us-west-0", catch_up_seconds=0.0) as beside:
+                assert max(beside.fragment_versions().values()) > 0  # it joined the first's progress
+    finally:
+        leave.set()
+        thread.join(30)
+    assert "already has progress" not in caplog.text
 
 
 def test_a_learner_joining_a_run_whose_token_budget_is_spent_is_told_so_and_trains_nothing(cfg, shard, caplog):
