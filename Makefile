@@ -44,7 +44,7 @@ bench: install
 	$(PY) bench/syncer_push.py
 	$(PY) bench/syncer_scale.py
 
-# Every figure of BENCHMARKS.md, fresh on this machine (about 45 minutes on 2 cores); also
+# Every figure of BENCHMARKS.md, fresh on this machine (about two hours on 2 cores); also
 # writes bench/results.json and bench/plots/. `$(PY) bench/run_all.py --quick` takes minutes.
 benchmarks: install
 	$(PY) bench/run_all.py

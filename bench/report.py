@@ -730,8 +730,8 @@ def render(results: dict, out: pathlib.Path) -> None:
              "[bench/results.json](bench/results.json)); each row names "
              "the command that produced it (the runner only adds where output goes: `--quiet --run-dir --report`, "
              "`--json`). Regenerate with `make benchmarks`, or one section with `python bench/run_all.py --sections "
-             "NAME --merge`. The models are small so that the whole run fits in about 45 "
-             "minutes on 2 cores: the method, not the scale, is compared. Other processes may share the machine.", ""]
+             "NAME --merge`. The models are small so that the whole run fits in about two hours "
+             "on 2 cores: the method, not the scale, is compared. Other processes may share the machine.", ""]
     lines += [later_run(run) + "\n" for run in results.get("later_runs", [])]
     lines += ["## Summary", "", *summary(results)]
     for name in RENDERERS:

@@ -107,7 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="override one config key, e.g. --set sync.interval_steps=100 "
                              "--set sync.codec=bf16 (VALUE is read as YAML; repeatable)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the run and of the chaos schedule")
+    parser.add_argument("--seed", type=int,
+                        help="seed of the run and of the chaos schedule (default: the config's run.seed)")
     parser.add_argument("--run-dir", default=".diloco/sim", help="state, logs and generated config")
     parser.add_argument("--report", help="write the JSON report here (default: <run-dir>/report.json)")
     parser.add_argument("--plot", help="write a PNG of loss and goodput over time here")
@@ -134,9 +135,12 @@ def build_config(base: Config, args: argparse.Namespace, run_dir: pathlib.Path) 
                          "metrics_port": ports[2 * num_shards + i],
                          "slowdown": args.slow_learner if i == 0 else 1.0, "link": own_links.get(learner_id)}
                         for i, learner_id in enumerate(ids)]
-    data["run"].update(seed=args.seed, state_dir=str((run_dir / "state").resolve()))
+    if args.seed is not None:
+        data["run"]["seed"] = args.seed
+    data["run"]["state_dir"] = str((run_dir / "state").resolve())
     for override in args.overrides:
         apply_override(data, override)
+    args.seed = data["run"]["seed"]  # the chaos schedule's too
     if args.steps:
         data["trainer"]["max_steps"] = args.steps
     if args.replica_groups:

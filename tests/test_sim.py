@@ -372,6 +372,17 @@ def test_sim_overrides_config_keys_and_slows_the_first_learner(tmp_path):
         build_config(base, parser.parse_args(["--set", "sync.codec"]), tmp_path / "run")
 
 
+def test_sim_keeps_the_configs_seed_unless_told_another(tmp_path):
+    from diloco.localcluster.sim import add_arguments, build_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = tiny_cluster(tmp_path / "unused", learners=2)  # run.seed 7
+    for flags, seed in (([], 7), (["--seed", "3"], 3), (["--set", "run.seed=5"], 5)):
+        args = parser.parse_args(flags)
+        assert build_config(base, args, tmp_path / "run").run.seed == args.seed == seed  # the chaos schedule's too
+
+
 @pytest.mark.parametrize("flags, warm", [([], True), (["--no-warm-restarts"], False)])
 def test_sim_restarts_every_learner_process_from_a_standby_unless_told_not_to(tmp_path, flags, warm):
     from diloco.localcluster.cluster import LocalCluster
