@@ -72,7 +72,8 @@ from diloco.learner.pulled import value_after  # noqa: E402
 from diloco.services.client import ShardClient  # noqa: E402
 from diloco.services.contract.state import apply_update, state_hash  # noqa: E402
 from diloco.localcluster.cluster import free_ports  # noqa: E402
-from diloco.services.contract.codecs import ErrorFeedback, get_codec  # noqa: E402
+from diloco.services.contract.codecs import get_codec  # noqa: E402
+from diloco.services.contract.error_feedback import ErrorFeedback  # noqa: E402
 from diloco.services.contract.config import RpcConfig, load_config  # noqa: E402
 from diloco.services.contract.payload import Reassembler, iter_chunks  # noqa: E402
 from diloco.services.contract.rpc import Server  # noqa: E402

@@ -30,7 +30,7 @@ from diloco.learner.session import ReanchorDue, ShardSession
 from diloco.learner.shard_errors import Remedy, reason, remedy
 from diloco.learner.sync_stats import SyncOutcome, SyncStats
 from diloco.services.client import PullResult
-from diloco.services.contract.codecs import ErrorFeedback
+from diloco.services.contract.error_feedback import ErrorFeedback
 from diloco.services.contract.config import Config
 from diloco.services.contract.fragments import Fragment, pieces, scatter, to_device
 from diloco.services.contract.state import StateHashMismatch

@@ -32,13 +32,15 @@ from typing import Callable, Mapping
 import grpc
 import torch
 
+from diloco.learner.joined_run import others_tokens, started_beside, tell_what_it_joined
 from diloco.learner.pipeline import FragmentPipeline, SyncContext
 from diloco.learner.run_end import RunEnd
 from diloco.learner.schedule import LearnerSchedule
 from diloco.learner.session import JoinRefused, Progress, ReanchorDue, ShardSession
 from diloco.learner.sync_stats import SyncStats
 from diloco.services.client import ShardClient, TransferObserver
-from diloco.services.contract.codecs import ErrorFeedback, get_codec
+from diloco.services.contract.codecs import get_codec
+from diloco.services.contract.error_feedback import ErrorFeedback
 from diloco.services.contract.config import Config
 from diloco.services.contract.fragments import Fragment, FragmentPlan, assemble, device_of, scatter
 from diloco.services.contract.tls import Identity
@@ -129,8 +131,10 @@ class StreamingSync:
         status = self._join_in_phase()
         behind = sum(self._pull_at_start(fragment, should_stop) for fragment in self.plan.fragments)
         age = 0.0 if process_started is None else time.monotonic() - process_started
-        self._tell_what_it_joined(self._others_tokens(status), self._started_beside(status, age),
-                                  resumed=bool(self._restored))
+        tell_what_it_joined(self.learner_id, self.cfg.run.name, self.cfg.trainer.max_run_tokens,
+                            self.schedule.run_over(self.tokens), self.held_versions(), self.tokens,
+                            others_tokens(status, self.learner_id), started_beside(status, self.learner_id, age),
+                            resumed=bool(self._restored))
         self._restored = {}
         self.stats.versions_behind_at_join = behind
         log.info("learner %s (incarnation %d) joined %d shards; %d versions behind; syncing at step + %d",
@@ -154,28 +158,8 @@ class StreamingSync:
         if status is None:
             return None
         self.schedule.join_in_phase(status.learners, self.learner_id, self.step)
-        self.schedule.heard_run_tokens(self._others_tokens(status) + self.tokens, 0.0, self.tokens, 0.0)
+        self.schedule.heard_run_tokens(others_tokens(status, self.learner_id) + self.tokens, 0.0, self.tokens, 0.0)
         return status
-
-    def _others_tokens(self, status: pb.StatusResponse | None) -> int:
-        """The tokens the other learners trained, as far as a shard knows (0: none answered).
-        A restarted shard forgot the learners; its fragments' merged tokens it keeps."""
-        if status is None:
-            return 0
-        return max(sum(l.tokens for l in status.learners if l.learner_id != self.learner_id),
-                   max((f.merged_tokens for f in status.fragments), default=0))
-
-    def _started_beside(self, status: pb.StatusResponse | None, age: float) -> bool:
-        """Whether the run's progress is the live learners' since about when this process
-        started, `age` seconds ago: what they could have trained meanwhile at their rate, twice
-        over (it varies), or any progress where one of them started about then (within twice
-        that age) and has yet to report a rate."""
-        if status is None:
-            return False
-        now, others = time.time_ns(), [l for l in status.learners if l.alive and l.learner_id != self.learner_id]
-        if any(l.tokens_per_second == 0 and now - l.incarnation <= 2 * age * 1e9 for l in others):
-            return True
-        return self._others_tokens(status) <= 2 * age * sum(l.tokens_per_second for l in others)
 
     def _first_status(self) -> pb.StatusResponse | None:
         """The Status of the first shard that answers (None: none does)."""
@@ -185,27 +169,6 @@ class StreamingSync:
             except grpc.RpcError:
                 continue
         return None
-
-    def _tell_what_it_joined(self, others_tokens: int, started_beside_them: bool, resumed: bool) -> None:
-        """Says so when the run joined has a spent token budget, or progress this learner did
-        not resume from its own checkpoint and did not see made: rerunning against an old
-        state folder continues the run that it holds. Progress the live learners could have
-        trained since this process started (twice over: their rate varies) is a start beside
-        them, which needs no word."""
-        run = f"run {self.cfg.run.name!r}"
-        new_run = ("to start a new run instead, start the shards with `diloco syncer --new-run` (or give the "
-                   "config another run.state_dir)")
-        if self.schedule.run_over(self.tokens):
-            log.warning("learner %s joined %s, whose token budget is spent (%d tokens trained of "
-                        "trainer.max_run_tokens %d): it trains nothing; %s", self.learner_id, run,
-                        others_tokens + self.tokens, self.cfg.trainer.max_run_tokens, new_run)
-            return
-        versions = self.held_versions()
-        if not resumed and max(versions.values()) > 0 and not started_beside_them:
-            log.warning("learner %s joined %s, which already has progress (fragments %s; %d tokens trained): it "
-                        "trains on from the run's global model, not from its own weights; %s", self.learner_id,
-                        run, ", ".join(f"{fid}: v{v}" for fid, v in sorted(versions.items())), others_tokens,
-                        new_run)
 
     def _pull_at_start(self, fragment: Fragment, should_stop: Callable[[], bool]) -> int:
         """Pulls the fragment (only the updates since a checkpoint's version where there is

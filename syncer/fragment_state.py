@@ -20,7 +20,8 @@ from typing import Iterable
 import torch
 
 from diloco.services.contract.state import apply_update, state_hash
-from diloco.services.contract.codecs import ErrorFeedback, get_codec
+from diloco.services.contract.codecs import get_codec
+from diloco.services.contract.error_feedback import ErrorFeedback
 from diloco.services.contract.config import SyncConfig, SyncerConfig
 from diloco.services.contract.fragments import Fragment
 from diloco.services.contract.payload import describe

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from diloco.services.contract import codecs
-from diloco.services.contract.codecs import CODEC_NAMES, DEFAULT_BLOCK_SIZE, ErrorFeedback, get_codec
+from diloco.services.contract.codecs import CODEC_NAMES, DEFAULT_BLOCK_SIZE, get_codec
+from diloco.services.contract.error_feedback import ErrorFeedback
 from diloco.services.contract.wire import pb
 
 QUANTISED = ("int8", "int4", "fp4_e3m0")

@@ -417,7 +417,8 @@ def _sync_with_a_held_result(tmp_path, monkeypatch, mix_alpha=0.0, shapes=None):
     from diloco.learner.pipeline import FragmentPipeline
     from diloco.learner.sync import StreamingSync
     from diloco.learner.sync_stats import SyncOutcome
-    from diloco.services.contract.codecs import ErrorFeedback, get_codec
+    from diloco.services.contract.codecs import get_codec
+    from diloco.services.contract.error_feedback import ErrorFeedback
     from diloco.services.contract.fragments import plan_for_config
     from diloco.services.contract.wire import pb
     from tests.cluster_config import tiny_cluster

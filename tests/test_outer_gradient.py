@@ -15,7 +15,8 @@ from diloco import DecoupledDiLoCo
 from diloco.learner import outer_gradient
 from diloco.learner.outer_gradient import OuterGradient
 from diloco.learner.train import manifest, named_parameters
-from diloco.services.contract.codecs import CODEC_NAMES, Codec, ErrorFeedback, get_codec
+from diloco.services.contract.codecs import CODEC_NAMES, Codec, get_codec
+from diloco.services.contract.error_feedback import ErrorFeedback
 from diloco.services.contract.fragments import gather, plan_fragments
 from tests.cluster_config import running_shards, tiny_cluster
 from tests.cluster_watch import shard_fragments

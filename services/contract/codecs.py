@@ -44,7 +44,6 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-import functools
 from functools import cache, cached_property
 
 import numpy as np
@@ -405,7 +404,7 @@ class Fp4E3M0Codec(BlockCodec):
         return bits.masked_fill_(exponent == 0, 0).view(torch.float32)
 
 
-@functools.cache
+@cache
 def _byte_values(codec: BlockCodec, device: torch.device) -> torch.Tensor:
     """What each of the 256 byte values decodes to before scaling, on `device`: its code (8-bit),
     or its pair of codes, low nibble first (4-bit), held as integer bits so that a gather copies
@@ -442,60 +441,3 @@ def codec_name(key: str | int) -> str:
     no codec of this version."""
     codec = _BY_KEY.get(key)
     return codec.name if codec else f"unknown codec {key}"
-
-
-class ErrorFeedback:
-    """Sender-side error feedback: keeps what quantisation dropped and adds it to the next push.
-
-    Over any number of pushes, the sum of what was sent differs from the sum of the inputs by
-    exactly the current residual, so nothing is lost for good, only delayed.
-    """
-
-    def __init__(self, codec: Codec, numel: int, block_size: int, device: torch.device | str = "cpu"):
-        codec.encoded_size(numel, block_size)  # validates the arguments
-        self.codec, self.numel, self.block_size = codec, numel, block_size
-        self.device = torch.device(device)
-        self._residual = torch.zeros(numel, device=self.device)
-
-    @property
-    def residual(self) -> torch.Tensor:
-        """fp32, `numel` values on `device`; save it with a checkpoint and assign it back on
-        restore (from any device)."""
-        return self._residual
-
-    @residual.setter
-    def residual(self, value: torch.Tensor) -> None:
-        if value.dtype != torch.float32 or value.shape != (self.numel,):
-            expected, got = f"float32 of shape ({self.numel},)", f"{value.dtype} of shape {tuple(value.shape)}"
-            raise ValueError(f"residual must be {expected}, got {got}")
-        self._residual = value.to(self.device)
-
-    def compress(self, values: torch.Tensor, *, in_place: bool = False) -> tuple[bytes, torch.Tensor]:
-        """(payload, decoded): the payload to send and exactly what the receiver will decode.
-
-        The residual is replaced by a new tensor, never modified in place, so a caller may keep
-        the old one to roll back a push that was lost. If encoding fails (a non-finite value)
-        the residual is left as it was. With in_place, the residual tensor itself is advanced
-        (a syncer shard, which never rolls back, saves a copy of it).
-        """
-        total = self._residual.add_(values) if in_place else values + self._residual
-        payload, finite = self.codec.encode_to_tensor(total, self.block_size)
-        if not finite:
-            raise non_finite_error(self.codec, total)
-        sent = payload_bytes(payload)  # before total changes: an fp32 payload is total's memory
-        decoded = self.codec.decode(payload, self.numel, self.block_size)
-        self._residual = total.sub_(decoded)
-        return sent, decoded
-
-    def compress_in_place(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(payload, finite) as Codec.encode_to_tensor gives them, for `values` on the
-        residual's device, without waiting for the device (a GPU's payload is then copied to
-        the host once) and without a buffer of the fragment's size beside `values`, which is
-        consumed: it becomes the new residual. Where `finite` turns out false the new residual
-        is garbage: the caller assigns back the residual it held before."""
-        total = values.add_(self._residual)
-        payload, finite = self.codec.encode_to_tensor(total, self.block_size)
-        if payload.untyped_storage().data_ptr() == total.untyped_storage().data_ptr():  # fp32: total itself
-            payload = payload.clone()
-        self._residual = self.codec.decode(payload, self.numel, self.block_size, out=total, subtract=True)
-        return payload, finite
