@@ -146,6 +146,22 @@ def test_unreadable_and_non_yaml_files_are_refused(tmp_path):
         load_config(bad)
 
 
+def test_a_key_given_twice_is_refused_naming_it_and_its_line(tmp_path):
+    text = yaml.safe_dump(example()).replace("sync:\n", "sync:\n  interval_steps: 7\n", 1)
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"duplicate key 'interval_steps'\n  in .*, line \d+"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("written", ["intervalSteps", "interval-steps", "interval_step"])
+def test_an_unknown_key_is_named_as_written_with_the_key_it_may_mean(written):
+    data = example()
+    data["sync"][written] = data["sync"].pop("interval_steps")
+    with pytest.raises(ConfigError, match=rf"sync\.{written}: unknown key \(did you mean interval_steps\?\)"):
+        parse_config(data)
+
+
 def test_lookup_of_unknown_learner_and_shard():
     cfg = load_config(EXAMPLE)
     assert cfg.learner("us-west-0").region == "us-west"

@@ -10,6 +10,8 @@ the keys: H, P, tau, alpha, K.
 """
 from __future__ import annotations
 
+import difflib
+import functools
 import importlib
 import pathlib
 import re
@@ -418,17 +420,36 @@ def _check_relations(cfg: Config) -> None:
 NAMED_KEYS = ("links",)
 
 
-def _key_path(loc: tuple) -> str:
+def _key_path(loc: tuple, written: bool = False) -> str:
     # pydantic reports union members by type name ("GPTConfig", "constrained-str"):
-    # they are not keys the user wrote, so drop them.
+    # they are not keys the user wrote, so drop them. `written`: the last part is a key as the
+    # user wrote it (an unknown one: intervalSteps), kept whatever its spelling.
     parts, previous = [], None
-    for part in loc:
+    for i, part in enumerate(loc):
         if isinstance(part, int):
             parts.append(f"[{part}]")
-        elif previous in NAMED_KEYS or re.fullmatch(r"[a-z_][a-z0-9_]*", part):
+        elif previous in NAMED_KEYS or re.fullmatch(r"[a-z_][a-z0-9_]*", part) or (written and i == len(loc) - 1):
             parts.append(("." if parts else "") + part)
         previous = part
     return "".join(parts) or "(top level)"
+
+
+@functools.cache
+def _known_keys() -> tuple[str, ...]:
+    """Every key a config section has, for suggestions."""
+    sections, seen = [_Section], set()
+    while sections:
+        section = sections.pop()
+        seen.update(section.model_fields)
+        sections.extend(section.__subclasses__())
+    return tuple(sorted(seen))
+
+
+def _suggestion(key: str) -> str:
+    """ (did you mean interval_steps?) for intervalSteps, interval-steps or interval_step."""
+    snake = re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", str(key)).replace("-", "_").lower()
+    close = difflib.get_close_matches(snake, _known_keys(), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def validation_message(exc: ValidationError) -> str:
@@ -436,11 +457,12 @@ def validation_message(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         detail = err["msg"]
-        if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):  # models, dataclasses
-            detail = "unknown key"
+        unknown = err["type"] in ("extra_forbidden", "unexpected_keyword_argument")  # models, dataclasses
+        if unknown:
+            detail = "unknown key" + _suggestion(err["loc"][-1])
         elif "input" in err and err["type"] != "missing" and not isinstance(err["input"], (dict, list)):
             detail += f" (got {err['input']!r})"
-        lines.append(f"{_key_path(err['loc'])}: {detail}")
+        lines.append(f"{_key_path(err['loc'], written=unknown)}: {detail}")
     return "; ".join(dict.fromkeys(lines))
 
 
@@ -460,7 +482,19 @@ def parse_config(data: object, source: str = "config") -> Config:
 
 
 class ConfigLoader(yaml.SafeLoader):
-    """SafeLoader that reads 1e-4 as a float (YAML 1.1 would make it a string)."""
+    """SafeLoader that reads 1e-4 as a float (YAML 1.1 would make it a string) and refuses a key
+    given twice in one mapping (where the last would silently win)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 ConfigLoader.add_implicit_resolver(
