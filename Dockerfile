@@ -30,7 +30,7 @@ RUN python3 -m venv --without-pip /opt/diloco \
     && site=$(/opt/diloco/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
     && rm -rf "$site/torch/include" "$site/torch/test" \
     && find "$site/torch/bin" -mindepth 1 ! -name torch_shm_manager -delete \
-    && cd / && /opt/diloco/bin/python -c "import diloco.syncer.main, diloco.learner.main, torch.distributed.run"
+    && cd / && /opt/diloco/bin/python -c "import diloco.syncer.main, diloco.learner.trainer.main, torch.distributed.run"
 
 FROM ${BASE_IMAGE}
 ENV PYTHONUNBUFFERED=1 \

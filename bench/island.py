@@ -4,7 +4,7 @@
                            [--heartbeat-timeout 2] [--json PATH]
 
 Two runs of the same `diloco sim` command on examples/local-4-regions.yaml with two learners,
-each an island of R replica groups (learner/replica_groups.py): one without failures, one where
+each an island of R replica groups (learner/island/replica_groups.py): one without failures, one where
 every group of the first learner's island, the leading one too, is SIGKILLed at exponential
 intervals (`--chaos-replicas`, mean seconds per group) and restarted 3 s later. The second
 learner loses nothing: its blocked seconds, against the run without failures, are what the
@@ -32,7 +32,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def sim(run_dir: pathlib.Path, flags: list[str]) -> tuple[list[str], dict, dict[str, dict]]:
     """One `diloco sim` run: its command, its report and its learners' own reports."""
     command = ["diloco", "sim", "--config", "examples/local-4-regions.yaml", *flags]
-    subprocess.run([sys.executable, "-m", "diloco.services.cli", *command[1:], "--quiet", "--run-dir", str(run_dir)],
+    subprocess.run([sys.executable, "-m", "diloco", *command[1:], "--quiet", "--run-dir", str(run_dir)],
                    cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     learners = {path.parent.name.removeprefix("learner-"): json.loads(path.read_text())
                 for path in sorted(run_dir.glob("state/learner-*/report.json"))}

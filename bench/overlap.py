@@ -39,7 +39,7 @@ def loop_step_seconds(cluster: LocalCluster, state_dir: pathlib.Path,
                       extra_args: list[str]) -> tuple[float, dict]:
     """Runs a fresh learner to the end of its budget; mean loop seconds per step, its record."""
     learner = cluster.cfg.learners[0]
-    command = [sys.executable, "-m", "diloco.services.cli", "learner", "--config", str(cluster.config_path),
+    command = [sys.executable, "-m", "diloco", "learner", "--config", str(cluster.config_path),
                "--learner-id", learner.id, "--region", learner.region, "--catch-up-seconds", "0",
                "--state-dir", str(state_dir), *extra_args]
     subprocess.run(command, check=True, capture_output=True, timeout=1800)

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from diloco import DecoupledDiLoCo
-from diloco.learner.data import build_data
-from diloco.learner.model import build_model
-from diloco.learner.train import lr_at, weight_decay_groups
+from diloco.learner.trainer.data import build_data
+from diloco.learner.trainer.model import build_model
+from diloco.learner.trainer.train import lr_at, weight_decay_groups
 from diloco.services.contract.config import load_config
 
 

@@ -342,7 +342,7 @@ def pair_range(section: dict) -> str:
 def user_loop(section: dict, out: pathlib.Path) -> list[str]:
     sizes = section["sizes"]
     load = section["load_average"]
-    lines = [f"A plain PyTorch loop in one process (a GPT of `learner/model.py`, torch AdamW, random bytes, "
+    lines = [f"A plain PyTorch loop in one process (a GPT of `learner/trainer/model.py`, torch AdamW, random bytes, "
              f"{section['torch_threads']} torch thread) with `DecoupledDiLoCo` syncing against one shard process, "
              f"against the same loop with `DecoupledDiLoCo(enabled=False)`; mean loop time per step (the user's step "
              f"and `sync.step()`), median of {section['pairs']} pairs of runs that alternate which goes first, "

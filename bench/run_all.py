@@ -175,7 +175,7 @@ class Runner:
         """One `diloco sim` run; its JSON report with the command that made it."""
         shown = ["diloco", "sim", "--config", config, *flags]
         report = self.work / f"{name}.json"
-        self.run(name, shown, [sys.executable, "-m", "diloco.services.cli", "sim", "--config", config, *flags,
+        self.run(name, shown, [sys.executable, "-m", "diloco", "sim", "--config", config, *flags,
                                "--quiet", "--run-dir", str(self.work / "runs" / name), "--report", str(report)])
         return {**json.loads(report.read_text()), "command": shlex.join(shown)}
 
@@ -183,7 +183,7 @@ class Runner:
         """One `diloco plan` run: its results (JSON, each with its speed) and the command."""
         shown = ["diloco", "plan", "--config", PLAN_CONFIG, *flags]
         output = self.work / f"{name}.json"
-        self.run(name, shown, [sys.executable, "-m", "diloco.services.cli", "plan", "--config", PLAN_CONFIG, *flags,
+        self.run(name, shown, [sys.executable, "-m", "diloco", "plan", "--config", PLAN_CONFIG, *flags,
                                "--quiet", "--json", str(output)])
         return {"results": json.loads(output.read_text()), "command": shlex.join(shown)}
 
@@ -191,7 +191,7 @@ class Runner:
         """`diloco plan --calibrate-from` the report of sim run `name`: its rows and the command."""
         shown = ["diloco", "plan", "--calibrate-from", "REPORT"]
         output = self.work / f"{name}.json"
-        self.run(name, shown, [sys.executable, "-m", "diloco.services.cli", "plan", "--calibrate-from",
+        self.run(name, shown, [sys.executable, "-m", "diloco", "plan", "--calibrate-from",
                                str(self.work / f"{report}.json"), "--json", str(output)])
         return json.loads(output.read_text())
 

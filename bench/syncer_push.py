@@ -68,7 +68,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from diloco.learner.pulled import value_after  # noqa: E402
+from diloco.learner.sync.pulled import value_after  # noqa: E402
 from diloco.services.client import ShardClient  # noqa: E402
 from diloco.services.contract.state import apply_update, state_hash  # noqa: E402
 from diloco.localcluster.cluster import free_ports  # noqa: E402
@@ -259,7 +259,7 @@ def measure_shards(args: argparse.Namespace, num_shards: int, in_process: InProc
     shard_addresses = [shard.address for shard in cfg.shards]
     sink_addresses = [f"127.0.0.1:{port}" for port in ports[num_shards:]]
     processes = [
-        subprocess.Popen([sys.executable, "-m", "diloco.services.cli", "--log-level", "WARNING", "syncer",
+        subprocess.Popen([sys.executable, "-m", "diloco", "--log-level", "WARNING", "syncer",
                           "--config", str(config_path), "--shard-index", str(index), "--listen", address],
                          cwd=ROOT, env=env)
         for index, address in enumerate(shard_addresses)

@@ -103,7 +103,7 @@ def measure(params: int, rounds: int, code: Path, state_dir: Path, label: str) -
     cfg = load_config(config_path)
     address = cfg.shards[0].address
     env = dict(os.environ, PYTHONPATH=str(code))
-    process = subprocess.Popen([sys.executable, "-m", "diloco.services.cli", "--log-level", "WARNING", "syncer",
+    process = subprocess.Popen([sys.executable, "-m", "diloco", "--log-level", "WARNING", "syncer",
                                 "--config", str(config_path), "--shard-index", "0", "--listen", address],
                                cwd=work, env=env)
     clients = []

@@ -1,4 +1,4 @@
-"""The API's cost in a user's own loop: a plain PyTorch loop (a GPT of learner/model.py, torch
+"""The API's cost in a user's own loop: a plain PyTorch loop (a GPT of learner/trainer/model.py, torch
 AdamW, batches of random bytes) with `DecoupledDiLoCo` syncing, against the same loop with
 `DecoupledDiLoCo(enabled=False)`, both in this process, against real shard processes on loopback.
 
@@ -45,8 +45,8 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from bench.one_learner import one_learner_config  # noqa: E402
 from diloco import DecoupledDiLoCo  # noqa: E402
-from diloco.learner.model import build_model  # noqa: E402
-from diloco.learner.train import manifest  # noqa: E402
+from diloco.learner.trainer.model import build_model  # noqa: E402
+from diloco.learner.sync.synced_parameters import manifest  # noqa: E402
 from diloco.localcluster.cluster import LocalCluster  # noqa: E402
 from diloco.services.contract.codecs import get_codec  # noqa: E402
 from diloco.services.contract.fragments import plan_for_config  # noqa: E402

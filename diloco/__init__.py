@@ -1,6 +1,6 @@
 """Decoupled DiLoCo as a cluster of gRPC services: the one import name of this project.
 
-    from diloco import DecoupledDiLoCo     # around your own training loop (learner/api.py)
+    from diloco import DecoupledDiLoCo     # around your own training loop (learner/sync/api.py)
 
     diloco.services   what the shard and the learner share (wire contract, codecs, config, CLI)
     diloco.learner    one learner: the public API, its sync, the built-in model and inner loop
@@ -20,10 +20,10 @@ __all__ = ["DecoupledDiLoCo", "JoinRefused", "ConfigError"]
 def __getattr__(name: str):
     # Imported on first use: `diloco shard` and `diloco --help` need not load the learner.
     if name == "DecoupledDiLoCo":
-        from diloco.learner.api import DecoupledDiLoCo
+        from diloco.learner.sync.api import DecoupledDiLoCo
         return DecoupledDiLoCo
     if name == "JoinRefused":
-        from diloco.learner.sync import JoinRefused
+        from diloco.learner.sync.streaming import JoinRefused
         return JoinRefused
     if name == "ConfigError":
         from diloco.services.contract.config import ConfigError

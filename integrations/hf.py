@@ -9,7 +9,7 @@ An HF `Trainer` run becomes a learner with one callback:
 and the built-in learner (`diloco learner`, `diloco sim`) trains a transformers Llama with
 `model: "diloco.integrations.hf:llama"` in the cluster config (byte-level, vocab 256, random
 init from a fixed small LlamaConfig: nothing is downloaded). Any other transformers causal LM
-it trains as `model: {transformers: <class>, config: {...}, seq_len: N}` (learner/causal_lm.py).
+it trains as `model: {transformers: <class>, config: {...}, seq_len: N}` (learner/trainer/causal_lm.py).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from diloco.learner.api import DecoupledDiLoCo
+from diloco.learner.sync.api import DecoupledDiLoCo
 from diloco.services.contract.config import Config
 
 VOCAB_SIZE = 256  # bytes are the tokens, as in the built-in models

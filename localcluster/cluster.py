@@ -1,8 +1,8 @@
 """Real local processes of a cluster: start, health-check, kill, restart, stop.
 
 `diloco sim`, the integration tests and the benchmarks share this, so each starts
-shards and learners exactly as a user would: `python -m diloco.services.cli syncer ...`
-and `python -m diloco.services.cli learner ...` in their own processes.
+shards and learners exactly as a user would: `python -m diloco syncer ...`
+and `python -m diloco learner ...` in their own processes.
 
 With tls.mode mtls (the default) and no tls.dir of its own, the cluster issues its
 certificates into the run's state folder first, as `diloco certs` would.
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from diloco.services.cli import DIE_WITH_PARENT_ENV
+from diloco.services.process import DIE_WITH_PARENT_ENV
 from diloco.services.contract.config import Config, RpcConfig, dump_config
 from diloco.services.contract.rpc import open_channel
 from diloco.services.cli.certs import issue_cluster_certs
@@ -106,7 +106,7 @@ class Proc:
 
     def _spawn(self, argv: list[str], stdin: int | None = None) -> subprocess.Popen:
         # Its own session (a Ctrl-C meant for the harness reaches it only through the harness),
-        # but it dies with the harness, which may be SIGKILLed (services.cli.die_with_parent).
+        # but it dies with the harness, which may be SIGKILLed (services.process.die_with_parent).
         env = {**os.environ, **self.env, DIE_WITH_PARENT_ENV: str(os.getpid())}
         with open(self.log_path, "ab") as log:
             return subprocess.Popen(argv, stdin=stdin, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -198,7 +198,7 @@ class LocalCluster:
             issue_cluster_certs(cfg, certs_dir(cfg))
         # What the harness presents to the shards: health checks and Status.
         self.operator = load_identity(cfg, OPERATOR)
-        cli = [sys.executable, "-m", "diloco.services.cli"]
+        cli = [sys.executable, "-m", "diloco"]
         self.shards = [
             Proc(f"shard-{i}", cli + ["syncer", "--config", str(self.config_path), "--shard-index", str(i)],
                  run_dir / "logs" / f"shard-{i}.log")

@@ -54,7 +54,7 @@ class DataParallelJob:
         self.proc = Proc("data-parallel", [
             sys.executable, "-m", "diloco.localcluster.torchrun", "--standalone", "--nnodes", "1",
             "--nproc-per-node", str(self.ranks), "--max-restarts", "0", "--monitor-interval", "0.1",
-            "-m", "diloco.services.cli", "learner", "--config", str(self.config_path), "--learner-id", leader.id,
+            "-m", "diloco", "learner", "--config", str(self.config_path), "--learner-id", leader.id,
             "--region", leader.region, "--data-parallel"], run_dir / "logs" / "data-parallel.log",
             env={"OMP_NUM_THREADS": str(cfg.trainer.threads)})
 

@@ -14,7 +14,7 @@ import logging
 import pathlib
 import sys
 
-from diloco.learner.leader_lease import LeaderLease
+from diloco.learner.island.leader_lease import LeaderLease
 from diloco.localcluster.chaos import Chaos
 from diloco.localcluster.cluster import Proc, free_ports
 from diloco.services.contract.config import Config
@@ -80,7 +80,7 @@ class Islands:
             chaos.restarted(downtime, now)
 
     def leads(self, proc: Proc) -> bool:
-        """Whether the group holds its island's lease (learner/leader_lease.py)."""
+        """Whether the group holds its island's lease (learner/island/leader_lease.py)."""
         lease = self.state_dir / f"learner-{learner_of(proc.name)}" / "leader.lock"
         return proc.running and LeaderLease.holder(lease) == proc.popen.pid
 

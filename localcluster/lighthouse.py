@@ -1,5 +1,5 @@
 """torchft's lighthouse for one island of replica groups in a local cluster (the membership
-service that decides which groups are in each step: learner/replica_groups.py). Like the
+service that decides which groups are in each step: learner/island/replica_groups.py). Like the
 harness's other processes it dies with the harness: the kernel's parent-death signal outlives
 the exec into torchft's own `torchft_lighthouse`.
 
@@ -9,7 +9,7 @@ import os
 import shutil
 import sys
 
-from diloco.services.cli import die_with_parent
+from diloco.services.process import die_with_parent
 
 die_with_parent()
 binary = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) or shutil.which("torchft_lighthouse")

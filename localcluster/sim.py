@@ -459,7 +459,7 @@ def evaluate_global_model(cluster: LocalCluster) -> float | None:
     except ExportError as error:
         log.warning("no global model to evaluate: %s", error)
         return None
-    result = subprocess.run([sys.executable, "-m", "diloco.services.cli", "evaluate", "--config", str(cluster.config_path),
+    result = subprocess.run([sys.executable, "-m", "diloco", "evaluate", "--config", str(cluster.config_path),
                              "--weights", str(out / MODEL_FILE), "--json"], capture_output=True, text=True)
     if result.returncode != 0:
         log.warning("evaluating the global model failed: %s", result.stderr.strip()[-2000:])

@@ -6,7 +6,7 @@ writes it when the learner is due back, and the standby runs ARGV (`-m MODULE AR
 The cluster prepares a learner's standby while the learner is down (a replacement host booting
 during the repair), so its next life does not pay the interpreter's and torch's import again.
 The life's start-up is counted from when the cluster wrote the line (LIFE_STARTED_ENV, which
-learner/report.py reads), imports not yet finished then included, not from the standby's own start.
+learner/sync/report.py reads), imports not yet finished then included, not from the standby's own start.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pathlib
 import runpy
 import sys
 
-from diloco.services.cli import LIFE_STARTED_ENV, die_with_parent
+from diloco.services.process import LIFE_STARTED_ENV, die_with_parent
 
 
 def go_line(started: float) -> bytes:
@@ -26,7 +26,7 @@ def go_line(started: float) -> bytes:
 
 
 # What every learner life imports first; a user's own script may import more.
-PRELOAD = ("torch", "diloco.learner.main")
+PRELOAD = ("torch", "diloco.learner.trainer.main")
 
 
 def run_life(argv: list[str]) -> None:

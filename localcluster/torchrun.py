@@ -5,7 +5,7 @@ dies with the harness, and its workers die with it.
 """
 import os
 
-from diloco.services.cli import DIE_WITH_PARENT_ENV, die_with_parent
+from diloco.services.process import DIE_WITH_PARENT_ENV, die_with_parent
 
 die_with_parent()
 os.environ[DIE_WITH_PARENT_ENV] = str(os.getpid())  # the workers' parent is this process

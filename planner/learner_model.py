@@ -9,7 +9,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
-from diloco.learner.schedule import LearnerSchedule
+from diloco.learner.sync.schedule import LearnerSchedule
 from diloco.planner.events import VirtualClock
 from diloco.planner.inputs import PlanInputs
 from diloco.planner.island import STATE_BYTES_PER_PARAMETER, Island
@@ -66,7 +66,7 @@ class Learner:
         link = inputs.link(index)
         self.up = Link(link.up_mbps, link.latency_ms / 1000)
         self.down = Link(link.down_mbps, link.latency_ms / 1000)
-        # A learner's heartbeat thread keeps its own time, not its steps' (learner/session.py):
+        # A learner's heartbeat thread keeps its own time, not its steps' (learner/sync/session.py):
         # each start of its heartbeats is at a moment drawn from this, the same for a seed.
         self.heartbeat_phases = random.Random(f"{inputs.seed}/heartbeats/{index}")
         self.incarnation = 0

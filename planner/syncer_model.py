@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from diloco.learner.shard_errors import RETRY_MAX_SECONDS
+from diloco.learner.sync.shard_errors import RETRY_MAX_SECONDS
 from diloco.planner.events import EventQueue, VirtualClock
 from diloco.planner.inputs import PlanInputs
 from diloco.services.contract.codecs import get_codec

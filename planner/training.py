@@ -5,7 +5,7 @@ modelled); planner/restarts.py starts it after each (re)join.
 """
 from __future__ import annotations
 
-from diloco.learner.schedule import LearnerSchedule
+from diloco.learner.sync.schedule import LearnerSchedule
 from diloco.planner.accounting import RunAccounts
 from diloco.planner.events import EventQueue, VirtualClock
 from diloco.planner.inputs import PlanInputs

@@ -39,8 +39,8 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from bench.one_learner import one_learner_config  # noqa: E402
 from diloco import DecoupledDiLoCo  # noqa: E402
-from diloco.learner.host_copy import copy_to_host  # noqa: E402
-from diloco.learner.train import Trainer  # noqa: E402
+from diloco.learner.sync.host_copy import copy_to_host  # noqa: E402
+from diloco.learner.trainer.train import Trainer  # noqa: E402
 from diloco.localcluster.cluster import LocalCluster  # noqa: E402
 from diloco.services.contract.codecs import get_codec, workspace_bytes  # noqa: E402
 
@@ -126,15 +126,15 @@ def memory(work: pathlib.Path, steps: int) -> Check:
     copy_rate = statistics.median(4 * numel / seconds for seconds, numel in copies)
     peaks = {"sync_step": max(step_peaks), "checkpoint": checkpoint_peak, "export": export_peak,
              "restore": restore_peak}
+    # A sync step holds the fragment's snapshot (it becomes the new residual), its payload and the
+    # codec's working chunk on the device; the anchor's copy and the residual are in the footprint.
+    sync_bound = fragment_bytes + payload_bytes + workspace_bytes(device) + ALLOCATOR_SLACK_BYTES
     figures = {"parameters": parameters, "fragment_fp32_bytes": fragment_bytes, "footprint_bytes": footprint,
                "syncs_applied": syncs, "step_seconds_median": statistics.median(step_seconds),
                "peak_bytes": peaks, "peak_bytes_per_parameter": {k: v / parameters for k, v in peaks.items()},
                "peak_in_fragments": {k: v / fragment_bytes for k, v in peaks.items()},
                "sync_step_bound_bytes": sync_bound,
                "host_copy_seconds_per_fragment": copy_seconds, "host_copy_bytes_per_second": copy_rate}
-    # A sync step holds the fragment's snapshot (it becomes the new residual), its payload and the
-    # codec's working chunk on the device; the anchor's copy and the residual are in the footprint.
-    sync_bound = fragment_bytes + payload_bytes + workspace_bytes(device) + ALLOCATOR_SLACK_BYTES
     passed = syncs > 0 and peaks["checkpoint"] <= ALLOCATOR_SLACK_BYTES and peaks["export"] <= ALLOCATOR_SLACK_BYTES \
         and peaks["sync_step"] <= sync_bound and peaks["restore"] <= fragment_bytes + ALLOCATOR_SLACK_BYTES
     summary = (f"{parameters / 1e6:.1f}M parameters, footprint {footprint / parameters:.1f} B/param, "
@@ -148,7 +148,7 @@ def memory(work: pathlib.Path, steps: int) -> Check:
 
 def two_learners(work: pathlib.Path, steps: int) -> Check:
     report_path = work / "report.json"
-    result = run([sys.executable, "-m", "diloco.services.cli", "sim", "--config", str(DEMO), "--learners", "2",
+    result = run([sys.executable, "-m", "diloco", "sim", "--config", str(DEMO), "--learners", "2",
                   "--shards", "1", "--steps", str(steps), "--run-dir", str(work), "--report", str(report_path),
                   "--quiet", "--set", "trainer.device=cuda", "--set", "trainer.precision=bf16",
                   "--set", "trainer.grad_accum_steps=2", "--set", f"trainer.eval_every={steps}"], timeout=900)
@@ -177,7 +177,7 @@ def island(work: pathlib.Path, steps: int) -> Check:
     try:
         cluster.start_shards()
         torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
-        result = run([torchrun, "--standalone", "--nproc-per-node", str(gpus), "-m", "diloco.services.cli", "learner",
+        result = run([torchrun, "--standalone", "--nproc-per-node", str(gpus), "-m", "diloco", "learner",
                       "--config", str(cluster.config_path), "--learner-id", learner.id, "--region", learner.region,
                       "--verify-island", "--catch-up-seconds", "0.5"], timeout=600)
     finally:

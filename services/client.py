@@ -46,7 +46,7 @@ class PulledItem:
 
 @dataclass
 class PullResult:
-    """A pull's items as they came (learner/pulled.py applies them to a held value)."""
+    """A pull's items as they came (learner/sync/pulled.py applies them to a held value)."""
     fragment_id: int
     items: list[PulledItem]
     state_hash: str  # of the global value after the last item ("" if nothing was sent)
@@ -58,7 +58,7 @@ class PullResult:
 
 
 class TransferObserver(Protocol):
-    """Told about every completed transfer and heartbeat (learner/metrics.py: LearnerMetrics)."""
+    """Told about every completed transfer and heartbeat (learner/sync/metrics.py: LearnerMetrics)."""
 
     def pushed(self, header: pb.PushHeader, payload_bytes: int, seconds: float, result: int) -> None: ...
 

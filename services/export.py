@@ -22,6 +22,7 @@ import copy
 import json
 import logging
 import pathlib
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -115,6 +116,12 @@ def transformers_config_of(model: Any) -> Any:
                     model, error)
         return None
     return pretrained_config(built) if hasattr(getattr(built, "config", None), "to_json_string") else None
+
+
+def is_transformers_model(model: torch.nn.Module) -> bool:
+    """A transformers PreTrainedModel (its package is imported wherever one exists)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
 def pretrained_config(model: torch.nn.Module) -> Any:

@@ -1,6 +1,6 @@
 """How the shards and learners export to Prometheus: what both roles' metrics share (buckets,
 registries, serving) and the local cluster's scrape targets. Each role's metrics live beside
-it: learner/metrics.py and syncer/metrics.py.
+it: learner/sync/metrics.py and syncer/metrics.py.
 
 Names follow docs/monitoring.md: `diloco_` prefix, base units (`_seconds`, `_bytes`), counters
 end in `_total`, and no step or tensor ids as labels. Which process a series comes from (run,

@@ -8,7 +8,7 @@ import sys
 from typing import Iterator
 
 from diloco.localcluster.cluster import LocalCluster, free_ports
-from diloco.services.cli import main
+from diloco.cli import main
 from diloco.services.contract.config import Config, parse_config
 
 
@@ -60,7 +60,7 @@ def export_both_ways(cfg: Config, folder: pathlib.Path) -> tuple[pathlib.Path, p
     by_learner, by_shards = folder / "by-learner", folder / "by-shards"
     learner = cfg.learners[0]
     with running_shards(cfg, folder / "run") as cluster:
-        subprocess.run([sys.executable, "-m", "diloco.services.cli", "learner", "--config", str(cluster.config_path),
+        subprocess.run([sys.executable, "-m", "diloco", "learner", "--config", str(cluster.config_path),
                         "--learner-id", learner.id, "--region", learner.region, "--catch-up-seconds", "0.5",
                         "--export", str(by_learner)], check=True, capture_output=True, timeout=180)
         assert main(["export", "--config", str(cluster.config_path), "--out", str(by_shards)]) == 0

@@ -13,7 +13,7 @@ from tests.cluster_config import tiny_cluster
 def sim_command(tmp_path, *flags: str) -> list[str]:
     base = tmp_path / "base.yaml"
     base.write_text(dump_config(tiny_cluster(tmp_path / "unused", shards=2, learners=3)))
-    return [sys.executable, "-m", "diloco.services.cli", "sim", "--config", str(base), "--quiet",
+    return [sys.executable, "-m", "diloco", "sim", "--config", str(base), "--quiet",
             "--run-dir", str(tmp_path / "run"), "--report", str(tmp_path / "report.json"), *flags]
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from diloco.planner.calibrate import CalibrationError, calibrate, inputs_from_report
-from diloco.services.cli import main
+from diloco.cli import main
 from tests.sim_command import run_sim
 
 # What a loaded 2-core machine still holds (the planner's model: BENCHMARKS.md §10 is within a few

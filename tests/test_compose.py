@@ -5,7 +5,7 @@ services' commands and environment really make a working run.
 No docker engine is needed here (tests/test_compose_up.py builds the image and brings the file
 up under one). The last test runs every syncer and learner service's exact
 `command` as a local process, as the container would: the entrypoint `diloco` becomes
-`python -m diloco.services.cli`, each volume and tmpfs becomes a folder of its own, the mounted
+`python -m diloco`, each volume and tmpfs becomes a folder of its own, the mounted
 cluster config is a copy whose compose host names (`syncer-0:50051`) point at loopback
 ports and whose model and budgets are tiny, and the healthcheck runs against the shard.
 
@@ -26,7 +26,7 @@ import tomllib
 import pytest
 import yaml
 
-import diloco.learner.main
+import diloco.learner.trainer.main
 import diloco.services.cli.certs
 import diloco.syncer.main
 from diloco.services.client import ShardClient
@@ -65,7 +65,7 @@ def compose() -> dict:
 
 def parse_command(command: list[str]) -> argparse.Namespace:
     """The service's command as the subcommand's own parser reads it."""
-    module = {"syncer": diloco.syncer.main, "learner": diloco.learner.main, "certs": diloco.services.cli.certs}[command[0]]
+    module = {"syncer": diloco.syncer.main, "learner": diloco.learner.trainer.main, "certs": diloco.services.cli.certs}[command[0]]
     parser = argparse.ArgumentParser(prog=f"diloco {command[0]}")
     module.add_arguments(parser)
     return parser.parse_args(command[1:])
@@ -271,7 +271,7 @@ class ServiceProcess:
         run = config.run.model_copy(update={"state_dir": str(state_dir)})
         tls = config.tls.model_copy(update={"dir": str(self.host_path(config.tls.dir))})
         (root / "cluster.yaml").write_text(dump_config(config.model_copy(update={"run": run, "tls": tls})))
-        argv = [sys.executable, "-m", "diloco.services.cli"] + [self.map_arg(a) for a in service["command"]]
+        argv = [sys.executable, "-m", "diloco"] + [self.map_arg(a) for a in service["command"]]
         # Paths in the environment (HOME) must be writable: on a volume or tmpfs.
         env = {key: str(self.host_path(value)) if str(value).startswith("/") else str(value)
                for key, value in service.get("environment", {}).items()}

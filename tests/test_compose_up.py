@@ -245,7 +245,7 @@ def run_cluster(project: Compose, folder: pathlib.Path, stages: Stages) -> None:
     project("start", RESTARTED, timeout=60)
 
     # The operator's view from the host, through the ports the compose file publishes.
-    status = subprocess.run([sys.executable, "-m", "diloco.services.cli", "status", "--syncer",
+    status = subprocess.run([sys.executable, "-m", "diloco", "status", "--syncer",
                              ",".join(project.addresses), "--tls-dir", str(project.operator_dir)],
                             capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stdout + status.stderr

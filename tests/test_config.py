@@ -5,7 +5,7 @@ import pathlib
 import pytest
 import yaml
 
-from diloco.services.cli import main
+from diloco.cli import main
 from diloco.services.contract.config import (Config, ConfigError, GPTConfig, LinkConfig, dump_config, load_config,
                                              parse_config)
 

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from diloco.learner.data import build_data
-from diloco.learner.model import build_model
-from diloco.learner.train import Trainer
+from diloco.learner.trainer.data import build_data
+from diloco.learner.trainer.model import build_model
+from diloco.learner.trainer.train import Trainer
 from diloco.localcluster.data_parallel import DataParallelJob
 from tests.cluster_config import tiny_cluster
 from tests.cluster_watch import wait_until

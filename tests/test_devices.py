@@ -17,13 +17,14 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from diloco import ConfigError, DecoupledDiLoCo
-from diloco.learner.adamw import AdamW
-from diloco.learner.checkpoint import checkpoint_state, restore_rng
-from diloco.learner.device import DeviceUnavailable, resolve_device
-from diloco.learner.host_copy import copy_to_host
-from diloco.learner.outer_gradient import OuterGradient
-from diloco.learner.model import build_model
-from diloco.learner.train import Trainer, make_optimizer, manifest, named_parameters
+from diloco.learner.trainer.adamw import AdamW
+from diloco.learner.trainer.checkpoint import checkpoint_state, restore_rng
+from diloco.learner.trainer.device import DeviceUnavailable, resolve_device
+from diloco.learner.sync.host_copy import copy_to_host
+from diloco.learner.sync.outer_gradient import OuterGradient
+from diloco.learner.trainer.model import build_model
+from diloco.learner.trainer.train import Trainer, make_optimizer
+from diloco.learner.sync.synced_parameters import manifest, named_parameters
 from diloco.services.contract.config import GPTConfig, InnerOptimizerConfig, dump_config
 from diloco.services.contract.fragments import plan_fragments, scatter
 from tests.cluster_config import running_shards, tiny_cluster
@@ -166,7 +167,7 @@ def test_a_learner_asked_for_cuda_without_cuda_exits_1_naming_the_key(tmp_path):
     path = tmp_path / "cluster.yaml"
     path.write_text(dump_config(cfg))
     learner = cfg.learners[0]
-    result = subprocess.run([sys.executable, "-m", "diloco.services.cli", "learner", "--config", str(path),
+    result = subprocess.run([sys.executable, "-m", "diloco", "learner", "--config", str(path),
                              "--learner-id", learner.id, "--region", learner.region],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1, result.stderr

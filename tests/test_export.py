@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from diloco.learner.train import Trainer, named_parameters
-from diloco.services.cli import main
+from diloco.learner.trainer.train import Trainer
+from diloco.learner.sync.synced_parameters import named_parameters
+from diloco.cli import main
 from diloco.services.client import ShardClient
 from diloco.services.contract.config import dump_config
 from diloco.services.contract.fragments import plan_for_config, scatter

@@ -45,7 +45,7 @@ def learner(cfg, tmp_path) -> subprocess.Popen:
     config = tmp_path / "cluster.yaml"
     config.write_text(dump_config(cfg))
     member = cfg.learners[0]
-    return subprocess.Popen([sys.executable, "-m", "diloco.services.cli", "learner", "--config", str(config),
+    return subprocess.Popen([sys.executable, "-m", "diloco", "learner", "--config", str(config),
                              "--learner-id", member.id, "--region", member.region, "--catch-up-seconds", "0.5"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -259,8 +259,8 @@ def test_rendered_runs_have_a_fragment_plan_for_their_model(renders):
     """P fragments need at least P tensors and S <= P: what learners and shards check
     when they start, checked here for the chart's default and example runs."""
     import torch
-    from diloco.learner.model import build_model
-    from diloco.learner.train import manifest
+    from diloco.learner.trainer.model import build_model
+    from diloco.learner.sync.synced_parameters import manifest
     from diloco.services.contract.config import parse_config
     from diloco.services.contract.fragments import plan_for_config
 
@@ -425,7 +425,7 @@ def test_an_island_of_replica_groups_is_a_container_per_group_beside_its_lightho
 def test_learner_islands_get_torchrun_gpus_and_region_placement(renders):
     east = one(renders["learners-us-east"], "StatefulSet", "-learner")
     argv = run_entrypoint(east, "learners-us-east-learner-1")
-    assert argv[:6] == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=8", "-m", "diloco.services.cli"]
+    assert argv[:6] == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=8", "-m", "diloco"]
     assert argv[6] == "learner" and flag(argv, "--learner-id") == "us-east-1"
     assert container(east)["resources"]["limits"]["nvidia.com/gpu"] == 8
     pod = east["spec"]["template"]["spec"]

@@ -21,7 +21,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, T
 from diloco import DecoupledDiLoCo, JoinRefused  # noqa: E402
 from diloco.integrations.hf import DecoupledDiLoCoCallback  # noqa: E402
 from diloco.localcluster.cluster import LocalCluster  # noqa: E402
-from diloco.services.cli import main  # noqa: E402
+from diloco.cli import main  # noqa: E402
 from diloco.services.contract.config import dump_config, parse_config  # noqa: E402
 from tests.cluster_config import export_both_ways, running_shards, tiny_cluster  # noqa: E402
 from tests.own_loop_run import OwnLoopRun, assert_every_script_holds_the_shards_bits, own_loop_config  # noqa: E402

@@ -1,4 +1,4 @@
-"""Islands of replica groups as real processes (learner/replica_groups.py, torchft over gloo on
+"""Islands of replica groups as real processes (learner/island/replica_groups.py, torchft over gloo on
 loopback): SIGKILL a group other than the leader and the island trains on without it within
 seconds, the other learner never waits, the group rejoins with the island's state after its
 restart, and every group and the shards agree on the bits at the end; SIGKILL the leader and
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from diloco.learner.replica_groups import ROUTINE_QUORUM_SECONDS, StandingStill
+from diloco.learner.island.replica_groups import ROUTINE_QUORUM_SECONDS, StandingStill
 from diloco.localcluster.islands import leader_kills, recoveries
 from diloco.services.contract.config import dump_config
 from tests.cluster_config import tiny_cluster
@@ -176,7 +176,7 @@ def test_a_replica_group_that_cannot_be_one_is_refused_before_it_starts(tmp_path
     config = tmp_path / "cluster.yaml"
     config.write_text(dump_config(tiny_cluster(tmp_path / "state", island={"replica_groups": 2})))
     env = {k: v for k, v in os.environ.items() if k != "TORCHFT_LIGHTHOUSE"}
-    result = subprocess.run([sys.executable, "-m", "diloco.services.cli", "learner", "--config", str(config),
+    result = subprocess.run([sys.executable, "-m", "diloco", "learner", "--config", str(config),
                              "--learner-id", "us-east-0", "--region", "us-east", *flags],
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2 and expected in result.stderr, result.stderr

@@ -117,7 +117,7 @@ def test_a_resumed_learner_keeps_its_earlier_lives_traffic_in_its_report(cfg, sh
 def test_a_fresh_learner_joining_a_run_with_progress_is_told_the_run_its_versions_and_tokens(cfg, shard, caplog):
     with DecoupledDiLoCo(model(), cfg, "us-east-0", catch_up_seconds=0.2) as first:
         train(first)
-    with caplog.at_level(logging.WARNING, logger="diloco.learner.sync"):
+    with caplog.at_level(logging.WARNING, logger="diloco.learner.sync.streaming"):
         with DecoupledDiLoCo(model(), cfg, "us-west-0", catch_up_seconds=0.0) as late:
             assert late.fragment_versions() == first.fragment_versions()
     versions = ", ".join(f"{fid}: v{version}" for fid, version in sorted(first.fragment_versions().items()))
@@ -142,7 +142,7 @@ def test_a_learner_started_beside_one_that_is_training_is_not_told_it_joined_a_r
     thread.start()
     try:
         assert synced.wait(30)
-        with caplog.at_level(logging.WARNING, logger="diloco.learner.sync"):
+        with caplog.at_level(logging.WARNING, logger="diloco.learner.sync.streaming"):
             with DecoupledDiLoCo(model(), cfg, "us-west-0", catch_up_seconds=0.0) as beside:
                 assert max(beside.fragment_versions().values()) > 0  # it joined the first's progress
     finally:
@@ -157,7 +157,7 @@ def test_a_learner_joining_a_run_whose_token_budget_is_spent_is_told_so_and_trai
     cfg = parse_config(data, source="a run of 10 steps' tokens")
     with DecoupledDiLoCo(model(), cfg, "us-east-0", catch_up_seconds=0.2) as first:
         train(first)
-    with caplog.at_level(logging.WARNING, logger="diloco.learner.sync"):
+    with caplog.at_level(logging.WARNING, logger="diloco.learner.sync.streaming"):
         with DecoupledDiLoCo(model(), cfg, "us-west-0", catch_up_seconds=0.0) as late:
             assert late.should_stop
     assert (f"learner us-west-0 joined run 'test', whose token budget is spent ({first.tokens} tokens trained "
@@ -176,7 +176,7 @@ def test_a_shard_restarted_on_a_run_says_it_resumes_it_and_one_started_with_new_
     process.terminate(10)
     process.argv.append("--new-run")
     shard.restart_shard(0)
-    with caplog.at_level(logging.WARNING, logger="diloco.learner.sync"):
+    with caplog.at_level(logging.WARNING, logger="diloco.learner.sync.streaming"):
         with DecoupledDiLoCo(model(), cfg, "us-west-0", catch_up_seconds=0.0) as fresh:
             assert set(fresh.fragment_versions().values()) == {0}
     assert "already has progress" not in caplog.text

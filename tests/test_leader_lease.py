@@ -1,4 +1,4 @@
-"""The lease of an island's lead (learner/leader_lease.py): one holder at a time, free again
+"""The lease of an island's lead (learner/island/leader_lease.py): one holder at a time, free again
 the moment its holder dies, however it dies, and each taking a term later than the last."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from diloco.learner.leader_lease import LeaderLease
+from diloco.learner.island.leader_lease import LeaderLease
 
 
 def test_only_one_holder_takes_the_lease_until_it_releases_it(tmp_path):
@@ -27,7 +27,7 @@ def test_only_one_holder_takes_the_lease_until_it_releases_it(tmp_path):
 def test_the_lease_of_a_killed_holder_is_free_at_once(tmp_path):
     path = tmp_path / "leader.lock"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from diloco.learner.leader_lease import LeaderLease; "
+        [sys.executable, "-c", "import sys, time; from diloco.learner.island.leader_lease import LeaderLease; "
          "assert LeaderLease(sys.argv[1]).try_take(); print('held', flush=True); time.sleep(60)", str(path)],
         stdout=subprocess.PIPE, text=True)
     try:

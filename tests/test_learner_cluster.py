@@ -149,7 +149,7 @@ def test_island_of_two_processes_stays_identical_after_every_applied_fragment(tm
     cluster = cluster_factory(cfg)
     cluster.start_shards()
     learner = cfg.learners[0]
-    command = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "diloco.services.cli", "learner",
+    command = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "diloco", "learner",
                "--config", str(cluster.config_path), "--learner-id", learner.id, "--region", learner.region,
                "--verify-island", "--catch-up-seconds", "0.5"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT,

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from diloco.learner.sync import StreamingSync
+from diloco.learner.sync.streaming import StreamingSync
 from diloco.services.client import ShardClient
 from diloco.localcluster.cluster import LocalCluster
 from diloco.services.contract.config import dump_config, parse_config
@@ -268,7 +268,7 @@ def run_learner(cfg, tmp_path, *extra: str) -> subprocess.CompletedProcess:
     path = tmp_path / "learner.yaml"
     path.write_text(dump_config(cfg))
     learner = cfg.learners[0]
-    return subprocess.run([sys.executable, "-m", "diloco.services.cli", "learner", "--config", str(path),
+    return subprocess.run([sys.executable, "-m", "diloco", "learner", "--config", str(path),
                            "--learner-id", learner.id, "--region", learner.region, "--catch-up-seconds", "0.5",
                            *extra], capture_output=True, text=True, timeout=120)
 

@@ -10,15 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from diloco.learner.adamw import AdamW
-from diloco.learner.checkpoint import (CheckpointError, CheckpointWriter, checkpoint_state, load_checkpoint,
+from diloco.learner.trainer.adamw import AdamW
+from diloco.learner.trainer.checkpoint import (CheckpointError, CheckpointWriter, checkpoint_state, load_checkpoint,
                                        save_checkpoint)
-from diloco.learner.data import (FILE_SEPARATOR, CorpusShard, build_data, is_validation, load_corpus,
+from diloco.learner.trainer.data import (FILE_SEPARATOR, CorpusShard, build_data, is_validation, load_corpus,
                           read_corpus)
-from diloco.learner.model import build_model
-import diloco.learner.known_hashes as known_hashes
-import diloco.learner.train
-from diloco.learner.train import Trainer, lr_at, manifest, named_parameters
+from diloco.learner.trainer.model import build_model
+import diloco.learner.sync.known_hashes as known_hashes
+import diloco.learner.trainer.train
+from diloco.learner.trainer.train import Trainer, lr_at
+from diloco.learner.sync.synced_parameters import manifest, named_parameters
 from diloco.services.contract.config import GPTConfig, InnerOptimizerConfig, parse_config
 from diloco.services.contract.state import state_hash
 from tests import user_plugins
@@ -255,8 +256,8 @@ def test_a_slowed_learner_sleeps_for_the_extra_share_of_each_step(state_dir, mon
                         "learners": [{"id": "learner-0", "region": "local", "slowdown": 2.0},
                                      {"id": "learner-1", "region": "local"}]})
     slept = []
-    real_sleep = diloco.learner.train.time.sleep
-    monkeypatch.setattr(diloco.learner.train.time, "sleep", lambda s: (slept.append(s), real_sleep(s)))
+    real_sleep = diloco.learner.trainer.train.time.sleep
+    monkeypatch.setattr(diloco.learner.trainer.train.time, "sleep", lambda s: (slept.append(s), real_sleep(s)))
     normal = Trainer.from_config(cfg, "learner-1").train_step()
     assert slept == []
     slow = Trainer.from_config(cfg, "learner-0").train_step()
@@ -320,7 +321,7 @@ def test_damaged_checkpoints_are_refused(state_dir, tmp_path, caplog):
     blob = path.read_bytes()
 
     path.write_bytes(blob[: len(blob) // 2])  # torn write
-    with caplog.at_level(logging.WARNING, logger="diloco.learner.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="diloco.learner.trainer.checkpoint"):
         assert load_checkpoint(path, start_fresh=True) is None
     assert "not a whole checkpoint" in caplog.text
 
@@ -328,7 +329,7 @@ def test_damaged_checkpoints_are_refused(state_dir, tmp_path, caplog):
     damaged[len(blob) // 2] ^= 0xFF  # one flipped byte; torch.load alone would accept it
     path.write_bytes(bytes(damaged))
     assert torch.load(path, weights_only=True)["step"] == 1
-    with caplog.at_level(logging.WARNING, logger="diloco.learner.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="diloco.learner.trainer.checkpoint"):
         assert load_checkpoint(path, start_fresh=True) is None
     assert "checksum mismatch" in caplog.text
 
@@ -346,7 +347,7 @@ def test_a_torn_checkpoint_falls_back_to_the_one_before_and_none_readable_is_ref
     previous = tmp_path / "learner.ckpt.previous"
     assert load_checkpoint(previous)["step"] == 1 and load_checkpoint(path)["step"] == 2
     path.write_bytes(path.read_bytes()[:1000])  # torn
-    with caplog.at_level(logging.WARNING, logger="diloco.learner.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="diloco.learner.trainer.checkpoint"):
         assert load_checkpoint(path)["step"] == 1
     assert f"{path}: not a whole checkpoint" in caplog.text and f"resuming from {previous}" in caplog.text
     previous.write_bytes(b"not a checkpoint")
@@ -401,7 +402,7 @@ def test_learner_command_refuses_an_unknown_id_or_a_wrong_region():
     for learner_id, region, message in (
             ("eu-0", "eu", "learners: no learner with id 'eu-0'"),
             ("us-east-0", "eu", "--region eu: learner us-east-0 is in region us-east")):
-        result = subprocess.run([sys.executable, "-m", "diloco.services.cli", "learner", "--config", config,
+        result = subprocess.run([sys.executable, "-m", "diloco", "learner", "--config", config,
                                  "--learner-id", learner_id, "--region", region],
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and message in result.stderr, result.stderr
@@ -414,9 +415,9 @@ def _sync_with_a_held_result(tmp_path, monkeypatch, mix_alpha=0.0, shapes=None):
     (default one of 8 values) whose push + pull is replaced by one that returns the global
     value 100 once `release` is set."""
     import threading
-    from diloco.learner.pipeline import FragmentPipeline
-    from diloco.learner.sync import StreamingSync
-    from diloco.learner.sync_stats import SyncOutcome
+    from diloco.learner.sync.pipeline import FragmentPipeline
+    from diloco.learner.sync.streaming import StreamingSync
+    from diloco.learner.sync.stats import SyncOutcome
     from diloco.services.contract.codecs import get_codec
     from diloco.services.contract.error_feedback import ErrorFeedback
     from diloco.services.contract.fragments import plan_for_config
@@ -518,7 +519,7 @@ def test_a_value_is_hashed_once_and_known_hashes_keep_no_value_alive(monkeypatch
 def test_heartbeats_report_a_moving_average_of_the_step_time_not_the_last_step(tmp_path, monkeypatch):
     # The others extrapolate this learner's schedule by it: one fast step read as the rate
     # placed it steps ahead of where it was.
-    from diloco.learner.sync import STEP_TIME_SMOOTHING
+    from diloco.learner.sync.streaming import STEP_TIME_SMOOTHING
     sync, _, release = _sync_with_a_held_result(tmp_path, monkeypatch)
     release.set()
     for step in range(5):

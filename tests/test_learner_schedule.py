@@ -4,7 +4,7 @@ the phase of the others. No gRPC, no threads, no sleeping."""
 import pytest
 import torch
 
-from diloco.learner.schedule import LearnerSchedule, merged_fragment, position_of_the_others
+from diloco.learner.sync.schedule import LearnerSchedule, merged_fragment, position_of_the_others
 from diloco.services.contract.config import parse_config
 from diloco.services.contract.fragments import plan_for_config
 from diloco.services.contract.wire import pb

@@ -1,4 +1,4 @@
-"""The second built-in model family (learner/llama.py): built from the config like GPT, the same
+"""The second built-in model family (learner/trainer/model.py): built from the config like GPT, the same
 bits for the same seed, positions only through rotary embeddings, and it learns the corpus."""
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from diloco.learner.llama import Llama, rotary_tables, rotate
-from diloco.learner.model import build_model
-from diloco.learner.train import Trainer, manifest
+from diloco.learner.trainer.model import Llama, rotary_tables, rotate
+from diloco.learner.trainer.model import build_model
+from diloco.learner.trainer.train import Trainer
+from diloco.learner.sync.synced_parameters import manifest
 from diloco.services.contract.config import GPTConfig, parse_config
 
 TINY_LLAMA = {"family": "llama", "n_layer": 2, "n_head": 2, "n_embd": 32, "seq_len": 64}

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from diloco import DecoupledDiLoCo
-from diloco.learner import outer_gradient
-from diloco.learner.outer_gradient import OuterGradient
-from diloco.learner.train import manifest, named_parameters
+from diloco.learner.sync import outer_gradient
+from diloco.learner.sync.outer_gradient import OuterGradient
+from diloco.learner.sync.synced_parameters import manifest, named_parameters
 from diloco.services.contract.codecs import CODEC_NAMES, Codec, get_codec
 from diloco.services.contract.error_feedback import ErrorFeedback
 from diloco.services.contract.fragments import gather, plan_fragments

@@ -31,7 +31,8 @@ def test_the_wheel_installs_diloco_and_nothing_else_at_top_level(wheel):
     assert {name for name in top_level if not name.endswith(".dist-info")} == {"diloco"}
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
-    assert {"diloco/services/cli/__init__.py", "diloco/learner/sync.py", "diloco/syncer/core.py",
+    assert {"diloco/cli.py", "diloco/services/cli/__init__.py", "diloco/learner/sync/streaming.py",
+            "diloco/learner/trainer/main.py", "diloco/learner/island/ranks.py", "diloco/syncer/core.py",
             "diloco/services/contract/wire/diloco/v1/syncer_pb2.py", "diloco/localcluster/cluster.py",
             "diloco/localcluster/sim.py", "diloco/integrations/hf.py", "diloco/planner/diloco.py"} <= names
 

@@ -11,7 +11,7 @@ from diloco.planner.diloco import DilocoRun
 from diloco.planner.failures import FailureModel
 from diloco.planner.inputs import PlanError, load_file, load_inputs
 from diloco.planner.simulate import simulate
-from diloco.services.cli import main
+from diloco.cli import main
 
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "plan" / "datacenter.yaml"
 
@@ -186,9 +186,9 @@ def test_the_same_seed_gives_the_same_result_and_another_seed_another():
 
 
 def test_a_learners_heartbeats_keep_their_own_time_not_its_steps():
-    # A real learner's heartbeat thread ticks on its own timer (learner/session.py). Started
+    # A real learner's heartbeat thread ticks on its own timer (learner/sync/session.py). Started
     # with the first step, a 0.5 s interval would put every other heartbeat on a 1 s step's end,
-    # where one counted half a step into its step (learner/schedule.py) reads half a step ahead.
+    # where one counted half a step into its step (learner/sync/schedule.py) reads half a step ahead.
     inputs = plan(hours=0.02, step_seconds=(1.0,), heartbeat_seconds=0.5)
     run = DilocoRun(inputs, FailureModel.from_inputs(inputs))
     into_step = defaultdict(set)  # learner -> how far into its step each heartbeat came

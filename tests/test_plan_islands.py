@@ -11,7 +11,7 @@ from diloco.planner.diloco import DilocoRun
 from diloco.planner.failures import FailureModel
 from diloco.planner.inputs import PlanError, load_inputs
 from diloco.planner.simulate import simulate
-from diloco.services.cli import main
+from diloco.cli import main
 
 # Four learners of 16 chips, each 4 slices of 4 chips; a small model on fast links; no random failures.
 SMALL = {"chips": 64, "learners": 4, "slices_per_learner": 4, "model_parameters": 10_000_000, "interval_steps": 8,

@@ -144,7 +144,7 @@ def test_real_prometheus_on_a_sim_records_goodput_and_answers_every_dashboard_qu
     run_dir, targets = tmp_path / "run", tmp_path / "targets.json"
     # 3 learners of the tiny model run ~40 steps/s each on 2 cores: the budget outlasts the test.
     sim = subprocess.Popen(
-        [sys.executable, "-m", "diloco.services.cli", "sim", "--config", str(base), "--learners", "3",
+        [sys.executable, "-m", "diloco", "sim", "--config", str(base), "--learners", "3",
          "--shards", "2", "--steps", "5000", "--duration", "50", "--quiet", "--run-dir", str(run_dir),
          "--prometheus-targets", str(targets)],
         stdout=open(tmp_path / "sim.log", "wb"), stderr=subprocess.STDOUT)

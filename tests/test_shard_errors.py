@@ -1,4 +1,4 @@
-"""The one rule a learner follows for a shard's error (learner/shard_errors.py)."""
+"""The one rule a learner follows for a shard's error (learner/sync/shard_errors.py)."""
 from __future__ import annotations
 
 import threading
@@ -6,7 +6,7 @@ import threading
 import grpc
 import pytest
 
-from diloco.learner.shard_errors import Remedy, remedy, with_retries
+from diloco.learner.sync.shard_errors import Remedy, remedy, with_retries
 
 
 class ShardError(grpc.RpcError):

@@ -63,7 +63,7 @@ def assert_the_final_loss_is_the_exported_global_models(tmp_path, report: dict, 
     for learner in report["per_learner"]:
         learner_report = json.loads((state / f"learner-{learner}" / "report.json").read_text())
         assert {int(fid): f["version"] for fid, f in learner_report["fragments"].items()} == versions
-    evaluated = subprocess.run([sys.executable, "-m", "diloco.services.cli", "evaluate", "--config",
+    evaluated = subprocess.run([sys.executable, "-m", "diloco", "evaluate", "--config",
                                 str(tmp_path / "run" / "cluster.yaml"), "--weights", str(export / "model.safetensors"),
                                 "--json"], capture_output=True, text=True, timeout=120, check=True)
     assert json.loads(evaluated.stdout)["eval_loss"] == report["final_eval_loss"]

@@ -11,7 +11,7 @@ from diloco.localcluster.cluster import Proc
 
 LIFE = """
 import json, os, sys
-from diloco.learner.report import process_started
+from diloco.learner.sync.report import process_started
 print(json.dumps({"argv": sys.argv[1:], "torch_loaded": "torch" in sys.modules,
                   "started": process_started(), "path0": sys.path[0]}))
 sys.exit(3)

@@ -7,7 +7,7 @@ import grpc
 import pytest
 import torch
 
-from diloco.services.cli import main
+from diloco.cli import main
 from diloco.services.client import ShardClient
 from diloco.services.contract.config import dump_config
 from diloco.services.cli.certs import issue_cluster_certs

@@ -19,7 +19,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from diloco.learner.pulled import value_after
+from diloco.learner.sync.pulled import value_after
 from diloco.services.client import ShardClient
 from diloco.services.contract.codecs import get_codec
 from diloco.services.contract.rpc import open_channel
@@ -201,7 +201,7 @@ class ShardProcess:
     def start(self):
         with open(self.log_path, "a") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "diloco.services.cli", "syncer", "--config", str(self.config_path),
+                [sys.executable, "-m", "diloco", "syncer", "--config", str(self.config_path),
                  "--shard-index", str(self.index), "--listen", self.address, "--drain-seconds", "1"],
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
@@ -643,7 +643,7 @@ def test_a_full_disk_refuses_pushes_with_resource_exhausted_naming_the_state_fol
 
 
 def _start_fails(config_path, *args):
-    result = subprocess.run([sys.executable, "-m", "diloco.services.cli", "syncer", "--config", str(config_path),
+    result = subprocess.run([sys.executable, "-m", "diloco", "syncer", "--config", str(config_path),
                              "--shard-index", "0", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
     ours = [line for line in (result.stdout + result.stderr).splitlines() if "syncer:" in line]
     return result.returncode, ours, result.stdout + result.stderr

@@ -7,7 +7,7 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from diloco.services.cli import main
+from diloco.cli import main
 from diloco.services.contract.config import ConfigError, dump_config, parse_config
 from diloco.services.contract.tls import OPERATOR, learner_name, load_identity, shard_name
 from tests.cluster_config import tiny_cluster

@@ -176,7 +176,7 @@ class TrainerConfig(_Section):
     eval_batches: PositiveInt = 8
     checkpoint_every: PositiveInt = 200
     threads: PositiveInt = 1  # torch intra-op threads per learner process
-    # Where the built-in learner trains (learner/device.py): auto is the local rank's GPU under
+    # Where the built-in learner trains (learner/trainer/device.py): auto is the local rank's GPU under
     # torchrun (GPU 0 alone) when CUDA is present, else cpu.
     device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")] = "auto"
     # bf16: forward and loss under torch.autocast(bfloat16); weights and optimizer stay fp32.
@@ -201,8 +201,8 @@ class IslandConfig(_Section):
 
 
 class GPTConfig(_Section):
-    """The built-in byte-level models: GPT (learner/model.py) or a Llama-style decoder
-    (learner/llama.py: RMSNorm, rotary positions, SwiGLU)."""
+    """The built-in byte-level models: GPT (learner/trainer/model.py) or a Llama-style decoder
+    (learner/trainer/model.py: RMSNorm, rotary positions, SwiGLU)."""
     family: Literal["gpt", "llama"] = "gpt"
     n_layer: PositiveInt = 2
     n_head: PositiveInt = 4

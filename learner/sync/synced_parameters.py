@@ -6,7 +6,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diloco.learner.train import manifest, named_parameters
+
+def named_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters by name, in the model's order, each shared (tied) tensor once."""
+    return dict(model.named_parameters())
+
+
+def manifest(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter: what the fragment planner takes."""
+    return [(name, tuple(param.shape)) for name, param in model.named_parameters()]
 
 
 class SyncedParameters:

@@ -1,24 +1,24 @@
 """Streaming fragment sync: the learner's side of the outer loop, the thin per-step shell
-around the decisions of learner/schedule.py (when each fragment syncs, when and how its
+around the decisions of learner/sync/schedule.py (when each fragment syncs, when and how its
 result is applied, when the schedule holds, when the run is over).
 
 After every inner step the training loop calls `after_step(step, tokens, seconds)`. A sync
 due now snapshots its fragment and runs on a background thread while training goes on
-(learner/pipeline.py: push the compressed outer gradient, pull the round's result). When
+(learner/sync/pipeline.py: push the compressed outer gradient, pull the round's result). When
 its result is due the loop waits for it as long as the schedule allows (that wait is
 badput), then merges it, or trains on and merges it after the first step that finds it in:
 a round waits for its contributors, and learners that each wait for a round the other has
 yet to contribute to would otherwise wait for ever.
 
-Each shard is a session (learner/session.py: join, seed, restore, heartbeats, rejoin,
-leave); what to do about a shard's error is one rule (learner/shard_errors.py). A shard
+Each shard is a session (learner/sync/session.py: join, seed, restore, heartbeats, rejoin,
+leave); what to do about a shard's error is one rule (learner/sync/shard_errors.py). A shard
 that cannot be reached never stops training: the sync is skipped (the next outer gradient
 still carries all local progress, since it is taken against the same anchor), and the
 session rejoins the shard when it is back.
 
 Memory: per fragment fp32 in host memory whatever the training dtype, the anchor (4 B/param)
 and the error-feedback residual (4 B/param); a sync in flight adds its fragment's snapshot
-(4 B/param; learner/host_copy.py copies it off the device without stalling training), and
+(4 B/param; learner/sync/host_copy.py copies it off the device without stalling training), and
 for moments up to three more fp32 buffers of the fragment. docs/gpus.md has the whole table.
 """
 from __future__ import annotations
@@ -32,12 +32,12 @@ from typing import Callable, Mapping
 import grpc
 import torch
 
-from diloco.learner.joined_run import others_tokens, started_beside, tell_what_it_joined
-from diloco.learner.pipeline import FragmentPipeline, SyncContext
-from diloco.learner.run_end import RunEnd
-from diloco.learner.schedule import LearnerSchedule
-from diloco.learner.session import JoinRefused, Progress, ReanchorDue, ShardSession
-from diloco.learner.sync_stats import SyncStats
+from diloco.learner.sync.joined_run import others_tokens, started_beside, tell_what_it_joined
+from diloco.learner.sync.pipeline import FragmentPipeline, SyncContext
+from diloco.learner.sync.run_end import RunEnd
+from diloco.learner.sync.schedule import LearnerSchedule
+from diloco.learner.sync.session import JoinRefused, Progress, ReanchorDue, ShardSession
+from diloco.learner.sync.stats import SyncStats
 from diloco.services.client import ShardClient, TransferObserver
 from diloco.services.contract.codecs import get_codec
 from diloco.services.contract.error_feedback import ErrorFeedback
@@ -178,7 +178,7 @@ class StreamingSync:
         result, anchor, reanchored = self.stats.counted_pull(
             lambda: session.retry(lambda: session.pull_at_start(fragment.id, saved), should_stop))
         version = result.version if result.version is not None else (saved["version"] if saved else 0)
-        device = device_of(fragment, self.params)  # on a GPU the residual lives there (learner/outer_gradient.py)
+        device = device_of(fragment, self.params)  # on a GPU the residual lives there (learner/sync/outer_gradient.py)
         feedback = ErrorFeedback(get_codec(self.cfg.sync.codec), fragment.numel, self.cfg.sync.codec_block_size,
                                  device if device.type == "cuda" else "cpu")
         if saved and not reanchored:  # a residual built on another value means nothing
@@ -286,7 +286,7 @@ class StreamingSync:
                 self._finish(pipeline, wait_limit=None)
 
     def deliver(self) -> dict[int, str]:
-        """Budget spent: the learner's last contributions delivered (learner/run_end.py)."""
+        """Budget spent: the learner's last contributions delivered (learner/sync/run_end.py)."""
         return self._end.deliver(self.step_seconds)
 
     # ---- leave, the final pulls, the state held ----------------------------------------
@@ -299,7 +299,7 @@ class StreamingSync:
 
     def catch_up(self, quiet_seconds: float, should_stop: Callable[[], bool] = lambda: False) -> None:
         """After training: pull until the run is quiet and end holding the shards' exact final
-        values (learner/run_end.py)."""
+        values (learner/sync/run_end.py)."""
         self._end.catch_up(quiet_seconds, should_stop)
 
     def take_global_model(self) -> None:

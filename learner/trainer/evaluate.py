@@ -14,7 +14,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from diloco.learner.train import Trainer, named_parameters
+from diloco.learner.trainer.train import Trainer
+from diloco.learner.sync.synced_parameters import named_parameters
 from diloco.services.contract.config import ConfigError, load_config
 
 

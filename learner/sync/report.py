@@ -12,8 +12,8 @@ import pathlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from diloco.learner.sync import StreamingSync
-from diloco.services.cli import LIFE_STARTED_ENV
+from diloco.learner.sync.streaming import StreamingSync
+from diloco.services.process import LIFE_STARTED_ENV
 from diloco.services.files import atomic_write
 
 log = logging.getLogger(__name__)

@@ -17,11 +17,11 @@ from typing import Callable, Mapping, Protocol, TypeVar
 import grpc
 import torch
 
-from diloco.learner.host_copy import copy_to_host
-from diloco.learner.known_hashes import KnownHashes
-from diloco.learner.pulled import value_after
-from diloco.learner.shard_errors import Remedy, reason, remedy, with_retries
-from diloco.learner.sync_stats import SyncStats
+from diloco.learner.sync.host_copy import copy_to_host
+from diloco.learner.sync.known_hashes import KnownHashes
+from diloco.learner.sync.pulled import value_after
+from diloco.learner.sync.shard_errors import Remedy, reason, remedy, with_retries
+from diloco.learner.sync.stats import SyncStats
 from diloco.services.client import PullResult, ShardClient
 from diloco.services.contract.config import Config
 from diloco.services.contract.fragments import Fragment, FragmentPlan

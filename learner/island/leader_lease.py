@@ -6,7 +6,7 @@ at a time and a dead leader's lock is free at once for the next. flock locks a f
 machine (or one Kubernetes pod's volume); the groups of an island share one.
 
 Each taking of the lease starts a new term (the file keeps the count): a leader of a later term
-outranks every group that followed an earlier one (learner/replica_groups.py).
+outranks every group that followed an earlier one (learner/island/replica_groups.py).
 """
 from __future__ import annotations
 

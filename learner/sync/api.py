@@ -34,7 +34,7 @@ keeps its own state in fp32 whatever the model's dtype: per parameter a 4 B anch
 value) in host memory and a 4 B error-feedback residual, plus a 4 B snapshot of each fragment
 in flight. On a GPU the residual and a copy of the anchor live on the device, where the outer
 gradient `anchor - theta` is taken and compressed without the training thread waiting for the
-device, and only the encoded payload is copied to the host (learner/outer_gradient.py; 8 B per
+device, and only the encoded payload is copied to the host (learner/sync/outer_gradient.py; 8 B per
 parameter of device memory, docs/gpus.md). A result is merged on the model's device between
 steps and written back in each parameter's own device and dtype (bf16 parameters hold the
 global value rounded to bf16, and that rounding is part of their next outer gradient).
@@ -55,18 +55,18 @@ import grpc
 import torch
 from torch import nn
 
-from diloco.learner.causal_lm import is_transformers_model
-from diloco.learner.island import Island
-from diloco.learner.report import Report, process_started
-from diloco.learner.stop_signals import StopSignals
-from diloco.learner.sync import StreamingSync
-from diloco.learner.synced_parameters import SyncedParameters
-from diloco.learner.train import manifest
+from diloco.services.export import is_transformers_model
+from diloco.learner.island.ranks import Island
+from diloco.learner.sync.report import Report, process_started
+from diloco.learner.sync.stop_signals import StopSignals
+from diloco.learner.sync.streaming import StreamingSync
+from diloco.learner.sync.synced_parameters import SyncedParameters
+from diloco.learner.sync.synced_parameters import manifest
 from diloco.services.client import ShardClient
 from diloco.services.contract.config import Config, ConfigError, check_state_folder, load_config
 from diloco.services.export import ExportedFragment, GlobalModel, pretrained_config, write_export
 from diloco.services.contract.fragments import plan_for_config
-from diloco.learner.metrics import LearnerMetrics
+from diloco.learner.sync.metrics import LearnerMetrics
 from diloco.services.metrics import serve
 from diloco.services.contract.tls import Identity, learner_name, load_identity
 
@@ -88,8 +88,8 @@ class DecoupledDiLoCo:
     finish_signals  signals that end the run for this learner as if its budget were spent:
                 should_stop, and leaving delivers, leaves and pulls until a stop signal
     island      the processes of this learner: default the torchrun ranks of the default
-                process group (learner/island.py); the built-in learner passes its replica
-                groups (learner/replica_groups.py) when island.replica_groups > 1
+                process group (learner/island/ranks.py); the built-in learner passes its replica
+                groups (learner/island/replica_groups.py) when island.replica_groups > 1
     """
 
     def __init__(self, model: nn.Module, config: str | os.PathLike | Config, learner_id: str, *,

@@ -11,10 +11,10 @@ fails, which is a learner restart by another name.
 One group leads the island: it alone talks to the syncer (as rank 0 does under torchrun) and
 after each step shares what it applied, and whether to stop, with the other groups. Its state is
 the island's: the others heal from it, never it from them. The leader is the group holding the
-island's lease (learner/leader_lease.py: a lock in the learner's state folder; group 0 takes it
+island's lease (learner/island/leader_lease.py: a lock in the learner's state folder; group 0 takes it
 at the start). When the leader dies its lease is free: the first group to find no leader in
 its quorum takes the lease and the lead (LeadTaken), and goes on as the learner from the island's
-last checkpoint (learner/main.py; docs/reliability.md, "Losing a replica group").
+last checkpoint (learner/trainer/main.py; docs/reliability.md, "Losing a replica group").
 
 Every step, on every group:  quorum (heal if behind) -> which group leads? -> forward/backward
 -> average gradients -> commit? -> optimizer step -> (committed) the leader's applied fragments.
@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
-from diloco.learner.island import IslandBroken, LeadTaken
-from diloco.learner.leader_lease import LeaderLease
+from diloco.learner.island.ranks import IslandBroken, LeadTaken
+from diloco.learner.island.leader_lease import LeaderLease
 from diloco.services.contract.config import IslandConfig
 from diloco.services.contract.fragments import FragmentPlan, gather, scatter
 
@@ -74,7 +74,7 @@ class StandingStill:
 
 
 class ReplicaGroups:
-    """This process's replica group of an island; the Island interface (learner/island.py) over
+    """This process's replica group of an island; the Island interface (learner/island/ranks.py) over
     torchft. `world_size` is the number of groups in the current step: what the step's tokens
     are multiplied by."""
 

@@ -1,11 +1,11 @@
 """`diloco learner --config C --learner-id ID --region R`: one learner island, the built-in
-GPT and inner loop (learner/train.py) as one user of DecoupledDiLoCo (learner/api.py).
+GPT and inner loop (learner/trainer/train.py) as one user of DecoupledDiLoCo (learner/sync/api.py).
 
 It trains until its step or token budget is spent (or SIGTERM), syncing fragments with the
 shards as it goes, then catches up with the run's final global values and writes a report.
 Under torchrun the island is several processes: DDP inside the island, rank 0 alone talks
 to the syncer and broadcasts every applied fragment to the other ranks. Each process trains on
-trainer.device (learner/device.py: under torchrun, GPU LOCAL_RANK), and the island's process
+trainer.device (learner/trainer/device.py: under torchrun, GPU LOCAL_RANK), and the island's process
 group is NCCL on GPUs, gloo on the CPU.
 
 `--data-parallel` under torchrun with one process per learner of the config is the data-parallel
@@ -29,14 +29,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from diloco.learner.api import DecoupledDiLoCo
-from diloco.learner.checkpoint import CheckpointError, CheckpointWriter, load_checkpoint
-from diloco.learner.device import DeviceUnavailable, local_rank, resolve_device
-from diloco.learner.island import IslandBroken, LeadTaken
-from diloco.learner.leader_lease import LeaderLease
-from diloco.learner.report import LIFE_STARTED_ENV
-from diloco.learner.sync import JoinRefused
-from diloco.learner.train import Trainer
+from diloco.learner.sync.api import DecoupledDiLoCo
+from diloco.learner.trainer.checkpoint import CheckpointError, CheckpointWriter, load_checkpoint
+from diloco.learner.trainer.device import DeviceUnavailable, local_rank, resolve_device
+from diloco.learner.island.ranks import IslandBroken, LeadTaken
+from diloco.learner.island.leader_lease import LeaderLease
+from diloco.learner.sync.report import LIFE_STARTED_ENV
+from diloco.learner.sync.streaming import JoinRefused
+from diloco.learner.trainer.train import Trainer
 from diloco.services.contract.config import ConfigError, load_config
 
 log = logging.getLogger(__name__)
@@ -271,7 +271,7 @@ def join_replica_groups(cfg, args: argparse.Namespace, trainer: Trainer, device:
     os.environ.setdefault("RUST_LOG", "warn")
     for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    from diloco.learner.replica_groups import ReplicaGroups
+    from diloco.learner.island.replica_groups import ReplicaGroups
     # The finish signal (SIGUSR1) may reach every group of an island (diloco sim signals them
     # all, since any of them may lead): a group that does not lead, or not yet, ignores it.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)

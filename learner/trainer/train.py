@@ -5,7 +5,7 @@ An inner step is trainer.grad_accum_steps micro-batches of trainer.batch_size se
 gradients summed (each loss scaled by 1 / grad_accum_steps) before one optimizer step. With
 trainer.precision bf16 the forward pass and loss run under torch.autocast(bfloat16); the
 weights, gradients and optimizer state stay fp32. The model trains on the device it is given
-(learner/device.py resolves trainer.device); batches are moved there.
+(learner/trainer/device.py resolves trainer.device); batches are moved there.
 
     trainer = Trainer.from_config(cfg, learner_id)
     while trainer.step < cfg.trainer.max_steps:
@@ -32,15 +32,16 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from diloco.learner.adamw import AdamW
-from diloco.learner.causal_lm import synced_module
-from diloco.learner.checkpoint import checkpoint_state, rank_state, restore_rng
-from diloco.learner.data import DataSource, build_data
-from diloco.learner.model import build_model
+from diloco.learner.trainer.adamw import AdamW
+from diloco.learner.trainer.causal_lm import synced_module
+from diloco.learner.trainer.checkpoint import checkpoint_state, rank_state, restore_rng
+from diloco.learner.trainer.data import DataSource, build_data
+from diloco.learner.trainer.model import build_model
+from diloco.learner.sync.synced_parameters import named_parameters
 from diloco.services.contract.config import Config, InnerOptimizerConfig, TrainerConfig
 
 if TYPE_CHECKING:  # torchft is imported only by islands of replica groups
-    from diloco.learner.replica_groups import ReplicaGroups
+    from diloco.learner.island.replica_groups import ReplicaGroups
 
 log = logging.getLogger(__name__)
 
@@ -67,16 +68,6 @@ def lr_at(step: int, opt: InnerOptimizerConfig, max_steps: int) -> float:
         return min_lr
     progress = (step - opt.warmup_steps) / (max_steps - opt.warmup_steps)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (opt.lr - min_lr)
-
-
-def named_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters by name, in the model's order, each shared (tied) tensor once."""
-    return dict(model.named_parameters())
-
-
-def manifest(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every parameter: what the fragment planner takes."""
-    return [(name, tuple(param.shape)) for name, param in model.named_parameters()]
 
 
 def weight_decay_groups(model: nn.Module, opt: InnerOptimizerConfig) -> list[dict]:
@@ -106,7 +97,7 @@ class Trainer:
         self.cfg = cfg
         self.slowdown = slowdown  # a step lasts slowdown x its compute time (LearnerConfig.slowdown)
         self.forward_module = forward_module if forward_module is not None else model
-        # An island of replica groups (learner/replica_groups.py) averages gradients and decides
+        # An island of replica groups (learner/island/replica_groups.py) averages gradients and decides
         # whether each step counts; None: this process (with DDP, its torchrun job) alone.
         self.replicas: ReplicaGroups | None = None
         # What the run syncs and exports: a transformers model under its own parameter names.

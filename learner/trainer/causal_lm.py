@@ -10,7 +10,6 @@ class, a factory has imported it already.
 """
 from __future__ import annotations
 
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -38,12 +37,6 @@ class CausalLM(nn.Module):
 def build_transformers_model(spec: TransformersModelConfig) -> CausalLM:
     """The configured class with random weights from its config (the caller seeds torch)."""
     return CausalLM(transformers_class(spec)(transformers_config(spec)), spec.seq_len)
-
-
-def is_transformers_model(model: nn.Module) -> bool:
-    """A transformers PreTrainedModel (its package is imported wherever one exists)."""
-    transformers = sys.modules.get("transformers")
-    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
 def wrap_factory_model(model: nn.Module, spec: str) -> CausalLM:

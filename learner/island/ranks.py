@@ -23,7 +23,7 @@ class IslandBroken(RuntimeError):
 
 class LeadTaken(Exception):
     """This replica group took the lead of its island, whose leader left: it goes on as the
-    learner, from the island's last checkpoint (learner/main.py)."""
+    learner, from the island's last checkpoint (learner/trainer/main.py)."""
 
 
 class Island:

@@ -1,4 +1,4 @@
-"""The end of a learner's training, over the fragments StreamingSync (learner/sync.py) runs:
+"""The end of a learner's training, over the fragments StreamingSync (learner/sync/streaming.py) runs:
 its last contributions delivered, then the run followed until it is quiet, ending with the
 shards' exact final values (docs/protocol.md, "The downlink")."""
 from __future__ import annotations
@@ -10,11 +10,11 @@ from typing import Callable, Mapping, Sequence
 
 import grpc
 
-from diloco.learner.pipeline import FragmentPipeline
-from diloco.learner.schedule import LearnerSchedule
-from diloco.learner.session import ShardSession
-from diloco.learner.shard_errors import RETRY_INITIAL_SECONDS, Remedy, backoff_delays, remedy
-from diloco.learner.sync_stats import SyncStats
+from diloco.learner.sync.pipeline import FragmentPipeline
+from diloco.learner.sync.schedule import LearnerSchedule
+from diloco.learner.sync.session import ShardSession
+from diloco.learner.sync.shard_errors import RETRY_INITIAL_SECONDS, Remedy, backoff_delays, remedy
+from diloco.learner.sync.stats import SyncStats
 from diloco.services.contract.config import Config
 from diloco.services.contract.state import StateHashMismatch
 

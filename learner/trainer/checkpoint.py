@@ -1,7 +1,7 @@
 """The learner's checkpoint: model, inner optimizer, counters, data position, the random state
 of the CPU and of the model's GPUs (dropout), and whatever the sync client keeps in `extra`
 (anchors, versions, error-feedback residuals). Every tensor is copied to host memory as it is
-taken (learner/host_copy.py): taking a checkpoint needs no room on the model's device.
+taken (learner/sync/host_copy.py): taking a checkpoint needs no room on the model's device.
 
 The file is exactly what torch.save writes, so a user opens it with
 `torch.load(path, weights_only=True)`. torch.load happily loads a file whose middle was
@@ -25,8 +25,8 @@ import zipfile
 import torch
 from torch import nn
 
-from diloco.learner.adamw import AdamW
-from diloco.learner.host_copy import to_host
+from diloco.learner.trainer.adamw import AdamW
+from diloco.learner.sync.host_copy import to_host
 from diloco.services.files import atomic_write_with
 
 log = logging.getLogger(__name__)

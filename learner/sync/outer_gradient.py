@@ -23,7 +23,7 @@ from typing import Mapping
 
 import torch
 
-from diloco.learner.host_copy import HostCopy, to_pinned
+from diloco.learner.sync.host_copy import HostCopy, to_pinned
 from diloco.services.contract.codecs import payload_bytes
 from diloco.services.contract.error_feedback import ErrorFeedback
 from diloco.services.contract.fragments import Fragment, gather

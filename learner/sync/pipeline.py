@@ -1,12 +1,12 @@
 """One fragment's sync, from the snapshot of its values to the new global value merged into
 the model: compress the outer gradient `anchor - theta` (with error feedback), push it, pull
 the round's result, all on a background thread while training goes on; then, when the
-training thread takes the result, merge it (learner/schedule.py: merged_fragment).
+training thread takes the result, merge it (learner/sync/schedule.py: merged_fragment).
 
 What it keeps is fp32 whatever the training dtype: the anchor (the global value at
 `version`) in host memory, where pulls are decoded and checked against the shard's state hash;
 on a GPU also the anchor's copy and the error-feedback residual on the device, where the outer
-gradient is compressed (learner/outer_gradient.py), on the CPU the residual in host memory.
+gradient is compressed (learner/sync/outer_gradient.py), on the CPU the residual in host memory.
 Results are merged on the model's device one tensor at a time and cast to each parameter's
 dtype between steps.
 """
@@ -23,12 +23,12 @@ from typing import Callable, Mapping
 import grpc
 import torch
 
-from diloco.learner.host_copy import HostCopy, copy_to_host
-from diloco.learner.outer_gradient import OuterGradient
-from diloco.learner.schedule import SyncStart, merged_fragment
-from diloco.learner.session import ReanchorDue, ShardSession
-from diloco.learner.shard_errors import Remedy, reason, remedy
-from diloco.learner.sync_stats import SyncOutcome, SyncStats
+from diloco.learner.sync.host_copy import HostCopy, copy_to_host
+from diloco.learner.sync.outer_gradient import OuterGradient
+from diloco.learner.sync.schedule import SyncStart, merged_fragment
+from diloco.learner.sync.session import ReanchorDue, ShardSession
+from diloco.learner.sync.shard_errors import Remedy, reason, remedy
+from diloco.learner.sync.stats import SyncOutcome, SyncStats
 from diloco.services.client import PullResult
 from diloco.services.contract.error_feedback import ErrorFeedback
 from diloco.services.contract.config import Config
@@ -93,7 +93,7 @@ class FragmentPipeline:
 
     def start(self, c_steps: int, c_tokens: int, step_seconds: float) -> None:
         """Snapshots the fragment now (the training thread's only work, and on a GPU launching
-        its compression: learner/outer_gradient.py); the rest runs on the fragment's sync
+        its compression: learner/sync/outer_gradient.py); the rest runs on the fragment's sync
         thread. The counters are the push's (LearnerSchedule)."""
         meta = PushMeta(self.version, c_steps, c_tokens, step_seconds)
         self.pushed.clear()

@@ -1,0 +1,73 @@
+"""The `diloco` command. Each subcommand lives beside the role that owns it and provides
+`add_arguments(parser)` and `run(args) -> int`; only the chosen one is imported, so
+`diloco shard` does not load the learner and `diloco --help` does not load torch."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from types import ModuleType
+
+from diloco.services.process import die_with_parent
+
+# name -> one-line help
+SUBCOMMANDS = {
+    "syncer": "run one syncer shard",
+    "learner": "run one learner island",
+    "sim": "run a whole multi-region cluster as local processes",
+    "plan": "simulate a whole run at datacenter scale in virtual time: goodput by mode",
+    "export": "write the run's global model from its shards as safetensors",
+    "evaluate": "the validation loss of a model file (the run's global model)",
+    "status": "show a cluster's learners and fragments from its shards",
+    "config": "validate a config file and print what it describes",
+    "certs": "make a CA and a certificate for every shard, learner and operator of a config",
+}
+
+
+def subcommand(name: str) -> ModuleType:
+    """The module of a subcommand, imported now."""
+    if name == "syncer":
+        from diloco.syncer import main as module
+    elif name == "learner":
+        from diloco.learner.trainer import main as module
+    elif name == "sim":
+        from diloco.localcluster import sim as module
+    elif name == "plan":
+        from diloco.planner import main as module
+    elif name == "export":
+        from diloco.services.cli import export as module
+    elif name == "evaluate":
+        from diloco.learner.trainer import evaluate as module
+    elif name == "status":
+        from diloco.services.cli import status as module
+    elif name == "config":
+        from diloco.services.cli import config as module
+    elif name == "certs":
+        from diloco.services.cli import certs as module
+    else:
+        raise KeyError(name)
+    return module
+
+
+def main(argv: list[str] | None = None) -> int:
+    die_with_parent()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="diloco", description="Decoupled DiLoCo: syncer shards, learner islands and local clusters.")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = next((a for a in argv if a in SUBCOMMANDS), None)
+    for name, help_text in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = subcommand(name)
+            module.add_arguments(sub_parser)
+            sub_parser.set_defaults(run=module.run)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,5 +1,0 @@
-import sys
-
-from diloco.services.cli import main
-
-sys.exit(main())
