@@ -28,6 +28,7 @@ from diloco.services.contract.rpc import open_channel
 from diloco.services.cli.certs import issue_cluster_certs
 from diloco.services.contract.tls import OPERATOR, Identity, certs_dir, load_identity
 from diloco.localcluster.standby import go_line
+from diloco.localcluster.wan import launcher
 
 SYNCER_SERVICE = "diloco.v1.Syncer"
 
@@ -207,7 +208,8 @@ class LocalCluster:
         # until then a finished learner keeps following the global values. A learner script
         # (the user's own loop) is given the config and its id, and must stop on SIGTERM.
         learner = ([sys.executable, str(learner_script)] if learner_script else cli + ["learner"])
-        argv = {l.id: learner + ["--config", str(self.config_path), "--learner-id", l.id]
+        argv = {l.id: (learner if cfg.link(l.id, l.region) is None else launcher(learner))
+                + ["--config", str(self.config_path), "--learner-id", l.id]
                 + ([] if learner_script else ["--region", l.region, "--catch-up-seconds", "86400"])
                 for l in cfg.learners}
         # Islands of replica groups: each learner process is its island's group 0.

@@ -1,16 +1,21 @@
 """The WAN of the local cluster: each learner's link to the shards (Config.link: its own, its
-region's, or rpc.wan_mbps) emulated in its shard clients. Each direction paces the bytes of
+region's, or rpc.wan_mbps) emulated in its shard clients. The cluster starts a learner whose
+link is capped as `python -m diloco.localcluster.wan (-m MODULE | SCRIPT) ARGS...`, which hands
+the links in (services.client.emulate_links) and runs the learner in the same interpreter. Each direction paces the bytes of
 every chunk at its rate, and every call waits the one-way latency on its way out and again on
 its way back (ShardClient: before a push's first message and a pull's request, and before its
 reply is taken in), so a call costs one round trip more than its bytes. Heartbeats and joins
 are not paced: the emulated link carries the sync traffic only."""
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Callable
 
-from diloco.services.contract.config import ConfigError, LinkConfig
+from diloco.localcluster.standby import run_life
+from diloco.services.client import emulate_links
+from diloco.services.contract.config import Config, ConfigError, LinkConfig
 
 
 class PacedDirection:
@@ -51,6 +56,17 @@ class WanLink:
         self.up = PacedDirection(link.up_mbps, latency, clock, sleep)
         self.down = PacedDirection(link.down_mbps, latency, clock, sleep)
 
+
+
+def emulated_wan_link(cfg: Config, learner_id: str, region: str) -> WanLink | None:
+    link = cfg.link(learner_id, region)
+    return None if link is None else WanLink(link)
+
+
+def launcher(argv: list[str]) -> list[str]:
+    """A learner's command (`python -m MODULE ...` or `python SCRIPT ...`) run behind its
+    emulated link."""
+    return [argv[0], "-m", "diloco.localcluster.wan", *argv[1:]]
 
 def apply_link_flags(data: dict, wan_mbps: str | None, wan_latency_ms: str | None, regions: list[str]) -> None:
     """Writes `diloco sim --wan-mbps` and `--wan-latency-ms` into a config's dict (parse_config
@@ -97,3 +113,8 @@ def _number(text: str, flag: str, whole: str) -> float:
     except ValueError:
         raise ConfigError(f"{flag} {whole!r}: {text!r} is not a number (expected N, REGION=N or, for a rate, "
                           f"REGION=UP/DOWN, comma-separated)") from None
+
+
+if __name__ == "__main__":
+    emulate_links(emulated_wan_link)
+    run_life(sys.argv[1:])

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Protocol, Sequence
+from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
 import grpc
 import torch
 
 from diloco.services.contract.codecs import Codec, get_codec
-from diloco.services.contract.config import RpcConfig
+from diloco.services.contract.config import Config, RpcConfig
 from diloco.services.contract.payload import Reassembler, decode_payload, describe, push_requests
 from diloco.services.contract.rpc import open_channel, stream_deadline
 from diloco.services.contract.tls import Identity
@@ -35,6 +35,23 @@ class Pacer(Protocol):
     def consume(self, count: int) -> None: ...
 
     def wait_latency(self) -> None: ...
+
+
+LinkFactory = Callable[[Config, str, str], "LinkEmulation | None"]  # (config, learner id, region)
+_link_factory: LinkFactory = lambda cfg, learner_id, region: None
+
+
+def emulate_links(factory: LinkFactory) -> None:
+    """How a harness that emulates a WAN hands its links to a learner it starts, before the
+    learner makes its clients (the local cluster's launcher, localcluster/wan.py). A learner
+    never emulates a link on its own: without a harness its traffic takes the real network."""
+    global _link_factory
+    _link_factory = factory
+
+
+def emulated_link(cfg: Config, learner_id: str, region: str) -> LinkEmulation | None:
+    """The link a harness handed in for this learner's sync traffic, or None."""
+    return _link_factory(cfg, learner_id, region)
 
 
 @dataclass

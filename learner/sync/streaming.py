@@ -38,7 +38,7 @@ from diloco.learner.sync.run_end import RunEnd
 from diloco.learner.sync.schedule import LearnerSchedule
 from diloco.learner.sync.session import JoinRefused, Progress, ReanchorDue, ShardSession
 from diloco.learner.sync.stats import SyncStats
-from diloco.services.client import ShardClient, TransferObserver
+from diloco.services.client import ShardClient, TransferObserver, emulated_link
 from diloco.services.contract.codecs import get_codec
 from diloco.services.contract.error_feedback import ErrorFeedback
 from diloco.services.contract.config import Config
@@ -86,10 +86,7 @@ class StreamingSync:
         self._should_stop: Callable[[], bool] = lambda: False  # set by start()
         self._restored: Mapping[int, Mapping[str, torch.Tensor | int]] = {}  # a checkpoint's, while starting
         reanchor_due = ReanchorDue()
-        wan, link = None, cfg.link(learner_id, region)
-        if link is not None:  # the local cluster's emulated WAN
-            from diloco.localcluster.wan import WanLink
-            wan = WanLink(link)
+        wan = emulated_link(cfg, learner_id, region)  # None unless a harness emulates the WAN
         self.sessions = [
             ShardSession(i, ShardClient(s.address, cfg.rpc, learner_id, self.incarnation, wan, observer,
                                         identity=identity),
