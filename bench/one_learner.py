@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pathlib
 
-from diloco.localcluster.cluster import free_ports
+from diloco.localcluster.processes import free_ports
 from diloco.services.contract.config import Config, load_config, parse_config
 
 

@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from diloco.learner.trainer.checkpoint import load_checkpoint  # noqa: E402
 from diloco.services.client import ShardClient  # noqa: E402
-from diloco.localcluster.cluster import LocalCluster, free_ports, wait_serving  # noqa: E402
+from diloco.localcluster.cluster import LocalCluster, wait_serving  # noqa: E402
+from diloco.localcluster.processes import free_ports
 from diloco.services.contract.config import Config, load_config, parse_config  # noqa: E402
 from diloco.services.contract.tls import Identity  # noqa: E402
 

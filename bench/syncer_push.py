@@ -71,7 +71,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from diloco.learner.sync.pulled import value_after  # noqa: E402
 from diloco.services.client import ShardClient  # noqa: E402
 from diloco.services.contract.state import apply_update, state_hash  # noqa: E402
-from diloco.localcluster.cluster import free_ports  # noqa: E402
+from diloco.localcluster.processes import free_ports  # noqa: E402
 from diloco.services.contract.codecs import get_codec  # noqa: E402
 from diloco.services.contract.error_feedback import ErrorFeedback  # noqa: E402
 from diloco.services.contract.config import RpcConfig, load_config  # noqa: E402

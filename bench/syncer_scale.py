@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 
 from bench.syncer_push import BLOCK, INT4, in_parallel, wait_serving  # noqa: E402
-from diloco.localcluster.cluster import free_ports  # noqa: E402
+from diloco.localcluster.processes import free_ports  # noqa: E402
 from diloco.services.client import ShardClient  # noqa: E402
 from diloco.services.contract.codecs import get_codec  # noqa: E402
 from diloco.services.contract.config import load_config, parse_config  # noqa: E402

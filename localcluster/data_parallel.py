@@ -22,7 +22,7 @@ import signal
 import sys
 import time
 
-from diloco.localcluster.cluster import Proc
+from diloco.localcluster.processes import Proc
 from diloco.localcluster.chaos import Chaos
 from diloco.localcluster.interrupt import ends_early
 from diloco.services.contract.config import Config, dump_config

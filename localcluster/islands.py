@@ -16,7 +16,7 @@ import sys
 
 from diloco.learner.island.leader_lease import LeaderLease
 from diloco.localcluster.chaos import Chaos
-from diloco.localcluster.cluster import Proc, free_ports
+from diloco.localcluster.processes import Proc, free_ports
 from diloco.services.contract.config import Config
 
 log = logging.getLogger(__name__)

@@ -44,7 +44,8 @@ import yaml
 from diloco.services.client import ShardClient
 from diloco.localcluster import data_parallel
 from diloco.localcluster.chaos import Chaos
-from diloco.localcluster.cluster import ExitedBeforeServing, LocalCluster, Proc, free_ports
+from diloco.localcluster.cluster import ExitedBeforeServing, LocalCluster
+from diloco.localcluster.processes import Proc, free_ports
 from diloco.localcluster.interrupt import Interrupted, StopSignals, ends_early
 from diloco.localcluster.islands import leader_kills, recoveries
 from diloco.localcluster.wan import apply_link_flags

@@ -7,7 +7,8 @@ import subprocess
 import sys
 from typing import Iterator
 
-from diloco.localcluster.cluster import LocalCluster, free_ports
+from diloco.localcluster.cluster import LocalCluster
+from diloco.localcluster.processes import free_ports
 from diloco.cli import main
 from diloco.services.contract.config import Config, parse_config
 

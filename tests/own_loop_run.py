@@ -6,7 +6,8 @@ import pathlib
 import sys
 import time
 
-from diloco.localcluster.cluster import LocalCluster, Proc, free_ports
+from diloco.localcluster.cluster import LocalCluster
+from diloco.localcluster.processes import Proc, free_ports
 from diloco.services.contract.config import load_config, parse_config
 from tests.cluster_watch import held_fragments, read_report, served_fragments, shard_fragments, wait_until
 

@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 import yaml
 
-from diloco.localcluster.cluster import free_ports
+from diloco.localcluster.processes import free_ports
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LOCAL_CONFIG = ROOT / "deploy" / "prometheus" / "local" / "prometheus.yml"

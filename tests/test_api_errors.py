@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from diloco import ConfigError, DecoupledDiLoCo, JoinRefused
-from diloco.localcluster.cluster import free_ports
+from diloco.localcluster.processes import free_ports
 from tests.cluster_config import tiny_cluster
 
 MAX_TOKENS_PER_STEP = 256

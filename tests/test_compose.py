@@ -30,7 +30,8 @@ import diloco.learner.trainer.main
 import diloco.services.cli.certs
 import diloco.syncer.main
 from diloco.services.client import ShardClient
-from diloco.localcluster.cluster import Proc, free_ports, wait_serving
+from diloco.localcluster.cluster import wait_serving
+from diloco.localcluster.processes import Proc, free_ports
 from diloco.services.contract.config import Config, dump_config, load_config, parse_config
 from diloco.services.contract.tls import OPERATOR, load_identity
 

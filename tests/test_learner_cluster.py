@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from diloco.localcluster.cluster import free_ports
+from diloco.localcluster.processes import free_ports
 from diloco.services.client import ShardClient
 from tests.cluster_config import tiny_cluster
 from tests.cluster_watch import (TIMEOUT, held_fragments, operator, read_report, served_fragments, shard_fragments,

@@ -9,7 +9,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from diloco.localcluster.cluster import LocalCluster, free_ports
+from diloco.localcluster.cluster import LocalCluster
+from diloco.localcluster.processes import free_ports
 from diloco.services.contract.config import Config, parse_config
 from diloco.services.metrics import WAN_TRANSFER_BUCKETS, write_file_sd
 from tests.cluster_config import tiny_cluster

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from diloco.localcluster.cluster import Proc
+from diloco.localcluster.processes import Proc
 
 LIFE = """
 import json, os, sys
