@@ -273,7 +273,7 @@ def test_rendered_runs_have_a_fragment_plan_for_their_model(renders):
 
 
 def test_schema_knows_exactly_the_keys_of_the_projects_config():
-    """values.schema.json mirrors services/contract/config.py, so helm refuses what the processes
+    """values.schema.json mirrors services/contract/config/, so helm refuses what the processes
     would refuse; this keeps the two from drifting apart."""
     from diloco.services.contract import config as c
     from diloco.services.contract.codecs import CODEC_NAMES

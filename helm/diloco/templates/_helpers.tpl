@@ -85,7 +85,7 @@ Call with (dict "ctx" $ "index" i).
 {{- end -}}
 
 {{/*
-The cluster config (services/contract/config.py) every process of the run reads: the `config`
+The cluster config (services/contract/config/) every process of the run reads: the `config`
 values passed through, plus what the chart knows better than a user: the shards (one
 per syncer pod), every learner of every region (id <region>-<ordinal>, the same ids the
 learner pods compute from their ordinal) and the state directory inside the containers.
@@ -225,11 +225,11 @@ all refuse such values before anything reaches the cluster.
 {{- fail (printf "learners.gpus (%d) does not split evenly over config.island.replica_groups (%d): each group takes gpus / groups" $gpus $groups) -}}
 {{- end -}}
 {{- end -}}
-{{- /* Relations services/contract/config.py also checks at start-up; caught here before a deploy. */ -}}
+{{- /* Relations services/contract/config/ also checks at start-up; caught here before a deploy. */ -}}
 {{- $sync := $v.config.sync | default dict -}}
 {{- $syncer := $v.config.syncer | default dict -}}
 {{- $trainer := $v.config.trainer | default dict -}}
-{{- /* Defaults as in services/contract/config.py. */ -}}
+{{- /* Defaults as in services/contract/config/. */ -}}
 {{- $fragments := int (dig "fragments" 4 $sync) -}}
 {{- if gt (int $v.cluster.shards) $fragments -}}
 {{- fail (printf "cluster.shards (%d) is more than config.sync.fragments (%d): a shard would own no fragment" (int $v.cluster.shards) $fragments) -}}
