@@ -1,31 +1,44 @@
 """Decoupled DiLoCo as a cluster of gRPC services: the one import name of this project.
 
-    from diloco import DecoupledDiLoCo     # around your own training loop (learner/sync/api.py)
+What a user's script needs, and only that, is public here (docs/api.md):
 
-    diloco.services   what the shard and the learner share (wire contract, codecs, config, CLI)
-    diloco.learner    one learner: the public API, its sync, the built-in model and inner loop
-    diloco.syncer     one syncer shard (decisions, durability, gRPC servicer)
-    diloco.localcluster  the local-cluster harness: LocalCluster (real processes) and `diloco sim`
-    diloco.integrations  adapters to other libraries (hf: transformers, with the `hf` extra)
+    from diloco import DecoupledDiLoCo          # around your own training loop
+    from diloco import load_config, Config      # the cluster config: its learners, shards, settings
+    from diloco import ConfigError, JoinRefused # a config that cannot run; a join the shards refused
+    from diloco import atomic_write_with        # write your checkpoint so that a crash never halves it
+    from diloco import DecoupledDiLoCoCallback  # transformers' Trainer (the `hf` extra)
 
-In the repository these live in services/, learner/, syncer/, localcluster/ and integrations/ at
-the top level, mapped under `diloco` by pyproject.toml's package-dir; nothing else is installed
-at top level.
+Everything else is internal and may move. In the repository the packages live at the top level,
+mapped under `diloco` by pyproject.toml's package-dir:
+
+    services/      diloco.services      what the shard and the learner share (contract, client, config)
+    learner/       diloco.learner       sync/ (the library), trainer/ (the built-in learner), island/
+    syncer/        diloco.syncer        one syncer shard (decisions, durability, gRPC servicer)
+    localcluster/  diloco.localcluster  the local-cluster harness and `diloco sim`
+    planner/       diloco.planner       `diloco plan`: a whole run at datacenter scale in virtual time
+    integrations/  diloco.integrations  adapters to other libraries (hf: transformers)
 """
 from __future__ import annotations
 
-__all__ = ["DecoupledDiLoCo", "JoinRefused", "ConfigError"]
+__all__ = ["DecoupledDiLoCo", "DecoupledDiLoCoCallback", "JoinRefused", "Config", "ConfigError", "load_config",
+           "atomic_write_with"]
 
 
 def __getattr__(name: str):
-    # Imported on first use: `diloco shard` and `diloco --help` need not load the learner.
+    # Imported on first use: `diloco syncer` and `diloco --help` need not load the learner or torch.
     if name == "DecoupledDiLoCo":
         from diloco.learner.sync.api import DecoupledDiLoCo
         return DecoupledDiLoCo
+    if name == "DecoupledDiLoCoCallback":
+        from diloco.integrations.hf import DecoupledDiLoCoCallback
+        return DecoupledDiLoCoCallback
     if name == "JoinRefused":
-        from diloco.learner.sync.streaming import JoinRefused
+        from diloco.learner.sync.session import JoinRefused
         return JoinRefused
-    if name == "ConfigError":
-        from diloco.services.contract.config import ConfigError
-        return ConfigError
+    if name in ("Config", "ConfigError", "load_config"):
+        from diloco.services.contract import config
+        return getattr(config, name)
+    if name == "atomic_write_with":
+        from diloco.services.files import atomic_write_with
+        return atomic_write_with
     raise AttributeError(f"module 'diloco' has no attribute {name!r}")

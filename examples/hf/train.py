@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from diloco import DecoupledDiLoCo
-from diloco.services.contract.config import load_config
+from diloco import load_config
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from byte_llama import (BATCH_SIZE, SEQ_LEN, ByteWindows, example_arguments, learner_text, tiny_llama,

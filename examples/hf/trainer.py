@@ -13,8 +13,7 @@ import tempfile
 import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-from diloco.integrations.hf import DecoupledDiLoCoCallback
-from diloco.services.contract.config import load_config
+from diloco import DecoupledDiLoCoCallback, load_config
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from byte_llama import (BATCH_SIZE, ByteWindows, SEQ_LEN, example_arguments, learner_text, tiny_llama,

@@ -27,8 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from diloco import DecoupledDiLoCo
-from diloco.services.files import atomic_write_with
+from diloco import DecoupledDiLoCo, atomic_write_with
 
 SEQ_LEN, BATCH_SIZE, VOCAB = 64, 8, 256  # bytes as tokens: syncer.max_tokens_per_step = 8 x 64
 TRAIN_BYTES, VALIDATION_BYTES = 400_000, 40_000  # read so much of the stdlib: start-up stays fast
