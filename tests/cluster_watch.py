@@ -54,6 +54,16 @@ def served_fragments(cfg, learner_id: str) -> dict[str, tuple[int, str]]:
     return state
 
 
+def rounds_closed(cfg) -> bool:
+    """No fragment of any shard holds a contribution in an open round (every learner that
+    finished has left, so a round that still holds one closes within its grace window)."""
+    for shard in cfg.shards:
+        with ShardClient(shard.address, cfg.rpc, identity=operator(cfg)) as client:
+            if any(fragment.pending_contributions for fragment in client.status(timeout=5).fragments):
+                return False
+    return True
+
+
 def held_fragments(report: dict) -> dict[str, tuple[int, str]]:
     return {fid: (f["version"], f["state_hash"]) for fid, f in report["fragments"].items()}
 
@@ -62,7 +72,7 @@ def wait_for_learners_to_finish(cluster: LocalCluster) -> dict[str, dict]:
     """Budget spent, then SIGTERM ends their catch-up with a final pull, as `diloco sim` does."""
     wait_until(lambda: all(read_report(cluster, p.name).get("phase") in ("catching_up", "done")
                            for p in cluster.learners), TIMEOUT, "learners to spend their budget")
-    time.sleep(1.0)  # rounds in their grace window close
+    wait_until(lambda: rounds_closed(cluster.cfg), 30, "the shards' open rounds to close")
     cluster.stop_learners()
     for proc in cluster.learners:
         assert proc.returncode == 0, f"{proc.name} exited with {proc.returncode}: see {proc.log_path}"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pathlib
 import sys
-import time
 
 from diloco.localcluster.cluster import LocalCluster
 from diloco.localcluster.processes import Proc, free_ports
 from diloco.services.contract.config import load_config, parse_config
-from tests.cluster_watch import held_fragments, read_report, served_fragments, shard_fragments, wait_until
+from tests.cluster_watch import (held_fragments, read_report, rounds_closed, served_fragments, shard_fragments,
+                                 wait_until)
 
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "own_loop"
 TIMEOUT = 90  # seconds any one wait of a test may take
@@ -57,7 +57,7 @@ class OwnLoopRun:
         """Every script spends its budget, then SIGTERM ends its catch-up; each must exit 0."""
         wait_until(lambda: all(self.report(i).get("phase") in ("catching_up", "done") for i in self.scripts),
                    TIMEOUT, "every script to spend its step budget")
-        time.sleep(1.0)  # rounds in their grace window close
+        wait_until(lambda: rounds_closed(self.cfg), 30, "the shards' open rounds to close")
         for script in self.scripts.values():
             script.request_stop()
         for script in self.scripts.values():

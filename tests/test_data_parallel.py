@@ -5,7 +5,6 @@ exactly where an uninterrupted job ends."""
 from __future__ import annotations
 
 import pathlib
-import time
 
 import pytest
 import torch
@@ -33,6 +32,15 @@ def run_to_the_end(job: DataParallelJob) -> dict:
     job.proc.popen.wait(TIMEOUT)
     assert job.proc.returncode == 0, job.proc.log_tail(40)
     return torch.load(job.report_path.parent / "checkpoint.pt", weights_only=True)
+
+
+def running(pid: int) -> bool:
+    """Whether the process runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 class BothLearnersBatches:
@@ -72,9 +80,10 @@ def test_a_killed_rank_restarts_every_rank_from_the_last_checkpoint_and_ends_as_
     job = DataParallelJob(cfg, tmp_path / "killed" / "run")
     job.proc.start()
     wait_until(lambda: job.report().get("steps", 0) >= 30, TIMEOUT, "the job to pass step 30")
+    ranks = set(job.rank_pids().values())
     job.fail(rank=1)
     assert job.proc.returncode is not None  # torchrun stopped the other rank and ended
-    time.sleep(0.5)
+    wait_until(lambda: not any(map(running, ranks)), 30, "the killed job's ranks to end")
     job.proc.start()
     killed = run_to_the_end(job)
     lives = job.report()["incarnations"]

@@ -54,7 +54,9 @@ def test_an_island_trains_on_without_a_killed_group_which_rejoins_with_its_state
     # Its step is read from what it last reported: give it the same bound from the kill.
     wait_until(lambda: _step_of(cfg, other.name) > other_at_kill + 10, max(0.1, killed_at + PAUSE_BOUND - time.time()),
                "the other learner to train through the island's pause")
-    time.sleep(1.0)
+    # The leader recorded the loss (its report shows it at its next checkpoint) before the rejoin.
+    wait_until(lambda: [c for c in read_report(cluster, island.name).get("island", {}).get("changes", [])
+                        if c["time"] > killed_at and c["groups"] == 1], TIMEOUT, "the island to record the loss")
     group.start()  # repaired: it heals from the leader and trains with it again
     wait_until(lambda: [c for c in read_report(cluster, island.name).get("island", {}).get("changes", [])
                         if c["time"] > killed_at and c["groups"] == 2], TIMEOUT, "the group to rejoin")

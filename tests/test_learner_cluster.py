@@ -59,12 +59,15 @@ def test_killed_learner_rejoins_reports_staleness_and_the_others_never_stop(tmp_
     wait_until(lambda: _step_of(cfg, victim.name) >= 60, TIMEOUT, "the victim to pass step 60")
     victim.kill()
     assert read_report(cluster, victim.name)["steps"] >= 50  # written with its last checkpoint
-    time.sleep(2 * cfg.syncer.lease_seconds)  # its lease expires; the others go on syncing
+    # No shard counts it any more, and the others go on syncing: a round closes without it.
+    versions_at_kill = {fid: version for fid, (version, _) in shard_fragments(cfg).items()}
+    wait_until(lambda: not _alive_anywhere(cfg, victim.name), TIMEOUT, "the shards to stop counting the victim")
+    wait_until(lambda: any(version > versions_at_kill[fid] for fid, (version, _) in shard_fragments(cfg).items()),
+               TIMEOUT, "a round to close without the victim")
     assert all(p.running for p in others)
     steps_while_down = {p.name: _step_of(cfg, p.name) for p in others}
-    time.sleep(1.0)
-    assert all(_step_of(cfg, name) > step for name, step in steps_while_down.items()), \
-        "the other learners stopped while one was down"
+    wait_until(lambda: all(_step_of(cfg, name) > step for name, step in steps_while_down.items()), 30,
+               "the other learners to train on while one is down")
     victim.start()
     reports = wait_for_learners_to_finish(cluster)
 
@@ -121,11 +124,30 @@ def test_sigterm_ends_a_learner_blocked_on_a_round_that_waits_for_a_dead_one(tmp
     waiting, dead = cluster.learners
     wait_until(lambda: _step_of(cfg, waiting.name) >= 5, TIMEOUT, "both learners to train")
     dead.kill()
-    time.sleep(1.0)  # the next round cannot close now
+    # The next round cannot close now: it holds one contribution (the waiting learner's; the
+    # dead one's last is the other state it could be in, for no longer than a step, hence the
+    # half second without a round closed) and waits for the dead one.
+    wait_until(lambda: _stuck_round(cfg), TIMEOUT, "a round to wait for the dead learner")
     waiting.request_stop()
     waiting.wait_or_kill(timeout=30)  # SIGKILL, exit code -9, if it did not stop by itself
     assert waiting.returncode == 0, f"see {waiting.log_path}"
     assert read_report(cluster, waiting.name)["phase"] == "training"
+
+
+def _alive_anywhere(cfg, learner_id: str) -> bool:
+    """Whether any shard counts the learner as live."""
+    for shard in cfg.shards:
+        with ShardClient(shard.address, cfg.rpc, identity=operator(cfg)) as client:
+            if any(l.learner_id == learner_id and l.alive for l in client.status(timeout=5).learners):
+                return True
+    return False
+
+
+def _stuck_round(cfg) -> bool:
+    """The (only) fragment's open round holds one contribution, and none closed for half a second."""
+    with ShardClient(cfg.shards[0].address, cfg.rpc, identity=operator(cfg)) as client:
+        (fragment,) = client.status(timeout=5).fragments
+    return fragment.pending_contributions == 1 and time.time() - fragment.last_round.closed_unix_seconds > 0.5
 
 
 def _step_of(cfg, learner_id: str) -> int:

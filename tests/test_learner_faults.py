@@ -3,6 +3,7 @@ while a round holds the learner's contribution, a shard that stops answering, a 
 lost its state, and settings or answers that do not match the learner's."""
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -123,7 +124,7 @@ def assert_holds_the_shards_bits(sync: StreamingSync, cfg) -> None:
 
 
 def test_a_push_accepted_before_a_shard_kill_is_delivered_and_the_fragment_keeps_advancing(
-        tmp_path, cluster, learners):
+        tmp_path, cluster, learners, caplog):
     cfg = fault_config(tmp_path)
     shards = cluster(cfg)
     hold_rounds_open(cfg)
@@ -132,8 +133,12 @@ def test_a_push_accepted_before_a_shard_kill_is_delivered_and_the_fragment_keeps
     # The learner's first contribution waits in round 1 for the other learner.
     step = train(sync, params, lambda: fragment_status(cfg).pending_contributions == 1,
                  "the learner's push to be held in an open round")
+    caplog.set_level(logging.WARNING, logger="diloco.learner.sync.shard_errors")
+    caplog.clear()
     shards.shards[0].kill()
-    time.sleep(0.5)  # the learner's pull for the round's result fails meanwhile
+    # The learner's pull for the round's result fails meanwhile (and is retried).
+    wait_until(lambda: any("unreachable" in r.getMessage() for r in caplog.records), TIMEOUT,
+               "the learner to find shard 0 unreachable", poll=0.05)
     shards.restart_shard(0)
     # Restarted, the shard has forgotten the other learner: the round closes on the learner's
     # own contribution (replayed from the shard's log), and every later round too.

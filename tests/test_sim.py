@@ -266,15 +266,18 @@ def test_ctrl_c_ends_the_sim_early_with_its_summary_and_report_and_stops_every_p
 
 def test_a_second_sigterm_during_the_sims_cleanup_still_stops_every_process(tmp_path):
     """The first SIGTERM starts the cleanup, which waits for the learners to stop; one of
-    them hangs (SIGSTOP). The second SIGTERM, a second later, must not cut the cleanup short
-    and leave the shard and that learner running."""
+    them hangs (SIGSTOP). The second SIGTERM, once the cleanup is under way, must not cut it
+    short and leave the shard and that learner running."""
     with running_sim(tmp_path) as (sim, children):
         wait_until(lambda: len(list((tmp_path / "run").glob("state/learner-*/report.json"))) == 2, 120,
                    "both learners to train (their SIGTERM handlers are in place)")
         hung = next(pid for pid in children if " learner " in read_cmdline(pathlib.Path(f"/proc/{pid}/cmdline")))
         os.kill(hung, signal.SIGSTOP)
         sim.send_signal(signal.SIGTERM)
-        time.sleep(1)
+        # The cleanup is under way: the sim told the learners to finish, and the one not hung did.
+        wait_until(lambda: any(json.loads(path.read_text()).get("phase") == "catching_up"
+                               for path in (tmp_path / "run").glob("state/learner-*/report.json")), 60,
+                   "the learner that is not hung to finish (the sim's cleanup to start)")
         sim.send_signal(signal.SIGTERM)
         assert sim.wait(timeout=60) == 128 + signal.SIGTERM
         wait_until(lambda: not of_the_run(children, str(tmp_path / "run")), 10, "the sim's processes to end")

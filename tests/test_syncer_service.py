@@ -29,6 +29,7 @@ from diloco.services.contract.state import state_hash
 from diloco.services.contract.wire import pb
 from diloco.syncer.core import ShardCore
 from diloco.syncer.service import start_shard
+from tests.cluster_watch import wait_until
 from tests.shard_over_grpc import BLOCK, LEARNERS, MANIFEST, identity, outer_gradient, write_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -477,19 +478,24 @@ def test_kill_9_loses_no_acknowledged_contribution(cluster):
         for learner in learners:
             for shard in range(len(shards)):
                 learner.join(shard)
-        killed = threading.Event()
+        killed, killer_errors = threading.Event(), []
 
         def kill_when_busy():
-            while acked_on_victim() < 8:
-                time.sleep(0.005)
-            victim.kill()  # mid-run: pushes and pulls are in flight
-            gate.close(victim.index)  # the acknowledgements so far are all there will be
-            killed.set()
+            try:
+                wait_until(lambda: acked_on_victim() >= 8, 30, "the victim to acknowledge 8 pushes", poll=0.005)
+                victim.kill()  # mid-run: pushes and pulls are in flight
+                gate.close(victim.index)  # the acknowledgements so far are all there will be
+            except BaseException as error:  # surfaces in the test thread
+                killer_errors.append(error)
+            finally:
+                killed.set()
 
         killer = threading.Thread(target=kill_when_busy, daemon=True)
         killer.start()
         run_learners(learners, until=killed.is_set)
         killer.join(5)
+        if killer_errors:
+            raise killer_errors[0]
 
         acked = [(fragment, round_) for l in learners for s, fragment, round_ in l.acked if s == victim.index]
         victim.start()
@@ -606,9 +612,11 @@ def test_a_full_disk_refuses_pushes_with_resource_exhausted_naming_the_state_fol
     _, cfg = write_config(tmp_path, lease_seconds=3600.0, grace={"mode": "fixed", "seconds": 600.0})
     handle = start_shard(cfg, 0)
     store, full = handle.store, threading.Event()
-    for name in ("spool", "append", "close_round", "commit"):  # the disk fills up under the running shard
-        def failing(*args, write=getattr(store, name)):
+    refused = {name: 0 for name in ("spool", "append", "close_round", "commit")}
+    for name in refused:  # the disk fills up under the running shard
+        def failing(*args, write=getattr(store, name), name=name):
             if full.is_set():
+                refused[name] += 1
                 raise OSError(28, "No space left on device")
             return write(*args)
         setattr(store, name, failing)
@@ -628,13 +636,11 @@ def test_a_full_disk_refuses_pushes_with_resource_exhausted_naming_the_state_fol
             assert str(store.directory) in info.value.details()
             assert handle.core.counters_snapshot()["refusals.disk_full"] == 1
             b.leave()  # a's round is due now: the ticker tries to commit it, every tick
-            time.sleep(0.5)
+            wait_until(lambda: refused["close_round"] >= 2, 10, "the ticker to try twice to close a's round")
             assert handle.core.version(fragment) == 0
             full.clear()
-            deadline = time.monotonic() + 10
-            while handle.core.version(fragment) == 0 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert handle.core.version(fragment) == 1  # a's contribution was kept
+            wait_until(lambda: handle.core.version(fragment) == 1, 10,
+                       "a's round to close once the disk has room")  # a's contribution was kept
     finally:
         handle.stop()
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("diloco.syncer")]
