@@ -24,6 +24,7 @@ the outer optimizer (docs/protocol.md: Rounds, Leases). Start it with `diloco sy
     journal.py         what the core asks of durability (Journal), its records, NullJournal
     disk.py            a full or failing disk: refusals, logged once per change
     store.py           durability: contribution log + atomic snapshots, restored on restart
+      store_format.py  the state's files on disk: layout, framing, encodings, reading them back
     guard.py           who may call, and the limits on a call
     service.py         the gRPC servicer, the round-closing ticker, start_shard()
     metrics.py         the Prometheus exporter; memory.py: the process's freed memory

@@ -19,7 +19,7 @@ from diloco.services.metrics import serve
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.memory import keep_freed_memory
 from diloco.syncer.service import start_shard
-from diloco.syncer.store import StoreError, shard_state_dir
+from diloco.syncer.store_format import StoreError, shard_state_dir
 
 log = logging.getLogger("syncer")
 

@@ -34,7 +34,8 @@ from diloco.syncer.counters import Counters
 from diloco.syncer.guard import CallGuard
 from diloco.syncer.memory import release_freed_memory
 from diloco.syncer.refusal import Refusal
-from diloco.syncer.store import ShardStore, shard_state_dir
+from diloco.syncer.store import ShardStore
+from diloco.syncer.store_format import shard_state_dir
 from diloco.syncer.views import FragmentView
 
 log = logging.getLogger(__name__)

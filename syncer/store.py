@@ -1,19 +1,6 @@
-"""A shard's durable state, under `<run.state_dir>/shard-<I>/`:
-
-    manifest.json            the model manifest the first join fixed, with the plan digest
-    fragment-<p>/snapshot    the fragment's state written in full: value, momentum, residual, the
-                             delayed-momentum period sum, version, bookkeeping (replaced
-                             atomically: write a temporary file, fsync, rename over, fsync the
-                             folder)
-    fragment-<p>/update-<v>  an encoded update of the snapshot's history, which learners catch up
-                             from (written before the snapshot that lists it with its sha256,
-                             removed once it leaves the history)
-    fragment-<p>/round.log   the write-ahead log since the snapshot: every contribution admitted
-                             (the round number, push header, payload or where its payload is),
-                             synced before the push is acknowledged, and every round close
-                             (ClosedRound and the state hash it closed on), synced before the new
-                             version shows
-    fragment-<p>/log-size    the size round.log was grown to (see below)
+"""A shard's durable state: ShardStore, the Journal the service gives the core, writes it under
+`<run.state_dir>/shard-<I>/` and loads it back at a restart (the files and their encoding:
+syncer/store_format.py).
 
 A write-ahead log, so that a round costs its contributions and a small record rather than the
 fragment's whole state (16 bytes per parameter): the core writes a snapshot only once the log
@@ -30,22 +17,6 @@ An update file is trusted only as the committed snapshot names it: a snapshot wr
 (a full disk) can leave update files no snapshot names. So a snapshot (re)writes every update
 the last committed snapshot does not hold, and a restart serves an update only if its sha256
 matches the one the snapshot recorded; the replayed rounds rebuild the updates since.
-
-The log is rewritten in place from its start after each snapshot rather than truncated:
-overwriting cached pages is an order of magnitude faster than writing fresh ones. So the bytes
-after the log's records are leftovers of earlier logs, whole records or pieces of them. To tell
-those from the current log's, each snapshot draws a random 16-byte tag for the log it starts,
-and every record of that log starts with it. The tag is written nowhere else and never sent, so
-no leftover and no payload a learner chose can carry it. The log's records are one run of frames
-from offset 0 (a restart appends right after them, a snapshot starts over at 0); the run ends
-at the first frame that is not intact or not tagged. Then:
-  - no intact tagged record after that point: it is the end of the log. A record torn there
-    by the crash (or damaged there; the two look alike) was the last one written, never
-    acknowledged, and is dropped with the leftovers after it;
-  - an intact tagged record after it: a record in the middle of the log is damaged, and the
-    ones after it may have been acknowledged. The shard stops with StoreError naming the file
-    and offset rather than drop them. (A machine that lost power before the log's fdatasync
-    can leave this too, with nothing after the offset acknowledged; the message says so.)
 
 A push's payload is written while it streams in, so that the disk works during the transfer
 rather than after it: at the push's header the log gets a space record, a frame declaring that
@@ -68,53 +39,29 @@ stops the restart with StoreError naming both sizes. (A state folder from before
 one at its first restart.) The bytes past the log's records are zeros or leftovers; a push
 streaming in at a crash leaves its space at the end of the log, and the next record is written
 over it.
-
-Every file is framed as  u64 length | u32 crc32 | body,  so a torn or corrupted file is
-detected, never loaded. A snapshot that fails its check stops the shard with StoreError rather
-than let it restart from an older state that learners have already moved past.
 """
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
-import logging
 import os
 import pathlib
-import struct
 import threading
 from typing import Iterator
 
 import torch
-from isal.isal_zlib import crc32, crc32_combine
 
 from diloco.services.contract.wire import pb
 from diloco.services.files import atomic_write, fsync_path
 from diloco.syncer.journal import LoggedClose, LoggedContribution, Manifest, Restored, Spool
 from diloco.syncer.counters import Counters
-from diloco.syncer.snapshot import ClosedRound, ContributionKey, Encoded, FragmentSnapshot
+from diloco.syncer.snapshot import ClosedRound, ContributionKey, FragmentSnapshot
+from diloco.syncer.store_format import (CLOSE, CONTRIBUTION, FRAME, LENGTH, OFFSET, READABLE_FORMATS, ROUND,
+                                        SPACE, SPOOLED, TAG_BYTES, StoreError, frame, has_a_record,
+                                        load_history, read_frames, read_log, sha256, snapshot_body, sync_data,
+                                        update_body, write_atomically, write_file, write_parts_at)
 
-_FRAME = struct.Struct("<QI")  # body length, crc32 of body
-_LENGTH = struct.Struct("<I")  # of an embedded message
-_ROUND = struct.Struct("<Q")
-_OFFSET = struct.Struct("<Q")  # a space's size, or the offset of a space's record in the log
-_TAG_BYTES = 16  # the log's tag: random, so nothing else carries it by chance
-# A log record's kind, right after the tag: a contribution with its payload, one whose payload
-# is in a space, a space, a round close.
-_CONTRIBUTION, _SPOOLED, _SPACE, _CLOSE = b"c", b"p", b"s", b"r"
 _LOG_GROWTH = 1 << 20  # the least the log file grows by; also an eighth of its size
-_SNAPSHOT_FORMAT = "diloco.syncer-snapshot/6"
-_READABLE_FORMATS = ("diloco.syncer-snapshot/5", _SNAPSHOT_FORMAT)  # /5 logs have no spaces
-
-log = logging.getLogger(__name__)
-
-
-class StoreError(RuntimeError):
-    """Stored state that cannot be trusted; the message names the file."""
-
-
-def shard_state_dir(state_dir: str | os.PathLike, shard_index: int) -> pathlib.Path:
-    return pathlib.Path(state_dir) / f"shard-{shard_index}"
 
 
 class ShardStore:
@@ -135,35 +82,35 @@ class ShardStore:
 
     def fix_manifest(self, manifest: Manifest, plan_digest: str) -> None:
         text = json.dumps({"plan_digest": plan_digest, "tensors": [[n, list(s)] for n, s in manifest]})
-        self._written(_write_atomically(self.directory / "manifest.json", [text.encode()]))
+        self._written(write_atomically(self.directory / "manifest.json", [text.encode()]))
 
     def spool(self, fragment_id: int, payload: pb.PayloadHeader) -> "_LogSpace":
         with self._files(fragment_id) as files:
             start, tag = files.log_end, files.log_tag
-            written = self._written(files.write_record(_frame([tag, _SPACE, _OFFSET.pack(payload.payload_bytes)]),
+            written = self._written(files.write_record(frame([tag, SPACE, OFFSET.pack(payload.payload_bytes)]),
                                                        then_leave=payload.payload_bytes))
         return _LogSpace(files, tag, start, start + written, payload.payload_bytes, self._flusher, self.counters)
 
     def append(self, fragment_id: int, contribution: LoggedContribution, spool: Spool) -> None:
         header = contribution.header.SerializeToString()
-        head = [_ROUND.pack(contribution.round), _LENGTH.pack(len(header)), header]
+        head = [ROUND.pack(contribution.round), LENGTH.pack(len(header)), header]
         with self._files(fragment_id) as files:
             if isinstance(spool, _LogSpace) and spool.holds_payload():
-                record = _frame([files.log_tag, _SPOOLED, *head, _OFFSET.pack(spool.offset)])
+                record = frame([files.log_tag, SPOOLED, *head, OFFSET.pack(spool.offset)])
             else:  # no space, or a snapshot started the log over while the payload streamed in
                 # Written part by part, without joining the parts into one copy, and without reading
                 # the payload for its checksum again: its crc32 was verified on receipt.
-                record = _frame([files.log_tag, _CONTRIBUTION, *head],
-                                contribution.payload, contribution.header.payload.crc32)
+                record = frame([files.log_tag, CONTRIBUTION, *head],
+                               contribution.payload, contribution.header.payload.crc32)
             self._written(files.write_record(record))
 
     def close_round(self, fragment_id: int, close: LoggedClose) -> None:
         body = json.dumps({"closed": close.closed.__dict__, "base_state_hash": close.base_state_hash}).encode()
         with self._files(fragment_id) as files:
             start = files.log_end
-            self._written(files.write_record(_frame([files.log_tag, _CLOSE, body])))
+            self._written(files.write_record(frame([files.log_tag, CLOSE, body])))
             try:
-                _sync_data(files.log())
+                sync_data(files.log())
             except OSError:  # the round stays open: its next record goes over this one
                 files.log_end = start
                 raise
@@ -178,13 +125,13 @@ class ShardStore:
             for update in snapshot.history:
                 digest = files.committed_updates.get(update.version)
                 if digest is None:  # maybe a failed commit's file is there: never trust it
-                    body = _update_body(update)
-                    self._written(_write_file(files.folder / f"update-{update.version}", _frame(body)))
-                    digest = _sha256(body)
+                    body = update_body(update)
+                    self._written(write_file(files.folder / f"update-{update.version}", frame(body)))
+                    digest = sha256(body)
                 digests[update.version] = digest
-            next_tag = os.urandom(_TAG_BYTES)
-            self._written(_write_atomically(files.folder / "snapshot",  # the commit point
-                                            _frame(_snapshot_body(snapshot, digests, next_tag))))
+            next_tag = os.urandom(TAG_BYTES)
+            self._written(write_atomically(files.folder / "snapshot",  # the commit point
+                                           frame(snapshot_body(snapshot, digests, next_tag))))
             # Everything logged is in the snapshot now: the next log overwrites it, with its own tag.
             files.log_end, files.log_tag = 0, next_tag
             files.durable = files.appended
@@ -237,27 +184,27 @@ class ShardStore:
             if (folder / "snapshot").exists():
                 snapshots[fragment_id] = self._load_snapshot(fragment_id, folder)
                 logs[fragment_id] = self._load_log(fragment_id, folder / "round.log")
-            elif _has_a_record(folder / "round.log"):  # records are only ever written after a seed
+            elif has_a_record(folder / "round.log"):  # records are only ever written after a seed
                 raise StoreError(f"{folder / 'round.log'}: holds contributions, but {folder / 'snapshot'} is missing")
         return Restored(manifest, plan_digest, snapshots, logs)
 
     def _load_snapshot(self, fragment_id: int, folder: pathlib.Path) -> FragmentSnapshot:
         path = folder / "snapshot"
-        bodies, _ = _read_frames(path)
+        bodies, _ = read_frames(path)
         if len(bodies) != 1:
             raise StoreError(f"{path}: torn or corrupted snapshot (length or checksum mismatch)")
         body = bodies[0]
-        (meta_length,) = _LENGTH.unpack_from(body)
-        meta = json.loads(bytes(body[_LENGTH.size:_LENGTH.size + meta_length]))
-        numel, offset = meta["numel"], _LENGTH.size + meta_length
-        if meta["format"] not in _READABLE_FORMATS or meta["fragment_id"] != fragment_id or \
+        (meta_length,) = LENGTH.unpack_from(body)
+        meta = json.loads(bytes(body[LENGTH.size:LENGTH.size + meta_length]))
+        numel, offset = meta["numel"], LENGTH.size + meta_length
+        if meta["format"] not in READABLE_FORMATS or meta["fragment_id"] != fragment_id or \
                 len(body) != offset + 4 * 4 * numel:
-            raise StoreError(f"{path}: not a {' or '.join(_READABLE_FORMATS)} snapshot of fragment {fragment_id}")
+            raise StoreError(f"{path}: not a {' or '.join(READABLE_FORMATS)} snapshot of fragment {fragment_id}")
         value, momentum, residual, period_sum = (
             torch.frombuffer(body, dtype=torch.float32, offset=offset + i * 4 * numel, count=numel)
             for i in range(4))
         digests = dict(meta["history"])
-        history = _load_history(folder, digests)
+        history = load_history(folder, digests)
         with self._files(fragment_id) as files:
             files.committed_updates = {update.version: digests[update.version] for update in history}
             files.log_tag = bytes.fromhex(meta["log_tag"])
@@ -285,7 +232,7 @@ class ShardStore:
                     f"learners then give the fragment back at the version they hold (docs/reliability.md)")
             if grown_to == 0:  # a state folder from before log-size: protected from now on
                 files.note_size(size)
-            entries, end = _read_log(path, files.log_tag) if path.exists() else ([], 0)
+            entries, end = read_log(path, files.log_tag) if path.exists() else ([], 0)
             # New records go right after the log's, over a record the crash tore (it was never
             # acknowledged) and over leftovers of logs before the snapshot.
             files.log_end = end
@@ -306,7 +253,7 @@ class _FragmentFiles:
         # (an fdatasync, or a snapshot holding them, came after them).
         self.appended = self.durable = 0
         self.sync_lock = threading.Lock()  # one fdatasync of the log at a time
-        self.log_tag = os.urandom(_TAG_BYTES)  # the log's; the committed snapshot names it
+        self.log_tag = os.urandom(TAG_BYTES)  # the log's; the committed snapshot names it
         self.allocated = 0  # the log file's size: records are written only below it
         self._log_fd: int | None = None
 
@@ -314,9 +261,9 @@ class _FragmentFiles:
         """Writes the framed record at the log's end, and leaves `then_leave` bytes after it
         for what goes there later (a space's payload); returns the record's size. Called with
         self.lock held."""
-        length, _ = _FRAME.unpack(record[0])
-        self._reserve(self.log_end + _FRAME.size + length + then_leave)
-        written = _write_parts_at(self.log(), record, self.log_end)
+        length, _ = FRAME.unpack(record[0])
+        self._reserve(self.log_end + FRAME.size + length + then_leave)
+        written = write_parts_at(self.log(), record, self.log_end)
         self.log_end += written + then_leave
         self.appended += written
         return written
@@ -334,7 +281,7 @@ class _FragmentFiles:
                 if self.durable >= needed:  # another fdatasync, a round close or a snapshot covered it
                     return
                 covers = self.appended  # every byte written by now
-                _sync_data(fd)
+                sync_data(fd)
                 self.durable = max(self.durable, covers)
         finally:
             os.close(fd)
@@ -347,7 +294,7 @@ class _FragmentFiles:
             return
         size = max(end, self.allocated + max(_LOG_GROWTH, self.allocated // 8))
         os.ftruncate(fd, size)
-        _sync_data(fd)
+        sync_data(fd)
         self.note_size(size)
         self.allocated = size
 
@@ -443,7 +390,7 @@ class _LogSpace:
             if self._void or files.closed or files.log_tag != self.tag:
                 return
             try:
-                written = _write_parts_at(files.log(), [chunk], self._next)
+                written = write_parts_at(files.log(), [chunk], self._next)
             except OSError:  # the record written at admission will hold the payload, or refuse the push
                 self._void = True
                 return
@@ -456,194 +403,3 @@ class _LogSpace:
         """Whether the space, still part of the log, holds the whole payload; called with
         self.files.lock held."""
         return not self._void and self.files.log_tag == self.tag and self._next == self._end
-
-
-def _log_entry(path: pathlib.Path, offset: int, body: memoryview,
-               spaces: dict[int, memoryview]) -> LoggedContribution | LoggedClose:
-    """The record at `offset` as the core takes it; `spaces` are the log's spaces before it."""
-    kind, at = bytes(body[_TAG_BYTES:_TAG_BYTES + 1]), _TAG_BYTES + 1
-    if kind == _CLOSE:
-        record = json.loads(bytes(body[at:]))
-        return LoggedClose(ClosedRound(**record["closed"]), record["base_state_hash"])
-    (round_number,) = _ROUND.unpack_from(body, at)
-    (length,) = _LENGTH.unpack_from(body, at + _ROUND.size)
-    start = at + _ROUND.size + _LENGTH.size
-    header = pb.PushHeader.FromString(bytes(body[start:start + length]))
-    if kind == _CONTRIBUTION:
-        return LoggedContribution(round_number, header, (bytes(body[start + length:]),))
-    (space_offset,) = _OFFSET.unpack_from(body, start + length)
-    payload = spaces.get(space_offset)
-    if payload is None or len(payload) != header.payload.payload_bytes or crc32(payload) != header.payload.crc32:
-        raise StoreError(
-            f"{path}: the contribution record at offset {offset} names its payload in the space at offset "
-            f"{space_offset}, which is {'not in the log' if payload is None else 'damaged'}: the contribution "
-            f"was acknowledged, so the shard will not drop it. Restore the shard's state folder from a copy")
-    return LoggedContribution(round_number, header, (bytes(payload),))
-
-
-def _load_history(folder: pathlib.Path, digests: dict[int, str]) -> tuple[Encoded, ...]:
-    """The stored updates, newest first until one is missing, damaged or not the one the
-    snapshot names: a learner that needs an older one pulls a snapshot instead."""
-    history: list[Encoded] = []
-    for version in sorted(digests, reverse=True):
-        path = folder / f"update-{version}"
-        bodies, _ = _read_frames(path) if path.exists() else ([], 0)
-        if len(bodies) != 1 or _sha256([bodies[0]]) != digests[version]:
-            log.warning("%s: missing, damaged or not the update the snapshot names: the history "
-                        "starts after version %d (older bases pull a snapshot)", path, version)
-            break
-        (length,) = _LENGTH.unpack_from(bodies[0])
-        header = pb.PayloadHeader.FromString(bytes(bodies[0][_LENGTH.size:_LENGTH.size + length]))
-        history.append(Encoded(version, header, bytes(bodies[0][_LENGTH.size + length:])))
-    return tuple(reversed(history))
-
-
-def _update_body(update: Encoded) -> list:
-    header = update.header.SerializeToString()
-    return [_LENGTH.pack(len(header)), header, update.payload]
-
-
-def _sha256(parts: list) -> str:
-    digest = hashlib.sha256()
-    for part in parts:
-        digest.update(part)
-    return digest.hexdigest()
-
-
-def _snapshot_body(snapshot: FragmentSnapshot, update_digests: dict[int, str], log_tag: bytes) -> list:
-    last_round = snapshot.last_round
-    meta = json.dumps({
-        "format": _SNAPSHOT_FORMAT,
-        "fragment_id": snapshot.fragment_id,
-        "version": snapshot.version,
-        "numel": snapshot.value.numel(),
-        "state_hash": snapshot.state_hash,
-        "merged_contributions": snapshot.merged_contributions,
-        "merged_tokens": snapshot.merged_tokens,
-        "recent_keys": sorted(list(key) for key in snapshot.recent_keys),
-        "last_round": last_round.__dict__ if last_round else None,
-        "history": sorted(update_digests.items()),  # [version, sha256 of its update file's body]
-        "period_share": snapshot.period_share,
-        "log_tag": log_tag.hex(),  # of the round this snapshot opens
-    }).encode()
-    tensors = [t.contiguous().numpy()
-               for t in (snapshot.value, snapshot.momentum, snapshot.residual, snapshot.period_sum)]
-    return [_LENGTH.pack(len(meta)), meta, *tensors]
-
-
-def _frame(parts: list, payload: tuple[bytes, ...] = (), payload_crc32: int = 0) -> list:
-    """length | crc32 | body, as a list of buffers (tensors' memory is not copied). The body is
-    the parts, then the payload, whose crc32 the caller already knows."""
-    length, crc = 0, 0
-    for part in parts:
-        view = memoryview(part).cast("B")
-        length += view.nbytes
-        crc = crc32(view, crc)
-    payload_bytes = sum(len(chunk) for chunk in payload)
-    crc = crc32_combine(crc, payload_crc32, payload_bytes)
-    return [_FRAME.pack(length + payload_bytes, crc), *parts, *payload]
-
-
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16
-
-
-def _write_parts_at(fd: int, parts: list, offset: int) -> int:
-    """Writes the parts one after another at `offset` with as few system calls as the
-    kernel's iovec limit allows; returns the bytes written."""
-    views = [memoryview(part).cast("B") for part in parts]
-    start = offset
-    while views:
-        written = os.pwritev(fd, views[:_IOV_MAX], offset)
-        offset += written
-        while views and written >= views[0].nbytes:  # drop what is written, keep a partial rest
-            written -= views[0].nbytes
-            views.pop(0)
-        if views and written:
-            views[0] = views[0][written:]
-    return offset - start
-
-
-def _read_frames(path: pathlib.Path) -> tuple[list[memoryview], int]:
-    """The bodies of the intact frames from the start of the file, and where they end."""
-    view, bodies, offset = memoryview(_read(path)), [], 0
-    while (body := _intact_body(view, offset)) is not None:
-        bodies.append(body)
-        offset += _FRAME.size + len(body)
-    return bodies, offset
-
-
-def _read_log(path: pathlib.Path, tag: bytes) -> tuple[list[LoggedContribution | LoggedClose], int]:
-    """The log's records (the run of intact frames carrying its tag from the start of the
-    file, stepping over spaces) and where they end; StoreError if an intact record of the log
-    follows the end of that run (see the module docstring)."""
-    data = _read(path)
-    view, entries, spaces, offset = memoryview(data), [], {}, 0
-    trailing_spaces = None  # where the spaces after the last record start: no record names them
-    while (body := _intact_body(view, offset)) is not None and body[:_TAG_BYTES] == tag:
-        end = offset + _FRAME.size + len(body)
-        if bytes(body[_TAG_BYTES:_TAG_BYTES + 1]) == _SPACE:
-            (size,) = _OFFSET.unpack_from(body, _TAG_BYTES + 1)
-            trailing_spaces = offset if trailing_spaces is None else trailing_spaces
-            if end + size > len(data):  # a push streaming in at the crash (a log from before log-size)
-                break
-            spaces[offset] = view[end:end + size]
-            end += size
-        else:
-            entries.append(_log_entry(path, offset, body, spaces))
-            trailing_spaces = None
-        offset = end
-    # A record torn at `offset` may hold the tag right after its frame header: look past that.
-    found = data.find(tag, offset + _FRAME.size + 1)
-    while found != -1:
-        later = found - _FRAME.size
-        if _intact_body(view, later) is not None:
-            raise StoreError(
-                f"{path}: the record at offset {offset} is damaged, and an intact record of the log "
-                f"follows at offset {later}: the contributions from offset {offset} on may have "
-                f"been acknowledged, so the shard will not drop them. If the machine lost power (nothing "
-                f"after a torn record was acknowledged then), truncate the file to {offset} bytes and "
-                f"delete {path.parent / 'log-size'} to drop them; otherwise restore the shard's state "
-                f"folder from a copy")
-        found = data.find(tag, found + 1)
-    # Pushes streaming in at the crash: the next record goes over their spaces.
-    return entries, offset if trailing_spaces is None else trailing_spaces
-
-
-def _has_a_record(path: pathlib.Path) -> bool:
-    return path.exists() and _intact_body(memoryview(_read(path)), 0) is not None
-
-
-def _intact_body(view: memoryview, offset: int) -> memoryview | None:
-    """The body of the frame at `offset` if it is whole and passes its checksum."""
-    if offset + _FRAME.size > len(view):
-        return None
-    length, crc = _FRAME.unpack_from(view, offset)
-    body = view[offset + _FRAME.size:offset + _FRAME.size + length]
-    return body if len(body) == length and crc32(body) == crc else None
-
-
-def _read(path: pathlib.Path) -> bytearray:
-    data = bytearray(path.stat().st_size)
-    with open(path, "rb") as file:
-        file.readinto(data)
-    return data
-
-
-def _write_file(path: pathlib.Path, parts: list) -> int:
-    """Writes and fsyncs the file; returns its size."""
-    with open(path, "wb") as file:
-        size = sum(file.write(memoryview(part).cast("B")) for part in parts)
-        file.flush()
-        os.fsync(file.fileno())
-    return size
-
-
-def _write_atomically(path: pathlib.Path, parts: list) -> int:
-    """Readers see the old file or the new one, whole, whenever the machine stops. Returns
-    its size. The temporary file has a fixed name: a crash's leftover is overwritten by the next
-    write, and load() removes a snapshot's."""
-    return atomic_write(path, *parts, temporary=path.with_name(path.name + ".tmp"))
-
-
-_sync_data = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
-

@@ -22,7 +22,7 @@ from diloco.localcluster.cluster import LocalCluster
 from diloco.services.contract.config import dump_config, parse_config
 from diloco.services.contract.fragments import plan_for_config
 from diloco.services.contract.state import state_hash
-from diloco.syncer.store import shard_state_dir
+from diloco.syncer.store_format import shard_state_dir
 from tests.cluster_config import tiny_cluster
 from tests.cluster_watch import wait_until
 

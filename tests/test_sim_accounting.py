@@ -4,7 +4,7 @@ steps past the checkpoint the next life restored; the hashes compared at the end
 the learners that finished."""
 from types import SimpleNamespace
 
-from diloco.localcluster.sim import hashes_agree, killed_lives
+from diloco.localcluster.sim_summary import hashes_agree, killed_lives
 
 STEP = 0.1  # seconds per step
 

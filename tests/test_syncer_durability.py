@@ -18,7 +18,7 @@ from diloco.services.contract.wire import pb
 from diloco.syncer.core import ShardCore
 from diloco.syncer.journal import NullSpool
 from diloco.syncer.refusal import Refusal
-from diloco.syncer import store
+from diloco.syncer import store, store_format
 from diloco.syncer.store import ShardStore, StoreError
 from tests.shard_harness import LEARNERS, MANIFEST, Shard, delta, make_config
 
@@ -124,7 +124,7 @@ def test_a_push_that_streams_in_across_a_snapshot_is_logged_whole_with_its_paylo
     written without joining its chunks, in as many pwritev calls as the kernel's iovec limit
     needs (1024 on Linux; 7 here, so a push of a few hundred chunks takes many calls); the
     restored round holds the same bytes."""
-    monkeypatch.setattr(store, "_IOV_MAX", 7)
+    monkeypatch.setattr(store_format, "IOV_MAX", 7)
     shard = Shard(make_config(quorum=2, snapshot_log_ratio=0), journal=ShardStore(tmp_path))
     n = shard.numel()
     shard.push("a", 0, delta(1, n))
@@ -141,7 +141,7 @@ def test_a_push_that_streams_in_across_a_snapshot_is_logged_whole_with_its_paylo
     header, chunks = shard.push_parts("c", 0, values, chunk_bytes=3)
     reply = shard.core.push(header, with_a_snapshot_midway(chunks))
     assert (reply.result, reply.round) == (pb.PUSH_RESULT_STALE_MERGED, 2)
-    assert [kind for _, _, kind in log_frames(tmp_path / "fragment-0")] == [store._CONTRIBUTION]
+    assert [kind for _, _, kind in log_frames(tmp_path / "fragment-0")] == [store_format.CONTRIBUTION]
     core = restarted(shard, tmp_path, rejoin=LEARNERS)
     (pending,) = core.fragments[0].round.contributions.values()
     assert b"".join(pending.chunks) == values.numpy().tobytes()
@@ -164,7 +164,7 @@ def test_a_space_no_record_names_is_stepped_over_by_the_restart(tmp_path, how):
             shard.push("b", 0, delta(2, n, scale=10.0))
     shard.push("c", 0, delta(3, n))
     assert [kind for _, _, kind in log_frames(tmp_path / "fragment-0")] == \
-        [store._SPACE, store._SPOOLED, store._SPACE, store._SPACE, store._SPOOLED]
+        [store_format.SPACE, store_format.SPOOLED, store_format.SPACE, store_format.SPACE, store_format.SPOOLED]
     expected = {key: b"".join(c.chunks) for key, c in shard.core.fragments[0].round.contributions.items()}
     core = restarted(shard, tmp_path, rejoin=LEARNERS)
     assert {key: b"".join(c.chunks) for key, c in core.fragments[0].round.contributions.items()} == expected
@@ -241,8 +241,8 @@ def _reset():
 def test_a_records_checksum_comes_from_the_payloads_verified_crc32_without_reading_it(head, payload):
     """The log's frame checksum covers the whole record; the payload's part of it is combined
     from the crc32 checked on receipt, and must equal zlib's over the bytes."""
-    frame = store._frame([head], (payload,), zlib.crc32(payload))
-    assert frame[0] == store._FRAME.pack(len(head) + len(payload), zlib.crc32(head + payload))
+    frame = store_format.frame([head], (payload,), zlib.crc32(payload))
+    assert frame[0] == store_format.FRAME.pack(len(head) + len(payload), zlib.crc32(head + payload))
 
 
 def test_records_of_a_round_already_merged_are_skipped(tmp_path):
@@ -282,18 +282,18 @@ def test_a_state_written_in_format_5_restores_and_a_format_this_version_does_not
     """Format 5 logs carry every payload in its record (no spaces): an upgraded shard replays
     them and appends its own records after them."""
     with monkeypatch.context() as older:
-        older.setattr(store, "_SNAPSHOT_FORMAT", "diloco.syncer-snapshot/5")
+        older.setattr(store_format, "SNAPSHOT_FORMAT", "diloco.syncer-snapshot/5")
         older.setattr(ShardStore, "spool", lambda self, fragment_id, payload: NullSpool())
         shard = Shard(make_config(quorum=3), journal=ShardStore(tmp_path))
         shard.push("a", 0, delta(1, shard.numel()))
         original = views(shard.core)
-    assert [kind for _, _, kind in log_frames(tmp_path / "fragment-0")] == [store._CONTRIBUTION]
+    assert [kind for _, _, kind in log_frames(tmp_path / "fragment-0")] == [store_format.CONTRIBUTION]
     assert views(restarted(shard, tmp_path, rejoin=LEARNERS)) == original
     shard.push("b", 0, delta(2, shard.numel()))
     assert restarted(shard, tmp_path).status().fragments[0].pending_contributions == 2
 
     with monkeypatch.context() as newer:
-        newer.setattr(store, "_SNAPSHOT_FORMAT", "diloco.syncer-snapshot/7")
+        newer.setattr(store_format, "SNAPSHOT_FORMAT", "diloco.syncer-snapshot/7")
         Shard(make_config(), journal=ShardStore(tmp_path / "newer"), joined=("a",))
     with pytest.raises(StoreError, match=r"snapshot: not a diloco.syncer-snapshot/5 or diloco.syncer-snapshot/6 "):
         ShardStore(tmp_path / "newer").load()
@@ -339,17 +339,18 @@ def log_frames(folder) -> list[tuple[int, int, bytes]]:
     """(offset, length, kind) of each frame of the fragment's log as written, up to the first
     of an earlier log; a space's length counts the payload bytes after its frame."""
     data = (folder / "round.log").read_bytes()
-    tag = data[store._FRAME.size:store._FRAME.size + store._TAG_BYTES]
+    tag = data[store_format.FRAME.size:store_format.FRAME.size + store_format.TAG_BYTES]
     frames, offset = [], 0
-    while offset + store._FRAME.size + store._TAG_BYTES <= len(data):
-        length, _ = store._FRAME.unpack_from(data, offset)
-        body = data[offset + store._FRAME.size:offset + store._FRAME.size + length]
-        if body[:store._TAG_BYTES] != tag:
+    while offset + store_format.FRAME.size + store_format.TAG_BYTES <= len(data):
+        length, _ = store_format.FRAME.unpack_from(data, offset)
+        body = data[offset + store_format.FRAME.size:offset + store_format.FRAME.size + length]
+        if body[:store_format.TAG_BYTES] != tag:
             break
-        kind = body[store._TAG_BYTES:store._TAG_BYTES + 1]
-        space = store._OFFSET.unpack_from(body, store._TAG_BYTES + 1)[0] if kind == store._SPACE else 0
-        frames.append((offset, store._FRAME.size + length + space, kind))
-        offset += store._FRAME.size + length + space
+        kind = body[store_format.TAG_BYTES:store_format.TAG_BYTES + 1]
+        space = (store_format.OFFSET.unpack_from(body, store_format.TAG_BYTES + 1)[0]
+                 if kind == store_format.SPACE else 0)
+        frames.append((offset, store_format.FRAME.size + length + space, kind))
+        offset += store_format.FRAME.size + length + space
     return frames
 
 
@@ -393,7 +394,7 @@ def test_the_rounds_last_record_torn_or_damaged_is_dropped_with_the_leftovers_af
     shard.push("b", 0, delta(11, n), base=1)
     data = bytearray(log.read_bytes())
     *_, (second, length, kind) = log_frames(log.parent)
-    assert kind == store._SPOOLED
+    assert kind == store_format.SPOOLED
     middle = second + length // 2
     if how == "torn":  # the write stopped half way: the rest is still round 1's record
         data[middle:second + length] = round_1[middle:second + length]
@@ -418,7 +419,7 @@ def test_a_snapshot_the_disk_cannot_take_leaves_the_log_in_charge_until_one_can(
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     with monkeypatch.context() as patch:
-        patch.setattr(store, "_write_atomically", disk_full)
+        patch.setattr(store, "write_atomically", disk_full)
         for version in range(3):
             shard.push("a", 0, delta(version, n), base=version)
             shard.core.tick()
