@@ -5,6 +5,7 @@ What a user's script needs, and only that, is public here (docs/api.md):
     from diloco import DecoupledDiLoCo          # around your own training loop
     from diloco import load_config, Config      # the cluster config: its learners, shards, settings
     from diloco import ConfigError, JoinRefused # a config that cannot run; a join the shards refused
+    from diloco import LearnerDiverged          # sick again right after healing: the learner stops
     from diloco import atomic_write_with        # write your checkpoint so that a crash never halves it
     from diloco import DecoupledDiLoCoCallback  # transformers' Trainer (the `hf` extra)
 
@@ -20,8 +21,8 @@ mapped under `diloco` by pyproject.toml's package-dir:
 """
 from __future__ import annotations
 
-__all__ = ["DecoupledDiLoCo", "DecoupledDiLoCoCallback", "JoinRefused", "Config", "ConfigError", "load_config",
-           "atomic_write_with"]
+__all__ = ["DecoupledDiLoCo", "DecoupledDiLoCoCallback", "JoinRefused", "LearnerDiverged", "Config", "ConfigError",
+           "load_config", "atomic_write_with"]
 
 
 def __getattr__(name: str):
@@ -35,6 +36,9 @@ def __getattr__(name: str):
     if name == "JoinRefused":
         from diloco.learner.sync.session import JoinRefused
         return JoinRefused
+    if name == "LearnerDiverged":
+        from diloco.learner.sync.healing import LearnerDiverged
+        return LearnerDiverged
     if name in ("Config", "ConfigError", "load_config"):
         from diloco.services.contract import config
         return getattr(config, name)

@@ -59,7 +59,8 @@ class LocalCluster:
     """Shards and learners of one config as local processes."""
 
     def __init__(self, cfg: Config, run_dir: pathlib.Path, learner_env: dict[str, str] | None = None,
-                 learner_script: pathlib.Path | None = None, warm_restarts: bool = False):
+                 learner_script: pathlib.Path | None = None, warm_restarts: bool = False,
+                 learner_flags: dict[str, list[str]] | None = None):
         if cfg.run.listen_host is None:  # a local cluster is reached from this machine only
             cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"listen_host": "127.0.0.1"})})
         self.cfg = cfg
@@ -84,6 +85,7 @@ class LocalCluster:
         argv = {l.id: (learner if cfg.link(l.id, l.region) is None else launcher(learner))
                 + ["--config", str(self.config_path), "--learner-id", l.id]
                 + ([] if learner_script else ["--region", l.region, "--catch-up-seconds", "86400"])
+                + (learner_flags or {}).get(l.id, [])
                 for l in cfg.learners}
         # Islands of replica groups: each learner process is its island's group 0.
         self.islands = Islands(cfg, run_dir, argv, warm_restarts) if cfg.island.replica_groups > 1 else None

@@ -17,7 +17,9 @@ optimizer state.
 Chaos (`--chaos-mtbf`, `--chaos-shards`) SIGKILLs processes at exponentially
 distributed intervals and restarts each after `--restart-delay`. With `--replica-groups R` each
 learner is an island of R replica groups (localcluster/islands.py), and `--chaos-replicas` kills
-groups other than the one that syncs: the island trains on without the group until it rejoins. WAN emulation
+groups other than the one that syncs: the island trains on without the group until it rejoins.
+`--chaos-poison LEARNER:STEP:KIND` makes one learner's model go bad (scaled x1000, NaN, flipped
+bits): the shards refuse its pushes, it heals or stops (docs/reliability.md). WAN emulation
 (`--wan-mbps`, `--wan-latency-ms`, or the config's `links`) paces each learner's sync client
 at its region's rate each way, n bytes in n / rate seconds, and makes each push and pull wait
 the one-way latency out and back (localcluster/wan.py: WanLink); no root, no namespaces needed.
@@ -36,6 +38,7 @@ import sys
 
 import yaml
 
+from diloco.learner.trainer.poison import Poison
 from diloco.localcluster import data_parallel
 from diloco.localcluster.cluster import ExitedBeforeServing, LocalCluster
 from diloco.localcluster.processes import free_ports
@@ -79,6 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --chaos-replicas: only the first N learners' islands lose groups (default: "
                              "every island); the others' blocked time is what those losses cost learners that "
                              "lost nothing")
+    parser.add_argument("--chaos-poison", action="append", default=[], metavar="LEARNER:STEP:KIND",
+                        help="after inner step STEP the learner's model goes bad: KIND scale (x1000), nan or "
+                             "bitflip (learner/trainer/poison.py); the run refuses its pushes, it heals or "
+                             "stops (docs/reliability.md); repeatable")
     parser.add_argument("--restart-delay", type=float, default=5.0, help="seconds a killed process stays down")
     parser.add_argument("--warm-restarts", action=argparse.BooleanOptionalAction, default=True,
                         help="a killed learner's next life is a standby that imported torch and the learner "
@@ -160,6 +167,10 @@ def check_flags(args: argparse.Namespace, cfg: Config) -> None:
     if cfg.island.replica_groups > 1 and args.chaos_mtbf:
         raise ConfigError("--chaos-mtbf: a learner of island.replica_groups > 1 fails only when every group does; "
                           "kill its groups with --chaos-replicas")
+    poison_flags(args.chaos_poison, cfg)
+    if args.chaos_poison and (args.learner_script or args.mode != "diloco"):
+        raise ConfigError("--chaos-poison: poisons the built-in learner of --mode diloco (not a --learner-script, "
+                          "not --mode dp or param-avg)")
     if args.learner_script is None:
         return
     if cfg.island.replica_groups > 1:
@@ -170,6 +181,26 @@ def check_flags(args: argparse.Namespace, cfg: Config) -> None:
                           "script under torchrun yourself for its data-parallel baseline")
     if not args.learner_script.is_file():
         raise ConfigError(f"--learner-script: no file {args.learner_script}")
+
+
+def poison_flags(poisons: list[str], cfg: Config | None = None) -> dict[str, list[str]]:
+    """The `diloco learner --poison STEP:KIND` flags of --chaos-poison LEARNER:STEP:KIND, by
+    learner id; with `cfg`, ConfigError naming what is wrong."""
+    flags: dict[str, list[str]] = {}
+    for poison in poisons:
+        learner_id, _, step_kind = poison.partition(":")
+        if cfg is not None:
+            if learner_id not in {l.id for l in cfg.learners}:
+                raise ConfigError(f"--chaos-poison {poison}: no learner {learner_id!r} in the run "
+                                  f"({', '.join(l.id for l in cfg.learners)})")
+            try:
+                Poison.parse(step_kind)
+            except ValueError as error:
+                raise ConfigError(f"--chaos-poison {poison}: {error}") from None
+            if cfg.island.replica_groups > 1:
+                raise ConfigError("--chaos-poison: the built-in learner of one process; not with replica groups")
+        flags.setdefault(learner_id, []).extend(["--poison", step_kind])
+    return flags
 
 
 def apply_override(data: dict, override: str) -> None:
@@ -202,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
         run_processes = lambda: data_parallel.simulate(processes, args, progress)  # noqa: E731
     else:
         processes = LocalCluster(cfg, run_dir, learner_script=args.learner_script,
-                                 warm_restarts=args.warm_restarts)
+                                 warm_restarts=args.warm_restarts, learner_flags=poison_flags(args.chaos_poison))
         write_file_sd(cfg, args.prometheus_targets or run_dir / "prometheus-targets.json")
         run_processes = lambda: simulate(cfg, processes, args)  # noqa: E731
     stop_signals = StopSignals(processes)

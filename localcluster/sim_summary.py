@@ -103,6 +103,11 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         "anchor_offset": anchor_offset(statuses),
         "links": links,
         "per_learner": per_learner,
+        # Learners the shards refused pushes of as outliers, or that healed: by id.
+        "sick_learners": {learner_id: {"outliers_refused": int(counters.get(f"outliers.{learner_id}", 0)),
+                                       "heals": figures["heals"], "phase": figures["phase"]}
+                          for learner_id, figures in per_learner.items()
+                          if figures["heals"] or counters.get(f"outliers.{learner_id}", 0)},
         "timeline": timeline,
         "config": {"model": cfg.model_name(), "H": cfg.sync.interval_steps, "P": cfg.sync.fragments, "tau": cfg.sync.overlap_steps,
                    "codec": cfg.sync.codec, "K": cfg.syncer.quorum, "wan_mbps": cfg.rpc.wan_mbps,
@@ -161,6 +166,7 @@ def _learner_figures(cfg: Config, reports: dict[str, dict], learner_chaos: Chaos
                                    "push_seconds": total("push_seconds") / total("pushes") if total("pushes") else None,
                                    "blocked_seconds": total("blocked_seconds"),
                                    "phase": report.get("phase"), "evaluations": report.get("evaluations", []),
+                                   "heals": int(total("heals")),
                                    # each life that recorded: its process start and its join and pull
                                    "startup_seconds": [life.get("startup_seconds", 0.0) for life in lives],
                                    "restore_seconds": [life.get("restore_seconds", 0.0) for life in lives]}
@@ -213,6 +219,9 @@ def print_summary(report: dict, report_path: pathlib.Path) -> None:
             f" (each learner holds the bits the shards served it; anchors at most {report['anchor_offset']:.2f} "
             "of their last pull from the shards' values)")
          + (f"; {', '.join(report['down_at_end'])} down at the end: not compared" if report.get("down_at_end") else "")),
+        *((f"sick {learner_id}", f"{sick['outliers_refused']} pushes refused as outliers, healed {sick['heals']}x"
+           + ("" if sick["phase"] == "done" else f", ended {sick['phase']}"))
+          for learner_id, sick in report.get("sick_learners", {}).items()),
         *((f"link {learner_id}", _link(link)) for learner_id, link in report["links"].items()),
         *((f"island {learner_id}", _island(island)) for learner_id, island in report.get("islands", {}).items()),
     ]

@@ -56,6 +56,7 @@ class FragmentState:
         # here can be lost by it: no durable state when the process started, and since then
         # no contribution admitted and no round closed.
         self.restorable = True
+        self._value_norm = (-1, 0.0)  # (version, L2 norm of its global value): computed once per version
 
     @property
     def id(self) -> int:
@@ -82,6 +83,15 @@ class FragmentState:
                           f"learner {key.learner_id!r} incarnation {key.incarnation} already "
                           f"contributed to fragment {self.id} from base version {key.base_version}")
         return committed.version - key.base_version
+
+    def value_norm(self) -> float:
+        """The L2 norm of the committed global value (the outlier rule's reference)."""
+        committed = self.committed  # one record: its version and value belong together
+        version, norm = self._value_norm
+        if version != committed.version:
+            norm = float(torch.linalg.vector_norm(committed.value))
+            self._value_norm = (committed.version, norm)
+        return norm
 
     def check_not_failed(self) -> None:
         if self.failure is not None:

@@ -1,6 +1,6 @@
 """Receiving and checking a push, before it changes anything: what its header must say (all of
 it judged before a byte of payload is read), its payload reassembled and verified chunk by
-chunk as it arrives and spooled, and its values finite and within the norm bound.
+chunk as it arrives and spooled, and its values finite and within the norm bounds.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from diloco.syncer.claims import ClaimBounds
 from diloco.syncer.fragment_state import FragmentState
 from diloco.syncer.journal import Spool
 from diloco.syncer.membership import Membership
+from diloco.syncer.outliers import outlier_limit
 from diloco.syncer.owned import OwnedFragments
 from diloco.syncer.pull import FP32
 from diloco.syncer.refusal import Refusal
@@ -28,6 +29,7 @@ class PushChecks:
     def __init__(self, cfg: Config, claims: ClaimBounds, membership: Membership, owned: OwnedFragments,
                  clock: Callable[[], float]):
         self.max_update_norm = cfg.syncer.max_update_norm
+        self.outlier_norm_factor = cfg.syncer.outlier_norm_factor
         self.claims, self.membership, self.owned, self.clock = claims, membership, owned, clock
 
     def check_header(self, header: pb.PushHeader) -> FragmentState:
@@ -56,19 +58,25 @@ class PushChecks:
         return state
 
     def check_norm(self, state: FragmentState, header: pb.PayloadHeader, chunks: tuple[bytes, ...]) -> None:
-        """Refuses NaN or Inf values and a norm above syncer.max_update_norm. The codec's bound
-        from the block scales clears a well-formed push without decoding it (the push path
-        then costs little more than receiving the bytes); only a push it cannot clear is
-        decoded here."""
-        limit = self.max_update_norm
+        """Refuses NaN or Inf values, a norm above syncer.max_update_norm and an outlier's
+        (syncer/outliers.py). The codec's bound from the block scales clears a well-formed push
+        without decoding it (the push path then costs little more than receiving the bytes);
+        only a push it cannot clear is decoded here."""
+        outlier = outlier_limit(state.value_norm(), self.outlier_norm_factor)
+        limit = self.max_update_norm if outlier is None else min(outlier, self.max_update_norm)
         scales = leading_bytes(chunks, state.codec.scale_bytes(header.numel, header.block_size))
         if state.codec.norm_bound(scales, header.numel, header.block_size) <= limit:
             return
         norm = _finite_norm(state, decode_payload(header, b"".join(chunks)))
-        if norm > limit:
+        if norm > self.max_update_norm:
             raise Refusal("norm_too_large", "INVALID_ARGUMENT",
                           f"fragment {state.id}: outer gradient norm {norm:.4g} exceeds "
-                          f"syncer.max_update_norm={limit:.4g}")
+                          f"syncer.max_update_norm={self.max_update_norm:.4g}")
+        if outlier is not None and norm > outlier:
+            raise Refusal("norm_outlier", "INVALID_ARGUMENT",
+                          f"fragment {state.id}: outer gradient norm {norm:.4g} is an outlier, more than "
+                          f"syncer.outlier_norm_factor={self.outlier_norm_factor:g} times the norm "
+                          f"{outlier / self.outlier_norm_factor:.4g} of the fragment's global value")
 
 
 def reassembler(header: pb.PayloadHeader) -> Reassembler:

@@ -17,6 +17,7 @@ SYNCER_COUNTER_FAMILIES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "refusals": ("reason", ()),
     "rounds": ("reason", ("all", "others_waiting", "quorum_grace", "all_left")),
     "learners": ("event", ("joined", "rejoined", "left", "expired")),
+    "outliers": ("learner", ()),
     "seeds": (None, ()),
     "kept_compute_seconds": (None, ()),
     "journal_bytes": (None, ()),
@@ -29,6 +30,7 @@ SYNCER_COUNTER_HELP = {
     "rounds": "Rounds closed, by why they closed (all live learners, quorum then grace, or every "
               "contributor left the run).",
     "learners": "Membership events.",
+    "outliers": "Outer-gradient pushes refused as outliers (syncer.outlier_norm_factor), by learner.",
     "seeds": "Fragments seeded with a learner's initial values.",
     "kept_compute_seconds": "Learner compute embodied in merged contributions: "
                             "c_steps * step_seconds * fragment share.",

@@ -27,7 +27,7 @@ from diloco.services.contract.payload import iter_chunks
 from diloco.services.contract.rpc import Server
 from diloco.services.contract.settings import cluster_settings
 from diloco.services.contract.tls import load_identity, shard_name
-from diloco.services.contract.wire import pb, pb_grpc
+from diloco.services.contract.wire import REFUSAL_REASON_KEY, pb, pb_grpc
 from diloco.syncer.admission import PushOutcome
 from diloco.syncer.core import ShardCore
 from diloco.syncer.counters import Counters
@@ -46,14 +46,15 @@ IDLE_RELEASE_SECONDS = 1.0
 
 
 def _answer_refusals(method):
-    """A Refusal becomes the RPC's status and message."""
+    """A Refusal becomes the RPC's status and message, its reason the trailing metadata's
+    REFUSAL_REASON_KEY."""
     if inspect.isgeneratorfunction(method):
         @functools.wraps(method)
         def streaming(self, request, context):
             try:
                 yield from method(self, request, context)
             except Refusal as refusal:
-                context.abort(grpc.StatusCode[refusal.status], refusal.message)
+                _abort(context, refusal)
         return streaming
 
     @functools.wraps(method)
@@ -61,8 +62,13 @@ def _answer_refusals(method):
         try:
             return method(self, request, context)
         except Refusal as refusal:
-            context.abort(grpc.StatusCode[refusal.status], refusal.message)
+            _abort(context, refusal)
     return unary
+
+
+def _abort(context: grpc.ServicerContext, refusal: Refusal) -> None:
+    context.set_trailing_metadata(((REFUSAL_REASON_KEY, refusal.reason),))
+    context.abort(grpc.StatusCode[refusal.status], refusal.message)
 
 
 class SyncerServicer(pb_grpc.SyncerServicer):

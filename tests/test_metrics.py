@@ -133,7 +133,7 @@ def test_learners_export_goodput_badput_steps_bytes_latency_and_staleness(cluste
         assert sample_value(families["diloco_learner_tokens"]) > 0
         faults = families["diloco_learner_sync_faults"]  # none in a healthy run, each kind shown
         assert {(s.labels["kind"], s.value) for s in faults.samples} == \
-            {("refused", 0), ("reanchored", 0), ("hash_mismatch", 0)}
+            {("refused", 0), ("reanchored", 0), ("hash_mismatch", 0), ("healed", 0)}
         links = {(s.labels["direction"], s.labels["codec"]) for s in families["diloco_learner_sync_bytes"].samples}
         assert {("up", cfg.sync.codec), ("down", cfg.sync.codec)} <= links
         for name in ("diloco_learner_push_seconds", "diloco_learner_pull_seconds"):

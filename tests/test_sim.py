@@ -409,3 +409,21 @@ def test_chaos_counts_a_process_still_down_at_the_end_as_down_until_then():
     chaos.restarted(chaos.down[1], now=7.0)
     chaos.end(now=5.0)
     assert chaos.down_seconds == [4.0, 5.0] and not chaos.down
+
+
+def test_poisoned_learners_are_refused_named_and_heal_while_the_run_trains_on(tmp_path):
+    """One learner scaled x1000, one gone NaN, one with flipped exponent bits, one healthy: the
+    shards merge none of the bad pushes and name the learner they refused, each sick learner
+    heals once and finishes its budget, and the global model trains as in a healthy run."""
+    report = run_sim(tmp_path, "--learners", "4", "--shards", "2", "--steps", "160", "--seed", "1",
+                     "--chaos-poison", "us-east-0:40:scale", "--chaos-poison", "us-west-0:40:nan",
+                     "--chaos-poison", "us-central-0:40:bitflip")
+    sick = report["sick_learners"]
+    assert sick["us-east-0"]["outliers_refused"] >= 2 and sick["us-east-0"]["heals"] == 1
+    assert sick["us-west-0"]["heals"] == 1 and sick["us-west-0"]["outliers_refused"] == 0  # NaN is never pushed
+    assert sick["us-central-0"]["heals"] == 1
+    assert set(sick) == {"us-east-0", "us-west-0", "us-central-0"}  # the fourth learner is healthy
+    assert all(learner["phase"] == "done" for learner in report["per_learner"].values())
+    assert report["inner_steps"] == 4 * 160
+    assert report["final_eval_loss"] < 0.8 * report["initial_eval_loss"]
+    assert report["state_hashes_agree"] is True

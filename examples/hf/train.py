@@ -42,7 +42,8 @@ def main():
     losses, validation = [], {"start": validation_loss(model, validation_data)}
 
     with DecoupledDiLoCo(model, config=args.config, learner_id=args.learner_id,  # DiLoCo
-                         catch_up_seconds=args.catch_up_seconds, enabled=not args.no_sync) as sync:
+                         catch_up_seconds=args.catch_up_seconds, enabled=not args.no_sync,
+                         optimizer=optimizer) as sync:
         while not sync.should_stop:  # DiLoCo: trainer.max_steps of the config, or SIGTERM
             for batch in loader:
                 loss = model(**batch).loss

@@ -108,7 +108,8 @@ def main():
     if args.data_parallel:  # Baseline
         dist.init_process_group("gloo")
     sync = DecoupledDiLoCo(model, config=args.config, learner_id=args.learner_id,  # DiLoCo
-                           catch_up_seconds=args.catch_up_seconds, enabled=not args.data_parallel)
+                           catch_up_seconds=args.catch_up_seconds, enabled=not args.data_parallel,
+                           optimizer=optimizer)  # a heal (its model went NaN) clears its state
     forward, text_of = model, args.learner_id
     if args.data_parallel:  # Baseline: rank r reads learner r's text; DDP averages the gradients
         forward, text_of = DistributedDataParallel(model), sync.cfg.learners[dist.get_rank()].id

@@ -87,6 +87,9 @@ class DecoupledDiLoCo:
                 the main thread only)
     finish_signals  signals that end the run for this learner as if its budget were spent:
                 should_stop, and leaving delivers, leaves and pulls until a stop signal
+    optimizer   your inner optimizer, whose state a heal clears (a learner whose model went NaN
+                or whose pushes the shards refuse as outliers takes the global model back:
+                learner/sync/healing.py); without it, clear it yourself when `heals` grows
     island      the processes of this learner: default the torchrun ranks of the default
                 process group (learner/island/ranks.py); the built-in learner passes its replica
                 groups (learner/island/replica_groups.py) when island.replica_groups > 1
@@ -96,7 +99,8 @@ class DecoupledDiLoCo:
                  region: str | None = None, state_dir: str | os.PathLike | None = None,
                  tls_dir: str | os.PathLike | None = None, catch_up_seconds: float = 3.0,
                  enabled: bool = True, stop_signals: tuple[signal.Signals, ...] = (signal.SIGTERM,),
-                 finish_signals: tuple[signal.Signals, ...] = (signal.SIGUSR1,), island: Island | None = None):
+                 finish_signals: tuple[signal.Signals, ...] = (signal.SIGUSR1,), island: Island | None = None,
+                 optimizer: torch.optim.Optimizer | None = None):
         self._process_started = process_started()
         if not isinstance(model, nn.Module):
             raise TypeError(f"DecoupledDiLoCo: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -116,6 +120,7 @@ class DecoupledDiLoCo:
         self.enabled = enabled
         self.catch_up_seconds = catch_up_seconds
         self.island = island or Island()
+        self.optimizer = optimizer
         self.state_dir = pathlib.Path(state_dir or pathlib.Path(self.cfg.run.state_dir) / f"learner-{learner_id}")
         self._tls_dir = tls_dir
         self._stop_signals = StopSignals(stop_signals, finish_signals)
@@ -228,7 +233,7 @@ class DecoupledDiLoCo:
             sync = self.sync
             self.metrics.watch_sync(sync.held_versions, lambda: sync.stats.blocked_seconds, lambda: {
                 "refused": sync.stats.syncs_refused, "reanchored": sync.stats.reanchored,
-                "hash_mismatch": sync.stats.hash_mismatches})
+                "hash_mismatch": sync.stats.hash_mismatches, "healed": sync.stats.heals})
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._left = True
@@ -299,10 +304,12 @@ class DecoupledDiLoCo:
         compute_seconds = entered - self._last_step_done if seconds is None else seconds
         applied = []
         if self.sync is not None:
-            started = self.sync.stats.syncs_started
+            started, heals = self.sync.stats.syncs_started, self.heals
             applied = self.sync.after_step(self.steps, island_tokens, compute_seconds)
             if applied or self.sync.stats.syncs_started != started:
                 self._synced.check(by_name=True)
+            if self.heals != heals and self.optimizer is not None:
+                self.optimizer.state.clear()  # moments built on the sick values
         self.steps += 1
         self.tokens += island_tokens
         stop = self.budget_spent or self._stop_signals.received.is_set()
@@ -313,6 +320,12 @@ class DecoupledDiLoCo:
                 self.metrics.stepped(compute_seconds, island_tokens, self.steps)
         self._last_step_done = time.perf_counter()
         return applied
+
+    @property
+    def heals(self) -> int:
+        """Times this learner was sick (NaN or Inf in its model, or its pushes refused as
+        outliers) and took the global model back; each clears `optimizer`'s state."""
+        return self.sync.stats.heals if self.sync is not None else 0
 
     def rephase(self, stood_still_seconds: float = 0.0) -> None:
         """Call after the training stood still while the other learners trained on (an island

@@ -175,7 +175,8 @@ class LearnerMetrics:
                                      "Syncs that met a fault, by kind: refused (a push the shard refused), "
                                      "reanchored (a shard served a fragment below our version: its value "
                                      "taken), hash_mismatch (a pull's result was not the shard's value: "
-                                     "pulled again whole).", labels=["kind"])
+                                     "pulled again whole), healed (the learner was sick and took the "
+                                     "global model back).", labels=["kind"])
         for kind, count in self._sync_faults().items():
             faults.add_metric([kind], count)
         yield faults

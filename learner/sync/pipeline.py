@@ -23,11 +23,12 @@ from typing import Callable, Mapping
 import grpc
 import torch
 
+from diloco.learner.sync.healing import Healing
 from diloco.learner.sync.host_copy import HostCopy, copy_to_host
 from diloco.learner.sync.outer_gradient import OuterGradient
 from diloco.learner.sync.schedule import SyncStart, merged_fragment
 from diloco.learner.sync.session import ReanchorDue, ShardSession
-from diloco.learner.sync.shard_errors import Remedy, reason, remedy
+from diloco.learner.sync.shard_errors import Remedy, reason, refusal_reason, remedy
 from diloco.learner.sync.stats import SyncOutcome, SyncStats
 from diloco.services.client import PullResult
 from diloco.services.contract.error_feedback import ErrorFeedback
@@ -56,6 +57,7 @@ class SyncContext:
     pool: ThreadPoolExecutor  # a thread per fragment: a sync waiting for its round never holds up another's push
     stats: SyncStats
     reanchor_due: ReanchorDue
+    healing: Healing  # what the pushes met: NaN, outlier refusals (learner/sync/healing.py)
     stopping: Callable[[], bool]  # shutting down, or asked to stop: waits for a shard end
 
 
@@ -122,6 +124,17 @@ class FragmentPipeline:
 
     def result_in(self) -> bool:
         return self.in_flight.done()
+
+    def heal(self) -> None:
+        """The model's fragment takes back the global value it holds; the residual and the
+        values kept for a late result, built on sick values, are dropped. Call it once the push
+        in flight is answered (`pushed`): the sync thread leaves the residual alone from then."""
+        if self.in_flight is not None:
+            self.pushed.wait()
+        scatter(self.fragment, self.anchor if self.device_anchor is None else self.device_anchor,
+                self.context.params)
+        self.feedback.residual.zero_()
+        self.local_at_apply = None
 
     def keep_local_at_apply(self) -> None:
         """The result missed its apply step: the values now are what it is merged with."""
@@ -261,9 +274,9 @@ class FragmentPipeline:
             return None
         try:
             payload = outer.payload()
-        except ValueError as exc:  # non-finite values: never send them
+        except ValueError as exc:  # non-finite values: never send them; the learner heals
             outer.rollback()
-            log.error("fragment %d: not pushing: %s", self.fragment.id, exc)
+            self.context.healing.non_finite(self.fragment.id, str(exc))
             self.undelivered = (Remedy.STOP, str(exc))
             return None
         finally:
@@ -278,10 +291,13 @@ class FragmentPipeline:
                 session.forgotten()
             elif remedy(error) is Remedy.STOP:
                 self.context.stats.count("syncs_refused")
+                if refusal_reason(error) == "norm_outlier":
+                    self.context.healing.refused_as_outlier(self.fragment.id, reason(error))
             log.warning("fragment %d: push to shard %d failed: %s", self.fragment.id, session.index, reason(error))
             self.undelivered = (remedy(error), f"shard {session.index}: {reason(error)}")
             return None
         self.undelivered = None
+        self.context.healing.delivered()
         return push_result, round_version, len(payload)
 
     def _deliver(self, payload: bytes, meta: PushMeta) -> tuple[int, int]:

@@ -79,7 +79,7 @@ class Report:
                 syncs_applied=stats.syncs_applied, syncs_skipped=stats.syncs_skipped,
                 syncs_late=stats.syncs_late, held_steps=stats.held_steps, rephased=stats.rephased, refused_stale=stats.refused_stale,
                 reanchored=stats.reanchored, syncs_refused=stats.syncs_refused,
-                hash_mismatches=stats.hash_mismatches,
+                hash_mismatches=stats.hash_mismatches, heals=stats.heals,
                 undelivered={str(fid): why for fid, why in stats.undelivered.items()}, waits=list(stats.waits))
 
     def write(self, phase: str, steps: int, tokens: int, world_size: int, sync: StreamingSync | None,

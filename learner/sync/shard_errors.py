@@ -21,6 +21,8 @@ from typing import Callable, Iterator, TypeVar
 
 import grpc
 
+from diloco.services.contract.wire import REFUSAL_REASON_KEY
+
 log = logging.getLogger(__name__)
 
 # A shard that does not answer is retried after this long, doubling up to the cap.
@@ -50,6 +52,13 @@ _REMEDIES = {
 
 def remedy(error: grpc.RpcError) -> Remedy:
     return _REMEDIES.get(error.code(), Remedy.STOP)
+
+
+def refusal_reason(error: grpc.RpcError) -> str | None:
+    """The shard's short reason for a refusal ("norm_outlier", ...), which it sends in the
+    trailing metadata (REFUSAL_REASON_KEY); None when there is none."""
+    metadata = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    return next((value for key, value in metadata or () if key == REFUSAL_REASON_KEY), None)
 
 
 def reason(error: grpc.RpcError) -> str:

@@ -54,6 +54,7 @@ class SyncStats:
     versions_behind_at_join: int = 0
     reanchored: int = 0  # fragments taken from a shard that served them below our version
     hash_mismatches: int = 0  # pulls whose result did not have the shard's hash: pulled again whole
+    heals: int = 0  # times the learner was sick and took the global model back (learner/sync/healing.py)
     # A GPU learner's syncs, across PCIe: outer gradients' payloads (and late results' snapshots)
     # to the host, global values to the device.
     device_to_host_bytes: int = 0

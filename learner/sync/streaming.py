@@ -32,6 +32,7 @@ from typing import Callable, Mapping
 import grpc
 import torch
 
+from diloco.learner.sync.healing import Healing
 from diloco.learner.sync.joined_run import others_tokens, started_beside, tell_what_it_joined
 from diloco.learner.sync.pipeline import FragmentPipeline, SyncContext
 from diloco.learner.sync.run_end import RunEnd
@@ -54,6 +55,8 @@ log = logging.getLogger(__name__)
 # (data, the other processes on its cores): the others reading a fast one as the rate placed
 # this learner up to several steps ahead of where it was.
 STEP_TIME_SMOOTHING = 0.2
+# trainer.heal_window_steps when the config leaves it out: this many sync periods.
+HEAL_WINDOW_PERIODS = 4
 
 
 class StreamingSync:
@@ -86,6 +89,9 @@ class StreamingSync:
         self._should_stop: Callable[[], bool] = lambda: False  # set by start()
         self._restored: Mapping[int, Mapping[str, torch.Tensor | int]] = {}  # a checkpoint's, while starting
         reanchor_due = ReanchorDue()
+        trainer = cfg.trainer
+        self.healing = Healing(trainer.heal_after_refusals,
+                               trainer.heal_window_steps or HEAL_WINDOW_PERIODS * cfg.sync.interval_steps)
         wan = emulated_link(cfg, learner_id, region)  # None unless a harness emulates the WAN
         self.sessions = [
             ShardSession(i, ShardClient(s.address, cfg.rpc, learner_id, self.incarnation, wan, observer,
@@ -93,7 +99,7 @@ class StreamingSync:
                          region, cfg, plan, params, self, self.stats, reanchor_due, self._stop)
             for i, s in enumerate(cfg.shards)]
         self._context = SyncContext(cfg, params, ThreadPoolExecutor(len(plan.fragments), thread_name_prefix="sync"),
-                                    self.stats, reanchor_due,
+                                    self.stats, reanchor_due, self.healing,
                                     stopping=lambda: self._stop.is_set() or self._should_stop())
         self._end = RunEnd(cfg, learner_id, self.fragments, self.sessions, self.schedule, self.stats, self._stop,
                            should_stop=lambda: self._should_stop())
@@ -232,14 +238,27 @@ class StreamingSync:
                 self.schedule.pushed(seconds, step_seconds)
         if self.schedule.first_step_pending and (status := self._first_status()) is not None:
             self.schedule.heard_again_before_first_step(status.learners, self.learner_id)
+        healed = self._heal(step) if self.healing.sick() else []
         actions = self.schedule.step_done(step, tokens)
         if actions.held:
             self.stats.held_steps += 1
         for sync in actions.start:
             self.fragments[sync.fragment_id].start(sync.c_steps, sync.c_tokens, self.step_seconds)
             self.stats.syncs_started += 1
-        return [due.fragment_id for due in actions.apply if self._finish(self.fragments[due.fragment_id],
-                                                                           due.wait_limit)]
+        applied = [due.fragment_id for due in actions.apply if self._finish(self.fragments[due.fragment_id],
+                                                                              due.wait_limit)]
+        return healed or applied
+
+    def _heal(self, step: int) -> list[int]:
+        """The learner is sick (learner/sync/healing.py): every fragment of the model takes back
+        the global value this learner holds. Returns every fragment's id (all were replaced)."""
+        for pipeline in self.fragments.values():
+            pipeline.heal()
+        why = self.healing.take(step)  # raises LearnerDiverged when the last heal did not help
+        self.stats.heals += 1
+        log.error("learner %s healed at step %d: %s. It took back the global model it holds (versions %s) "
+                  "and dropped its local progress since", self.learner_id, step, why, self.held_versions())
+        return list(self.fragments)
 
     def _finish(self, pipeline: FragmentPipeline, wait_limit: float | None) -> bool:
         """Applies the in-flight result, waiting up to `wait_limit` seconds for it (None: as

@@ -35,7 +35,9 @@ from diloco.learner.trainer.device import DeviceUnavailable, local_rank, resolve
 from diloco.learner.island.ranks import IslandBroken, LeadTaken
 from diloco.learner.island.leader_lease import LeaderLease
 from diloco.learner.sync.report import LIFE_STARTED_ENV
+from diloco.learner.sync.healing import LearnerDiverged
 from diloco.learner.sync.streaming import JoinRefused
+from diloco.learner.trainer.poison import Poison
 from diloco.learner.trainer.train import Trainer
 from diloco.services.contract.config import ConfigError, load_config
 
@@ -75,6 +77,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-parallel", action="store_true",
                         help="under torchrun with one process per learner of the config: data parallel "
                              "training, rank r on learner r's data, gradients averaged every step, no syncer")
+    parser.add_argument("--poison", type=poison_flag, metavar="STEP:KIND",
+                        help="fault injection (tests, `diloco sim --chaos-poison`): after inner step STEP the "
+                             "model goes bad, KIND scale (x1000), nan or bitflip (learner/trainer/poison.py)")
+
+
+def poison_flag(text: str) -> Poison:
+    try:
+        return Poison.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -155,7 +167,8 @@ def learn(args: argparse.Namespace, cfg, learner_id: str, trainer: Trainer, isla
                            catch_up_seconds=args.catch_up_seconds, enabled=not (args.no_sync or args.data_parallel),
                            # SIGTERM ends a replica group other than the leader at once: it holds nothing
                            # the island lacks, and may be waiting for a leader that has left.
-                           stop_signals=(signal.SIGTERM, signal.SIGINT) if leads else (), island=island)
+                           stop_signals=(signal.SIGTERM, signal.SIGINT) if leads else (), island=island,
+                           optimizer=trainer.optimizer)
     if island:
         island.keep_state(lambda: island_state(trainer, sync), lambda state: load_island_state(state, trainer, sync))
     if checkpoint and "diloco" in checkpoint["extra"]:
@@ -177,6 +190,9 @@ def learn(args: argparse.Namespace, cfg, learner_id: str, trainer: Trainer, isla
         return FAILED
     except JoinRefused as refused:  # not in the run, another model or other settings
         log.error("learner %s stops: %s", learner_id, refused)
+        return FAILED
+    except LearnerDiverged as diverged:  # healing did not help: stop rather than train on it
+        log.error("learner %s stops, diverged: %s", learner_id, diverged)
         return FAILED
     except IslandBroken as broken:  # a replica group that cannot go on: restarted, it rejoins
         log.error("learner %s: %s", learner_id, broken)
@@ -212,6 +228,10 @@ def train(args: argparse.Namespace, trainer: Trainer, sync: DecoupledDiLoCo, che
         if not stats.committed:  # a replica group died during it: no step, the survivors go on
             continue
         applied = sync.step(stats.tokens, stats.seconds)
+        if args.poison and trainer.step == args.poison.step:
+            log.warning("learner %s: poisoned after step %d (--poison %s)", sync.learner.id,
+                        trainer.step, args.poison.kind)
+            args.poison.apply(trainer.model.parameters(), seed=trainer.step)
         if args.verify_island and applied:
             sync.island.verify_identical(sync.params)
             if report:

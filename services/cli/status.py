@@ -129,6 +129,7 @@ def _by_reason(refusals: dict[str, float], real: bool) -> str:
 
 def render(view: ClusterView, asked: int, now: float) -> str:
     learners = view.learners()
+    counters = view.counters()
     digests = {reply.plan_digest[:HASH_PREFIX] for _, reply in view.replies if reply.plan_digest}
     plan = ", ".join(sorted(digests)) + (" (shards disagree!)" if len(digests) > 1 else "") if digests else "none yet"
     lines = [f"shards    {len(view.replies)} of {asked} answering (fragment plan {plan})"]
@@ -136,9 +137,10 @@ def render(view: ClusterView, asked: int, now: float) -> str:
     lines.append(f"learners  {sum(row.alive_on > 0 for row in learners)} alive of {len(learners)} known")
     if learners:
         lines += ["", table(
-            ["LEARNER", "REGION", "INCARNATION", "ALIVE", "STALENESS", "LAST STEP", "LAST HEARD"],
+            ["LEARNER", "REGION", "INCARNATION", "ALIVE", "STALENESS", "LAST STEP", "LAST HEARD", "OUTLIERS"],
             [[row.id, row.region, str(row.incarnation), _alive(row), str(row.staleness), str(row.last_step),
-              f"{row.seconds_since_heartbeat:.1f}s ago"] for row in learners])]
+              f"{row.seconds_since_heartbeat:.1f}s ago", f"{counters.get(f'outliers.{row.id}', 0):g}"]
+             for row in learners])]
     fragments = view.fragments()
     if fragments:
         lines += ["", table(
@@ -146,7 +148,6 @@ def render(view: ClusterView, asked: int, now: float) -> str:
             [[str(f.fragment_id), str(shard), str(f.numel), str(f.version) if f.initialized else "unseeded",
               f.state_hash[:HASH_PREFIX] or "-", str(f.pending_contributions), _last_round(f, now)]
              for shard, f in fragments])]
-    counters = view.counters()
     refused = counters.get("contributions.refused_stale", 0)
     refusals = {name.partition(".")[2]: count for name, count in counters.items()
                 if name.startswith("refusals.") and count}

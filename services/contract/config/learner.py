@@ -31,6 +31,11 @@ class TrainerConfig(Section):
     max_run_tokens: PositiveInt | None = None
     inner_optimizer: InnerOptimizerConfig = InnerOptimizerConfig()
     heartbeat_seconds: PositiveFloat = 0.5
+    # A learner whose model holds NaN or Inf, or whose pushes the shards refuse as outliers this
+    # many times in a row, takes the global model back (learner/sync/healing.py); sick again
+    # within heal_window_steps of that (None: 4 sync periods), it stops.
+    heal_after_refusals: PositiveInt = 2
+    heal_window_steps: PositiveInt | None = None
     # Budget spent: how long a learner keeps pushing its last contribution to a shard that
     # asks it to retry (down, restarting, its disk full) before it reports it undelivered.
     final_delivery_seconds: PositiveFloat = 60.0

@@ -104,6 +104,9 @@ class SyncerConfig(Section):
     snapshot_log_ratio: Annotated[float, Field(ge=0.0)] = 1.0
     lease_seconds: PositiveFloat = 5.0
     max_update_norm: PositiveFloat = 1.0e4  # pushes whose decoded L2 norm is larger are refused
+    # A push whose L2 norm is more than this many times the norm of the fragment's global value
+    # is refused as an outlier (syncer/outliers.py). None: off.
+    outlier_norm_factor: PositiveFloat | None = 10.0
     # The most tokens one learner (every process of its island) trains on per inner step: bounds
     # what its pushes and heartbeats may claim (syncer/claims.py). None: Config.tokens_per_step()
     # (trainer.batch_size x trainer.grad_accum_steps x model.seq_len) x island.replica_groups, the
