@@ -68,15 +68,15 @@ class PushChecks:
         if state.codec.norm_bound(scales, header.numel, header.block_size) <= limit:
             return
         norm = _finite_norm(state, decode_payload(header, b"".join(chunks)))
-        if norm > self.max_update_norm:
-            raise Refusal("norm_too_large", "INVALID_ARGUMENT",
-                          f"fragment {state.id}: outer gradient norm {norm:.4g} exceeds "
-                          f"syncer.max_update_norm={self.max_update_norm:.4g}")
-        if outlier is not None and norm > outlier:
+        if outlier is not None and norm > outlier:  # the rule that names a sick learner comes first
             raise Refusal("norm_outlier", "INVALID_ARGUMENT",
                           f"fragment {state.id}: outer gradient norm {norm:.4g} is an outlier, more than "
                           f"syncer.outlier_norm_factor={self.outlier_norm_factor:g} times the norm "
                           f"{outlier / self.outlier_norm_factor:.4g} of the fragment's global value")
+        if norm > self.max_update_norm:
+            raise Refusal("norm_too_large", "INVALID_ARGUMENT",
+                          f"fragment {state.id}: outer gradient norm {norm:.4g} exceeds "
+                          f"syncer.max_update_norm={self.max_update_norm:.4g}")
 
 
 def reassembler(header: pb.PayloadHeader) -> Reassembler:

@@ -28,7 +28,7 @@ def test_the_limit_is_the_factor_times_the_values_norm_and_none_without_one():
 def test_a_scaled_up_learners_push_is_refused_naming_the_rule_and_counted_for_it():
     shard = Shard(make_config(quorum=3))
     before = shard.core.fragments[0].committed
-    blown_up = -99.0 * shard.value()  # anchor - 100 * anchor: the learner's weights x100
+    blown_up = -999.0 * shard.value()  # anchor - 1000 * anchor: the learner's weights x1000
     with pytest.raises(Refusal) as refused:
         shard.push("b", 0, blown_up)
     assert (refused.value.status, refused.value.reason) == ("INVALID_ARGUMENT", "norm_outlier")
@@ -65,7 +65,7 @@ def test_a_fragment_of_zeros_has_no_reference_and_takes_any_push_within_the_norm
 
 def test_with_the_rule_off_an_outlier_is_merged():
     shard = Shard(make_config(quorum=3, outlier_norm_factor=None))
-    shard.push("a", 0, -99.0 * shard.value())
+    shard.push("a", 0, -99.0 * shard.value())  # within max_update_norm
     assert shard.core.fragments[0].round.count == 1
 
 

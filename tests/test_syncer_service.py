@@ -20,6 +20,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diloco.learner.sync.pulled import value_after
+from diloco.learner.sync.shard_errors import refusal_reason
 from diloco.services.client import ShardClient
 from diloco.services.contract.codecs import get_codec
 from diloco.services.contract.rpc import open_channel
@@ -42,7 +43,8 @@ def bad_input_shard(tmp_path_factory):
     """Shard 0, with fragment `seeded` at version 3 and fragment `unseeded` untouched. Learner a
     is live; b restarted (incarnation 2) and left; c never joined."""
     tmp_path = tmp_path_factory.mktemp("bad-input")
-    _, cfg = write_config(tmp_path, max_staleness=1, max_update_norm=100.0)
+    # The seeded fragment holds ones: the outlier rule bounds a push at 1000 x its norm.
+    _, cfg = write_config(tmp_path, max_staleness=1, max_update_norm=100.0, outlier_norm_factor=1000.0)
     handle = start_shard(cfg, 0)
     clients = []
     try:
@@ -125,6 +127,7 @@ def _bad_pushes(seeded, unseeded, other_shard, numel):
          outer_gradient(seeded, n)[1]),
         edited("NaN after decoding", "non_finite", I, "NaN or Inf", nan_payload),
         case("norm above the bound", "norm_too_large", I, "max_update_norm", values=torch.full((n,), 50.0)),
+        case("an outlier", "norm_outlier", I, "outlier_norm_factor=1000", values=torch.full((n,), 2000.0)),
         case("no steps", "zero_steps", I, "c_steps=0", c_steps=0),
         case("unknown kind", "bad_kind", I, "neither a seed", kind=pb.PUSH_KIND_UNSPECIFIED),
         case("duplicate of a merged contribution", "duplicate", grpc.StatusCode.ALREADY_EXISTS,
@@ -159,6 +162,7 @@ def test_each_bad_push_is_refused_with_its_status_and_changes_nothing(bad_input_
             pusher.stub.PushFragment(iter(requests), timeout=10)
         assert info.value.code() == code, f"{name}: {info.value.code()} {info.value.details()}"
         assert words in info.value.details(), f"{name}: {info.value.details()}"
+        assert refusal_reason(info.value) == reason, name  # in the trailing metadata, for the learner
         assert _fragments(a) == before, f"{name} changed the shard's state"
         key = f"refusals.{reason}"
         assert a.status().counters[key] == counted.get(key, 0) + 1, name

@@ -2,7 +2,7 @@
 
 A learner is sick when its model holds NaN or Inf (a fragment's outer gradient cannot be
 encoded: learner/sync/pipeline.py never sends one) or when the shards refuse its pushes as
-outliers (syncer/outliers.py) `after_refusals` times in a row. It heals at the next step: its
+outliers (syncer/outliers.py) or beyond syncer.max_update_norm `after_refusals` times in a row. It heals at the next step: its
 model takes back the global values it holds (the anchors, the shards' values as of its last
 syncs), the error-feedback residuals built on the sick values are dropped, and the inner
 optimizer's state is cleared; one ERROR line says why. A learner sick again within

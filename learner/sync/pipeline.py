@@ -39,6 +39,9 @@ from diloco.services.contract.wire import pb
 
 log = logging.getLogger(__name__)
 
+# The shards' refusals of a push whose size says the model that made it is sick (learner/sync/healing.py).
+ABNORMAL_REFUSALS = ("norm_outlier", "norm_too_large")
+
 
 @dataclass(frozen=True)
 class PushMeta:
@@ -291,7 +294,7 @@ class FragmentPipeline:
                 session.forgotten()
             elif remedy(error) is Remedy.STOP:
                 self.context.stats.count("syncs_refused")
-                if refusal_reason(error) == "norm_outlier":
+                if refusal_reason(error) in ABNORMAL_REFUSALS:
                     self.context.healing.refused_as_outlier(self.fragment.id, reason(error))
             log.warning("fragment %d: push to shard %d failed: %s", self.fragment.id, session.index, reason(error))
             self.undelivered = (remedy(error), f"shard {session.index}: {reason(error)}")
