@@ -697,7 +697,41 @@ def summary(results: dict) -> list[str]:
                      f"than without failures (+{ISLAND_OTHERS_BLOCKED_SECONDS:g} s); hashes agree (issue 35)",
                      verdict(again <= ISLAND_TRAINS_AGAIN_SECONDS and extra <= ISLAND_OTHERS_BLOCKED_SECONDS
                              and chaos["state_hashes_agree"])])
+    if "sick_learner" in results:
+        s = results["sick_learner"]
+        rows.append(["12. sick learner", f"one of 4 learners poisoned (x1000, NaN, bit flips): global model at most "
+                     f"{pct(s['worst_vs_clean'], signed=True)} against the run without poison (clean runs' spread "
+                     f"{pct(s['clean_spread'])}); healed after at most "
+                     f"{max(r['steps_to_heal'] or 0 for r in s['runs'] if r['poison'] in POISONS)} steps",
+                     f"within {pct(s['loss_target'])}; healed within one sync period, "
+                     f"H = {s['interval_steps']} steps (issue 55)", verdict(s["met"])])
     return table(["section", "headline (this run)", "target or anchor", "verdict"], rows)
+
+
+POISONS = ("scale", "nan", "bitflip")
+
+
+def sick_learner(section: dict, out: pathlib.Path) -> list[str]:
+    lines = [f"The demo's cluster (4 learners, H = {section['interval_steps']}, P = {section['fragments']}, int4), "
+             f"{section['steps']} steps per learner; {section['sick']} poisoned after step {section['poisoned_at']} "
+             "(a quarter of its run): its weights x1000 (`scale`), one value NaN (`nan`), or the top exponent bit of "
+             "16 values flipped (`bitflip`). Shards refuse a push above `syncer.outlier_norm_factor` (10) times "
+             "the norm of the fragment's global value; a learner with NaN in its model, or whose pushes are refused "
+             "twice in a row, takes the global model back (docs/reliability.md, \"A diverged learner\"). "
+             "`scale, rule off` is the same poison with the outlier rule off. Global loss: the run's global model "
+             "at the end; against the run without poison of the same seed. Healed: steps from the poison to the "
+             f"learner's heal. {code(section['command'])} runs them all.", ""]
+    lines += table(["seed", "poison", "global loss", "vs no poison", "learners' own", "sick learner: refused as "
+                    "outliers / heals / healed after steps", "healthy learners blocked s (vs no poison)", "goodput",
+                    "command"],
+                   [[str(r["seed"]), r["poison"], _loss(r["final_eval_loss"]),
+                     "-" if r["poison"] == "none" else pct(r["vs_clean"], signed=True),
+                     _loss(r["final_eval_loss_learners"]),
+                     "-" if r["poison"] == "none" else
+                     f"{r['outliers_refused']} / {r['heals']} / {r['steps_to_heal'] if r['steps_to_heal'] is not None else '-'}",
+                     f"{r['healthy_blocked_seconds']:.1f} ({r['blocked_vs_clean_seconds']:+.1f})", pct(r["goodput"]),
+                     code(r["command"])] for r in section["runs"]])
+    return lines
 
 
 TITLES = {"quality": "1. Quality at equal tokens", "bandwidth": "2. Bandwidth", "goodput": "3. Goodput under failures",
@@ -705,10 +739,11 @@ TITLES = {"quality": "1. Quality at equal tokens", "bandwidth": "2. Bandwidth", 
           "user_loop": "7. The API in a user's loop", "hf": "8. Hugging Face Llama on the API (CPU)",
           "plan": "9. Planning at datacenter scale (`diloco plan`)",
           "calibration": "10. The planner against the local cluster (`diloco plan --calibrate-from`)",
-          "island": "11. Elastic islands: losing replica groups (local)"}
+          "island": "11. Elastic islands: losing replica groups (local)",
+          "sick_learner": "12. A diverged learner (`diloco sim --chaos-poison`)"}
 RENDERERS = {"quality": quality, "bandwidth": bandwidth, "goodput": goodput, "overlap": overlap,
              "transport": transport, "recovery": recovery, "user_loop": user_loop, "hf": hf, "plan": plan,
-             "calibration": calibration, "island": island}
+             "calibration": calibration, "island": island, "sick_learner": sick_learner}
 
 
 def later_run(run: dict) -> str:

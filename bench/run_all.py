@@ -6,7 +6,7 @@ the plots under bench/plots/.
     python bench/run_all.py --quick --sections transport --out /tmp/b   # a subset, elsewhere
     python bench/run_all.py --sections user_loop,hf --merge   # run these again, keep the rest
 
-Eleven sections (issues #8, #17, #34 and #35), all but the ninth from real processes talking gRPC on loopback:
+Twelve sections (issues #8, #17, #34, #35 and #55), all but the ninth from real processes talking gRPC on loopback:
 1. quality: final validation loss of the global model against data parallel (`diloco sim
    --mode dp`: one torch.distributed job, gradients averaged every step) at the same model,
    data, seed and tokens, several H, seeds for the headline rows, one learner alone;
@@ -20,7 +20,8 @@ goodput at 150k to 2.4M chips (dp, elastic, Decoupled DiLoCo M = 2 to 16, two fa
 half an hour, never in CI) and its own speed on one day of 2.4M chips; 10. calibration: `diloco sim`
 runs of the demo's cluster at three failure rates, with shard kills and with mixed links, each
 beside `diloco plan --calibrate-from` its report; 11. islands: bench/island.py (learner islands of
-torchft replica groups losing groups, their leaders too, against the same run without kills).
+torchft replica groups losing groups, their leaders too, against the same run without kills);
+12. sick_learner: bench/sick_learner.py (one learner's model scaled x1000, NaN or bit-flipped).
 Commands run one after another, never two at once, so timings do not compete with each other
 (other tenants of the machine still may: timings are medians of repeats). Every row of
 BENCHMARKS.md names its command; the runner only adds where the output goes (--run-dir,
@@ -51,7 +52,7 @@ from diloco.services.contract.config import load_config  # noqa: E402
 from diloco.localcluster.chaos import Chaos  # noqa: E402
 
 SECTIONS = ("quality", "bandwidth", "goodput", "overlap", "transport", "recovery", "user_loop", "hf", "plan",
-            "calibration", "island")
+            "calibration", "island", "sick_learner")
 # The global model within this of data parallel at equal tokens, by M, for H <= 50 (issue 28).
 QUALITY_TARGETS = {4: 0.03, 8: 0.05}
 QUALITY_TARGET_MAX_H = 50
@@ -116,6 +117,7 @@ class Profile:
     calibration_mtbfs: tuple[float, ...]  # learner failure rates (--chaos-mtbf); the middle one also with
     calibration_shard_mtbf: float  # shard kills, and with mixed links
     island: tuple[str, ...]  # of bench/island.py
+    sick_learner: tuple[str, ...]  # of bench/sick_learner.py
 
 
 SEEDS = (1, 2, 3)  # of the headline rows
@@ -138,7 +140,8 @@ FULL = Profile("full", steps=3000, quality=(
                      "--wan-gbps", "20"),
                plan_speed=("--chips", "2457600", "--learners", "16", "--hours", "24"),
                calibration_seconds=120, calibration_mtbfs=(200, 90, 40), calibration_shard_mtbf=40,
-               island=("--steps", "600", "--chaos-replicas", "30", "--chaos-islands", "1"))
+               island=("--steps", "600", "--chaos-replicas", "30", "--chaos-islands", "1"),
+               sick_learner=("--steps", "600", "--seeds", "1", "2"))
 QUICK = Profile("quick", steps=60, quality=(QualityRun("gpt", 2, 10, "int4"), QualityRun("gpt", 2, 25, "int4", (1, 2)),
                                              QualityRun("gpt", 2, 25, "int4", (1, 2), learner_script=PLAIN_LOOP)),
                 goodput_learners=2, goodput_seconds=20, down_shares=(0.25,), restart_delay=4.0,
@@ -152,7 +155,8 @@ QUICK = Profile("quick", steps=60, quality=(QualityRun("gpt", 2, 10, "int4"), Qu
                 plan=("--chips", "153600,307200", "--learners", "2,4", "--hours", "0.05", "--wan-gbps", "20"),
                 plan_speed=("--chips", "153600", "--learners", "4", "--hours", "0.1"),
                 calibration_seconds=30, calibration_mtbfs=(20,), calibration_shard_mtbf=15,
-                island=("--steps", "100", "--chaos-replicas", "5", "--chaos-islands", "1"))
+                island=("--steps", "100", "--chaos-replicas", "5", "--chaos-islands", "1"),
+                sick_learner=("--steps", "80", "--seeds", "1"))
 
 
 class Runner:
@@ -550,6 +554,8 @@ def main() -> int:
         results["calibration"] = calibration_section(runner, profile)
     if "island" in wanted:
         results["island"] = runner.script("island", "bench/island.py", profile.island)
+    if "sick_learner" in wanted:
+        results["sick_learner"] = runner.script("sick_learner", "bench/sick_learner.py", profile.sick_learner)
     results["runner"] = {"command": shlex.join(["python", "bench/run_all.py", *sys.argv[1:]]),
                          "wall_seconds": time.monotonic() - started}
     out = pathlib.Path(args.out)
