@@ -118,15 +118,17 @@ class ShardClient:
     def heartbeat(self, step: int = 0, step_seconds: float = 0.0, tokens_per_second: float = 0.0,
                   held_versions: dict[int, int] | None = None, sync_step: int | None = None,
                   tokens: int = 0, waiting_for: int | None = None, standing_still: bool = False,
-                  timeout: float | None = None) -> pb.HeartbeatResponse:
+                  skipped: tuple[int, ...] = (), timeout: float | None = None) -> pb.HeartbeatResponse:
         """`waiting_for`: the fragment whose result training waits for now, if any;
-        `standing_still`: training stands still (an island regrouping). `timeout`: the call's
-        deadline (default rpc.deadline_seconds)."""
+        `standing_still`: training stands still (an island regrouping); `skipped`: fragments
+        whose open round it will not contribute to. `timeout`: the call's deadline (default
+        rpc.deadline_seconds)."""
         request = pb.HeartbeatRequest(
             learner_id=self.learner_id, incarnation=self.incarnation, step=step,
             step_seconds=step_seconds, tokens_per_second=tokens_per_second,
             held_versions=held_versions or {}, sync_step=step if sync_step is None else sync_step,
-            tokens=tokens, waiting_for_fragment=waiting_for, standing_still=standing_still)
+            tokens=tokens, waiting_for_fragment=waiting_for, standing_still=standing_still,
+            skipped_fragments=skipped)
         reply = self.stub.Heartbeat(request, timeout=timeout or self.rpc.deadline_seconds)
         if self.observer:
             self.observer.heartbeat_answered(reply.versions)

@@ -87,15 +87,16 @@ class ShardCore:
     def heartbeat(self, learner_id: str, incarnation: int, step: int = 0, step_seconds: float = 0.0,
                   tokens_per_second: float = 0.0, held_versions: dict[int, int] | None = None,
                   sync_step: int | None = None, tokens: int = 0, waiting_for: int | None = None,
-                  standing_still: bool = False) -> dict[int, int]:
+                  standing_still: bool = False, skipped: frozenset[int] = frozenset()) -> dict[int, int]:
         """The current version of every owned fragment. Numbers out of range or implausible
         (syncer/claims.py) are refused before anything, the lease included, changes.
         `waiting_for`: the fragment whose result the learner's training waits for now;
-        `standing_still`: its training stands still (an island regrouping)."""
+        `standing_still`: its training stands still (an island regrouping); `skipped`: fragments
+        whose open round it will not contribute to (its push was refused or never sent)."""
         with self.counters.counting_refusals():
             report = HeartbeatReport(step, step_seconds, tokens_per_second, held_versions or {},
                                      step if sync_step is None else sync_step, tokens, waiting_for,
-                                     standing_still)
+                                     standing_still, skipped)
             now = self.clock()
             self.claims.check_heartbeat(report, self.membership.record(learner_id, incarnation), now)
             self.membership.heartbeat(learner_id, incarnation, now, report)

@@ -35,6 +35,7 @@ class HeartbeatReport:
     tokens: int = 0
     waiting_for: int | None = None  # the fragment whose result its training waits for
     standing_still: bool = False  # its training stands still (an island regrouping)
+    skipped: frozenset[int] = frozenset()  # fragments whose open round it will not contribute to
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Learner:
     held_versions: dict[int, int] = field(default_factory=dict)  # fragment id -> version held
     waiting_for: int | None = None  # as last reported
     standing_still: bool = False  # as last reported
+    skipped: frozenset[int] = frozenset()  # as last reported
     attendance: int = 0  # its Attend call now open (0: none since it joined)
 
     @property
@@ -122,6 +124,7 @@ class Membership:
             learner.tokens_per_second, learner.tokens, learner.heartbeat_at = report.tokens_per_second, report.tokens, now
             learner.held_versions = dict(report.held_versions)
             learner.waiting_for, learner.standing_still = report.waiting_for, report.standing_still
+            learner.skipped = report.skipped
             if learner.placed_at is None:
                 learner.placed_at = now
 
@@ -185,11 +188,13 @@ class Membership:
 
     def waiting_elsewhere(self, fragment_id: int) -> frozenset[str]:
         """Live learners whose last heartbeat said their training waits for another fragment's
-        result, or stands still (an island regrouping): none of them pushes this fragment
-        before that wait ends."""
+        result, or stands still (an island regrouping), or that they skip this fragment's open
+        round (their push for it was refused or never sent): none of them pushes this fragment
+        before that ends."""
         with self._lock:
             return frozenset(l.id for l in self._learners.values() if l.alive and (
-                l.standing_still or (l.waiting_for is not None and l.waiting_for != fragment_id)))
+                l.standing_still or fragment_id in l.skipped
+                or (l.waiting_for is not None and l.waiting_for != fragment_id)))
 
     def member_ids(self) -> frozenset[str]:
         """Learners that joined and have not left, live or not: whom a synchronous round

@@ -104,7 +104,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                                        request.step_seconds, request.tokens_per_second,
                                        dict(request.held_versions), request.sync_step, request.tokens,
                                        request.waiting_for_fragment if request.HasField("waiting_for_fragment") else None,
-                                       request.standing_still)
+                                       request.standing_still, frozenset(request.skipped_fragments))
         run_tokens, run_tokens_per_second = self.core.run_tokens()
         return pb.HeartbeatResponse(lease_seconds=self.core.cfg.syncer.lease_seconds, versions=versions,
                                     run_tokens=run_tokens, run_tokens_per_second=run_tokens_per_second)

@@ -91,9 +91,11 @@ def test_a_learner_whose_model_goes_nan_takes_the_global_model_back_and_trains_o
         assert all(torch.isfinite(p).all() for p in net.parameters())
         assert all(torch.equal(p.detach(), held_global_model(sync)[name]) for name, p in net.named_parameters())
         assert not optimizer.state  # momentum built on NaN: cleared
+        assert sync.sync.progress().skipped == (0,)  # heartbeats: the open round need not wait for it
         applied = sync.sync.stats.syncs_applied
         train_until(sync, net, optimizer, lambda: sync.sync.stats.syncs_applied >= applied + 2)
         assert all(torch.isfinite(p).all() for p in net.parameters())
+        assert sync.sync.progress().skipped == ()
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "healed" in errors[0] and "NaN or Inf" in errors[0]
 

@@ -228,6 +228,21 @@ def test_a_round_does_not_wait_for_a_learner_whose_island_stands_still():
     assert shard.core.tick() == [] and shard.version() == 1
 
 
+def test_a_round_does_not_wait_for_a_learner_that_skips_it_and_the_other_fragments_do():
+    # c's push of fragment 0 was refused (or its model went NaN): its next one is a period away.
+    shard = Shard(make_config(quorum=3, lease_seconds=60.0, grace={"mode": "fixed", "seconds": 60.0}))
+    for fid in (0, 1):
+        shard.push("a", fid, delta(1, shard.numel(fid)))
+        shard.push("b", fid, delta(2, shard.numel(fid)))
+    shard.core.heartbeat("c", 1, skipped=frozenset({0}))
+    assert shard.core.tick() == [0] and shard.core.fragments[0].committed.last_round.close_reason == "others_waiting"
+    assert shard.version(1) == 0  # fragment 1 still waits for c's push
+    shard.core.heartbeat("c", 1)  # it delivered again: fragment 0's next round waits for it
+    shard.push("a", 0, delta(3, shard.numel()), base=1)
+    shard.push("b", 0, delta(4, shard.numel()), base=1)
+    assert shard.core.tick() == [] and shard.version() == 1
+
+
 def test_a_round_with_some_of_the_live_learners_counts_for_their_share():
     # Learners out of lockstep: each of one period's three contributions closes its own round.
     sgd = {"lr": 1.0, "momentum": 0.0, "nesterov": False}

@@ -49,6 +49,7 @@ class Progress:
     sync_step: int  # the step its sync schedule is at
     waiting_for: int | None = None  # the fragment whose result training waits for now
     standing_still: bool = False  # training stands still (an island regrouping)
+    skipped: tuple[int, ...] = ()  # fragments whose last push was not delivered: their rounds need not wait
 
 
 class SessionHost(Protocol):
@@ -286,6 +287,8 @@ class ShardSession:
         reply = self.client.heartbeat(progress.step, progress.step_seconds, progress.tokens_per_second, held,
                                       sync_step=progress.sync_step, tokens=progress.tokens,
                                       waiting_for=progress.waiting_for, standing_still=progress.standing_still,
+                                      skipped=tuple(f for f in progress.skipped
+                                                    if self.plan.fragments[f].shard == self.index),
                                       timeout=deadline)
         self.host.heard_run_tokens(reply, progress)
 

@@ -213,8 +213,10 @@ class StreamingSync:
         return {p.fragment.id: p.held()[0] for p in pipelines}
 
     def progress(self) -> Progress:
+        with self._lock:
+            skipped = tuple(fid for fid, p in self.fragments.items() if p.undelivered is not None)
         return Progress(self.step, self.step_seconds, self.tokens, self.tokens_per_second,
-                        self.step + self.schedule.sync_offset, self.waiting_for, self.standing_still())
+                        self.step + self.schedule.sync_offset, self.waiting_for, self.standing_still(), skipped)
 
     def heard_run_tokens(self, reply: pb.HeartbeatResponse, progress: Progress) -> None:
         self.schedule.heard_run_tokens(reply.run_tokens, reply.run_tokens_per_second, progress.tokens,

@@ -140,7 +140,7 @@ class JoinResponse(_message.Message):
     def __init__(self, shard_index: _Optional[int] = ..., plan_digest: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentInfo, _Mapping]]] = ..., settings: _Optional[_Union[ClusterSettings, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("learner_id", "incarnation", "step", "step_seconds", "tokens_per_second", "held_versions", "sync_step", "tokens", "waiting_for_fragment", "standing_still")
+    __slots__ = ("learner_id", "incarnation", "step", "step_seconds", "tokens_per_second", "held_versions", "sync_step", "tokens", "waiting_for_fragment", "standing_still", "skipped_fragments")
     class HeldVersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class HeartbeatRequest(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     STANDING_STILL_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     incarnation: int
     step: int
@@ -168,7 +169,8 @@ class HeartbeatRequest(_message.Message):
     tokens: int
     waiting_for_fragment: int
     standing_still: bool
-    def __init__(self, learner_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., held_versions: _Optional[_Mapping[int, int]] = ..., sync_step: _Optional[int] = ..., tokens: _Optional[int] = ..., waiting_for_fragment: _Optional[int] = ..., standing_still: _Optional[bool] = ...) -> None: ...
+    skipped_fragments: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, learner_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., held_versions: _Optional[_Mapping[int, int]] = ..., sync_step: _Optional[int] = ..., tokens: _Optional[int] = ..., waiting_for_fragment: _Optional[int] = ..., standing_still: _Optional[bool] = ..., skipped_fragments: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_seconds", "versions", "run_tokens", "run_tokens_per_second")
