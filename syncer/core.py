@@ -144,7 +144,7 @@ class ShardCore:
                 # fragment, or the retry of a contribution already merged (a duplicate).
                 if header.kind == pb.PUSH_KIND_OUTER_GRADIENT and refusal.reason != "duplicate":
                     self.counters.add("contributions.refused")
-                if refusal.reason in ("norm_outlier", "norm_too_large"):  # named: status and metrics show it
+                if refusal.reason == "norm_outlier":  # names the learner: status and metrics show it
                     self.counters.add(f"outliers.{header.learner_id}")
                 raise
             finally:

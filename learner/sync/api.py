@@ -51,24 +51,22 @@ import signal
 import time
 from typing import Iterator
 
-import grpc
 import torch
 from torch import nn
 
 from diloco.services.export import is_transformers_model
 from diloco.learner.island.ranks import Island
+from diloco.learner.sync.records import LearnerRecords
 from diloco.learner.sync.report import Report, process_started
 from diloco.learner.sync.stop_signals import StopSignals
 from diloco.learner.sync.streaming import StreamingSync
 from diloco.learner.sync.synced_parameters import SyncedParameters
 from diloco.learner.sync.synced_parameters import manifest
-from diloco.services.client import ShardClient
-from diloco.services.contract.config import Config, ConfigError, check_state_folder, load_config
+from diloco.services.contract.config import Config, ConfigError, load_config
 from diloco.services.export import ExportedFragment, GlobalModel, pretrained_config, write_export
 from diloco.services.contract.fragments import plan_for_config
 from diloco.learner.sync.metrics import LearnerMetrics
-from diloco.services.metrics import serve
-from diloco.services.contract.tls import Identity, learner_name, load_identity
+from diloco.services.contract.tls import learner_name, load_identity
 
 
 class DecoupledDiLoCo:
@@ -129,9 +127,9 @@ class DecoupledDiLoCo:
         self.steps = 0  # inner steps trained, over every incarnation
         self.tokens = 0  # tokens trained, every rank of the island, over every incarnation
         self.sync: StreamingSync | None = None
-        self.metrics: LearnerMetrics | None = None
-        self.report: Report | None = None
-        self._metrics_server = None
+        self.records: LearnerRecords | None = None  # rank 0's report and /metrics
+        self.report: Report | None = None  # records.report
+        self.metrics: LearnerMetrics | None = None  # records.metrics
         self._inside = False
         self._left = False  # left the block once: entering again is refused
         self._finished = False  # finish() ran
@@ -143,10 +141,9 @@ class DecoupledDiLoCo:
     # ---- checkpoint state -----------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """What this learner's checkpoint needs besides the model and optimizer: counters,
-        every fragment's version, anchor and error-feedback residual, and the report's
-        history. Plain tensors and containers (torch.load(weights_only=True) reads them); the
-        tensors are the live ones: deep-copy them to write the checkpoint on another thread."""
+        """What this learner's checkpoint needs besides the model and optimizer: counters, each
+        fragment's version, anchor and residual, the report's history. Plain tensors (weights_only
+        loads them), the live ones: deep-copy them to write the checkpoint on another thread."""
         state = {"steps": self.steps, "tokens": self.tokens}
         if self.sync is not None:
             state["sync"] = self.sync.state_dict()
@@ -179,13 +176,9 @@ class DecoupledDiLoCo:
         self.params = self._synced.params
         self._restore_started = time.monotonic()  # the leader restarts this clock once /metrics is served
         if self.island.leader:
-            try:
-                check_state_folder(self.state_dir)  # a learner that cannot keep its report must not train
-            except OSError as error:
-                raise OSError(error.errno, f"learner {self.learner.id}: cannot write its state folder "
-                              f"{self.state_dir}: {error.strerror}") from None
-            self.report = Report(self.state_dir / "report.json", self.learner.id, self.learner.region,
-                                 self._restored.get("report"), self.plan.total_numel)
+            self.records = LearnerRecords(self.cfg, self.learner, self.state_dir, self._restored.get("report"),
+                                          self.plan.total_numel)
+            self.report = self.records.report
             try:
                 self._start_leader()
             except BaseException:
@@ -198,10 +191,7 @@ class DecoupledDiLoCo:
         restore_seconds = time.monotonic() - self._restore_started
         startup_seconds = self._restore_started - self._process_started
         if self.island.leader:
-            if self.metrics:
-                self.metrics.started(restore_seconds)
-            self.report.begin_incarnation(self.sync.incarnation if self.sync else 0, self.steps, startup_seconds,
-                                          restore_seconds, self.sync.stats.versions_behind_at_join if self.sync else 0)
+            self.records.started(self.sync, self.steps, startup_seconds, restore_seconds)
             self._write_report("training")  # so this incarnation's record exists, should it die
         self._last_step_done = time.perf_counter()
         return self
@@ -209,31 +199,17 @@ class DecoupledDiLoCo:
     def _start_leader(self) -> None:
         """Rank 0: metrics, then (enabled) join every shard and pull the global model."""
         identity = load_identity(self.cfg, learner_name(self.learner.id), self._tls_dir) if self.enabled else None
-        if self.learner.metrics_port:
-            self.metrics = LearnerMetrics()
-            try:
-                self._metrics_server = serve(self.metrics.registry, self.learner.metrics_port, self.cfg.run.listen_host)
-            except OSError as error:
-                raise OSError(error.errno, f"learner {self.learner.id}: cannot serve metrics on port "
-                              f"{self.learner.metrics_port} (learners[].metrics_port): {error.strerror}") from None
-            self.metrics.model_loaded(self.plan.total_numel)
+        self.records.serve_metrics()
+        self.metrics = self.records.metrics
         self._restore_started = time.monotonic()
         if not self.enabled:
             return
-        if self.metrics:
-            # Before joining: the shards still hold the previous incarnation's last step.
-            lives = self._restored.get("report", {}).get("incarnations", [])
-            self.metrics.steps_lost(max(0, last_step_seen_by_shards(self.cfg, self.learner.id, identity) - self.steps),
-                                    mean_step_seconds(lives))
+        self.records.joining(self.steps, identity)
         self.sync = StreamingSync(self.cfg, self.learner.id, self.learner.region, self.params, self.plan,
                                   observer=self.metrics, identity=identity, standing_still=self.island.standing_still)
         self.sync.start(self._restored.get("sync"), should_stop=self._stop_signals.received.is_set, step=self.steps,
                         tokens=self.tokens, process_started=self._process_started)
-        if self.metrics:
-            sync = self.sync
-            self.metrics.watch_sync(sync.held_versions, lambda: sync.stats.blocked_seconds, lambda: {
-                "refused": sync.stats.syncs_refused, "reanchored": sync.stats.reanchored,
-                "hash_mismatch": sync.stats.hash_mismatches, "healed": sync.stats.heals})
+        self.records.watch(self.sync)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._left = True
@@ -246,13 +222,11 @@ class DecoupledDiLoCo:
             self._close(leave=True)
 
     def finish(self) -> None:
-        """Ends training (leaving the block does it if you do not): a learner whose budget is
-        spent delivers its last contributions and leaves the run; one that was stopped
-        (SIGTERM) waits for its syncs in flight. Both then pull until the global model is quiet,
-        so global_state_dict() holds the global model as of this leave; the learner whose budget
-        is spent also writes it into `model` (bit for bit in fp32 parameters, rounded in bf16
-        ones). Under torchrun that is rank 0's model: the other ranks keep their local one."""
-        self._require_inside("finish")
+        """Ends training (leaving the block does it if you do not): a learner whose budget is spent
+        delivers its last contributions, leaves the run, pulls until the global model is quiet and
+        writes it into `model` (rank 0's under torchrun; bf16 parameters get it rounded); one that
+        was stopped (SIGTERM) waits for its syncs in flight, pulls, and keeps its local model."""
+        _check_inside(self._inside, "finish")
         if self._finished or not self.island.leader:
             self._finished = True
             return
@@ -260,9 +234,7 @@ class DecoupledDiLoCo:
         spent = self.budget_spent
         if self.sync and not spent:
             self.sync.flush()  # may wait for late results: still provisioned training time
-        self.report.training_ended()
-        if spent and self.metrics:
-            self.metrics.training_finished()
+        self.records.training_ended(spent)
         if self.sync:
             if spent:
                 self.sync.deliver()  # the last contributions are in; their rounds need not wait for us
@@ -277,12 +249,8 @@ class DecoupledDiLoCo:
         self._stop_signals.restore()
         if self.sync is not None:
             self.sync.close(leave=leave)
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-            self._metrics_server.server_close()
-            self._metrics_server = None
-        if self.report is not None:
-            self.report.close()  # the last write on disk
+        if self.records is not None:
+            self.records.close()
 
     # ---- the training loop's calls ----------------------------------------------------
 
@@ -292,7 +260,7 @@ class DecoupledDiLoCo:
         `seconds`: the step's compute time, default the time since the last step() returned.
         Returns the ids of the fragments whose global values were applied to the model."""
         entered = time.perf_counter()
-        self._require_inside("step")
+        _check_inside(self._inside, "step")
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
             raise ValueError(f"DecoupledDiLoCo.step: tokens must be a non-negative int, got {tokens!r}")
         island_tokens = tokens * self.island.world_size
@@ -315,24 +283,20 @@ class DecoupledDiLoCo:
         stop = self.budget_spent or self._stop_signals.received.is_set()
         applied, self._stopping = self.island.share_step(self.plan, applied, stop, self.params)
         if self.island.leader:
-            self.report.step(compute_seconds, compute_seconds + time.perf_counter() - entered)
-            if self.metrics:
-                self.metrics.stepped(compute_seconds, island_tokens, self.steps)
+            self.records.stepped(compute_seconds, compute_seconds + time.perf_counter() - entered, island_tokens,
+                                 self.steps)
         self._last_step_done = time.perf_counter()
         return applied
 
     @property
     def heals(self) -> int:
-        """Times this learner was sick (NaN or Inf in its model, or its pushes refused as
-        outliers) and took the global model back; each clears `optimizer`'s state."""
+        """Times this learner was sick and took the global model back (learner/sync/healing.py)."""
         return self.sync.stats.heals if self.sync is not None else 0
 
     def rephase(self, stood_still_seconds: float = 0.0) -> None:
-        """Call after the training stood still while the other learners trained on (an island
-        that regrouped after losing or regaining a replica group): the sync schedule takes
-        their phase again, as after a join, instead of pushing behind their rounds from then on.
-        `stood_still_seconds` (the regroup, and any step it dropped) is badput "restore", the
-        island reconfiguring, not the next step's compute."""
+        """Call after the training stood still while the others trained on (an island regrouping):
+        the sync schedule takes their phase again, as after a join. `stood_still_seconds` (the
+        regroup, and any step it dropped) is badput "restore", not the next step's compute."""
         if stood_still_seconds > 0:
             self._book_badput("restore", stood_still_seconds, report_key="regroup")
         if self.sync is not None:
@@ -361,10 +325,8 @@ class DecoupledDiLoCo:
         """Counts `seconds` of the loop as badput `category` (in the report under `report_key`,
         default the category), not as the next step's compute."""
         self._last_step_done += seconds
-        if self.report is not None:
-            self.report.spent(report_key or category, seconds)
-        if self.metrics:
-            self.metrics.spent(category, seconds)
+        if self.records is not None:
+            self.records.spent(category, seconds, report_key)
 
     # ---- the run's product ------------------------------------------------------------
 
@@ -372,18 +334,11 @@ class DecoupledDiLoCo:
         """The run's global model as this learner last pulled it, fp32, by parameter name
         (after leaving the block: as of its leave; the versions are fragment_versions()). Rank 0
         only."""
-        return self._holder("global_state_dict").global_state_dict()
+        return _holder(self.sync, "global_state_dict").global_state_dict()
 
     def fragment_versions(self) -> dict[int, int]:
         """The version of each fragment in global_state_dict(), by fragment id."""
-        return self._holder("fragment_versions").held_versions()
-
-    def _holder(self, call: str) -> StreamingSync:
-        """The sync that holds the global model."""
-        if self.sync is None:
-            raise RuntimeError(f"DecoupledDiLoCo.{call}: only rank 0 of a syncing learner "
-                               "(enabled=True) holds the global model, once it has entered")
-        return self.sync
+        return _holder(self.sync, "fragment_versions").held_versions()
 
     def export(self, out: str | os.PathLike) -> None:
         """Writes the global model as `diloco export` does: model.safetensors and a manifest, and
@@ -395,13 +350,6 @@ class DecoupledDiLoCo:
         write_export(GlobalModel(self.cfg.run.name, self.plan.digest, fragments, global_values, config),
                      pathlib.Path(out))
 
-    # ---- checks -------------------------------------------------------------------------
-
-    def _require_inside(self, call: str) -> None:
-        if not self._inside:
-            raise RuntimeError(f"DecoupledDiLoCo.{call}() called outside its `with DecoupledDiLoCo(...)` block: "
-                               "enter the block first (it joins the run)")
-
     @property
     def budget_spent(self) -> bool:
         """trainer.max_steps, trainer.max_tokens or the run's trainer.max_run_tokens is spent, or
@@ -412,34 +360,26 @@ class DecoupledDiLoCo:
             or run_over or self._stop_signals.finish.is_set()
 
     def _write_report(self, phase: str, background: bool = False) -> None:
-        self.report.island = self.island.record()
-        self.report.write(phase, self.steps, self.tokens, self.island.world_size, self.sync, background)
+        self.records.write(phase, self.steps, self.tokens, self.island, self.sync, background)
 
     def write_report(self) -> None:
         """Writes <state_dir>/report.json as of now, as training (leaving the block writes the
         final one), on a thread of its own: the training thread only takes the record. Rank 0
         only; others do nothing."""
-        self._require_inside("write_report")
+        _check_inside(self._inside, "write_report")
         if self.island.leader:
             self._write_report("training", background=True)
 
 
-def last_step_seen_by_shards(cfg: Config, learner_id: str, identity: Identity | None) -> int:
-    """The step this learner's previous incarnation last reported in a heartbeat, as far as any
-    shard remembers it (0 when none does: first start, or the shards restarted too). It lags the
-    step the process died at by up to one heartbeat interval, so work lost is a lower bound."""
-    seen = 0
-    for shard in cfg.shards:
-        try:
-            with ShardClient(shard.address, cfg.rpc, identity=identity) as client:
-                status = client.status(timeout=2.0)
-        except grpc.RpcError:
-            continue
-        seen = max([seen] + [l.last_step for l in status.learners if l.learner_id == learner_id])
-    return seen
+def _check_inside(inside: bool, call: str) -> None:
+    if not inside:
+        raise RuntimeError(f"DecoupledDiLoCo.{call}() called outside its `with DecoupledDiLoCo(...)` block: "
+                           "enter the block first (it joins the run)")
 
 
-def mean_step_seconds(incarnations: list[dict]) -> float | None:
-    """Mean compute seconds per step of the lives a checkpoint recorded (None: no step recorded)."""
-    steps = sum(life.get("steps", 0) for life in incarnations)
-    return sum(life.get("compute_seconds", 0.0) for life in incarnations) / steps if steps else None
+def _holder(sync: StreamingSync | None, call: str) -> StreamingSync:
+    """The sync that holds the global model."""
+    if sync is None:
+        raise RuntimeError(f"DecoupledDiLoCo.{call}: only rank 0 of a syncing learner "
+                           "(enabled=True) holds the global model, once it has entered")
+    return sync

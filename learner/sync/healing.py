@@ -2,20 +2,26 @@
 
 A learner is sick when its model holds NaN or Inf (a fragment's outer gradient cannot be
 encoded: learner/sync/pipeline.py never sends one) or when the shards refuse its pushes as
-outliers (syncer/outliers.py) or beyond syncer.max_update_norm `after_refusals` times in a row. It heals at the next step: its
+outliers (syncer/outliers.py) `after_refusals` times in a row. (A push beyond
+syncer.max_update_norm but not an outlier says more of that setting than of the learner.) It heals at the next step: its
 model takes back the global values it holds (the anchors, the shards' values as of its last
 syncs), the error-feedback residuals built on the sick values are dropped, and the inner
 optimizer's state is cleared; one ERROR line says why. A learner sick again within
 `window_steps` of its last heal is not healing: it stops with LearnerDiverged (the built-in
 learner exits non-zero), rather than train on values it cannot keep finite.
 
-Healing decides; streaming.py heals. The sync threads report what their pushes met; the
-training thread asks `sick()` after each step and, once the pushes in flight are answered,
-`take(step)`.
+The sync threads report what their pushes met; the training thread asks `sick()` after each
+step and then `heal(fragments, step)` (learner/sync/pipeline.py: FragmentPipeline.heal).
 """
 from __future__ import annotations
 
 import threading
+from typing import Iterable, Protocol
+
+
+class Healable(Protocol):
+    def heal(self) -> None:
+        """Takes back the global value it holds; drops what was built on the sick values."""
 
 
 class LearnerDiverged(RuntimeError):
@@ -52,6 +58,13 @@ class Healing:
     def sick(self) -> bool:
         with self._lock:
             return self._why is not None
+
+    def heal(self, fragments: Iterable[Healable], step: int) -> str:
+        """Every fragment takes back the global value the learner holds (each waits for its
+        push in flight to be answered); then `take(step)`."""
+        for fragment in fragments:
+            fragment.heal()
+        return self.take(step)
 
     def take(self, step: int) -> str:
         """Why the learner heals at `step`; the reports so far are consumed (call it once the

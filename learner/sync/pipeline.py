@@ -39,9 +39,6 @@ from diloco.services.contract.wire import pb
 
 log = logging.getLogger(__name__)
 
-# The shards' refusals of a push whose size says the model that made it is sick (learner/sync/healing.py).
-ABNORMAL_REFUSALS = ("norm_outlier", "norm_too_large")
-
 
 @dataclass(frozen=True)
 class PushMeta:
@@ -129,9 +126,8 @@ class FragmentPipeline:
         return self.in_flight.done()
 
     def heal(self) -> None:
-        """The model's fragment takes back the global value it holds; the residual and the
-        values kept for a late result, built on sick values, are dropped. Call it once the push
-        in flight is answered (`pushed`): the sync thread leaves the residual alone from then."""
+        """The model's fragment takes back the global value it holds, once the push in flight is
+        answered (the sync thread then leaves the residual alone); what sick values built is dropped."""
         if self.in_flight is not None:
             self.pushed.wait()
         scatter(self.fragment, self.anchor if self.device_anchor is None else self.device_anchor,
@@ -179,28 +175,6 @@ class FragmentPipeline:
                 param.copy_(merged_fragment(alpha, to_device(global_piece, param.device), param.float(),
                                             None if at_apply_piece is None
                                             else to_device(at_apply_piece, param.device)))
-
-    def pull_newer(self, wait_seconds: float) -> tuple[PullResult, torch.Tensor | None]:
-        """The fragment's versions after ours, or the shard's value where it serves the fragment
-        below our version (re-anchored; an unseeded one: we keep ours)."""
-        try:
-            return self.session.pull_checked(self.fragment.id, self.version, self.anchor,
-                                             min_version=self.version + 1, max_wait_seconds=wait_seconds)
-        except grpc.RpcError as error:
-            if remedy(error) is not Remedy.REJOIN:
-                raise
-            log.warning("fragment %d: shard %d: %s", self.fragment.id, self.session.index, error.details())
-        try:
-            result, value = self.session.pull_checked(self.fragment.id, None, None)
-        except grpc.RpcError as error:
-            if remedy(error) is not Remedy.REJOIN:
-                raise
-            log.warning("fragment %d: shard %d serves no value: keeping ours at version %d",
-                        self.fragment.id, self.session.index, self.version)
-            return PullResult(self.fragment.id, [], "", 0), None
-        self.context.stats.reanchored_fragment(self.fragment.id, self.version, result.version)
-        self.feedback.residual.zero_()
-        return result, value
 
     def hash(self) -> tuple[int, str]:
         """(version, state hash of the anchor): the hash the pull that left it checked."""
@@ -294,7 +268,7 @@ class FragmentPipeline:
                 session.forgotten()
             elif remedy(error) is Remedy.STOP:
                 self.context.stats.count("syncs_refused")
-                if refusal_reason(error) in ABNORMAL_REFUSALS:
+                if refusal_reason(error) == "norm_outlier":  # the model that made it is sick
                     self.context.healing.refused_as_outlier(self.fragment.id, reason(error))
             log.warning("fragment %d: push to shard %d failed: %s", self.fragment.id, session.index, reason(error))
             self.undelivered = (remedy(error), f"shard {session.index}: {reason(error)}")

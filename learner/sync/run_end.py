@@ -9,11 +9,13 @@ import time
 from typing import Callable, Mapping, Sequence
 
 import grpc
+import torch
 
 from diloco.learner.sync.pipeline import FragmentPipeline
 from diloco.learner.sync.schedule import LearnerSchedule
 from diloco.learner.sync.session import ShardSession
 from diloco.learner.sync.shard_errors import RETRY_INITIAL_SECONDS, Remedy, backoff_delays, remedy
+from diloco.services.client import PullResult
 from diloco.learner.sync.stats import SyncStats
 from diloco.services.contract.config import Config
 from diloco.services.contract.state import StateHashMismatch
@@ -116,7 +118,7 @@ class RunEnd:
             session = pipeline.session
             try:
                 result, value = self.stats.counted_pull(
-                    lambda: session.retry(lambda: pipeline.pull_newer(wait_seconds), give_up))
+                    lambda: session.retry(lambda: pull_newer(pipeline, wait_seconds), give_up))
             except grpc.RpcError as error:
                 if remedy(error) is not Remedy.RETRY_LATER:
                     raise
@@ -130,3 +132,26 @@ class RunEnd:
                 pipeline.adopt(value, result.version)
                 changed = True
         return changed, reached_all
+
+
+def pull_newer(pipeline: FragmentPipeline, wait_seconds: float) -> tuple[PullResult, torch.Tensor | None]:
+    """The fragment's versions after the pipeline's, or the shard's value where it serves the
+    fragment below that version (re-anchored; an unseeded one: the pipeline keeps its own)."""
+    session, fid, version = pipeline.session, pipeline.fragment.id, pipeline.version
+    try:
+        return session.pull_checked(fid, version, pipeline.anchor, min_version=version + 1,
+                                    max_wait_seconds=wait_seconds)
+    except grpc.RpcError as error:
+        if remedy(error) is not Remedy.REJOIN:
+            raise
+        log.warning("fragment %d: shard %d: %s", fid, session.index, error.details())
+    try:
+        result, value = session.pull_checked(fid, None, None)
+    except grpc.RpcError as error:
+        if remedy(error) is not Remedy.REJOIN:
+            raise
+        log.warning("fragment %d: shard %d serves no value: keeping ours at version %d", fid, session.index, version)
+        return PullResult(fid, [], "", 0), None
+    pipeline.context.stats.reanchored_fragment(fid, version, result.version)
+    pipeline.feedback.residual.zero_()
+    return result, value

@@ -29,13 +29,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Mapping
 
-import grpc
 import torch
 
 from diloco.learner.sync.healing import Healing
 from diloco.learner.sync.joined_run import others_tokens, started_beside, tell_what_it_joined
 from diloco.learner.sync.pipeline import FragmentPipeline, SyncContext
 from diloco.learner.sync.run_end import RunEnd
+from diloco.learner.sync.run_phase import RunPhase
 from diloco.learner.sync.schedule import LearnerSchedule
 from diloco.learner.sync.session import JoinRefused, Progress, ReanchorDue, ShardSession
 from diloco.learner.sync.stats import SyncStats
@@ -101,6 +101,7 @@ class StreamingSync:
         self._context = SyncContext(cfg, params, ThreadPoolExecutor(len(plan.fragments), thread_name_prefix="sync"),
                                     self.stats, reanchor_due, self.healing,
                                     stopping=lambda: self._stop.is_set() or self._should_stop())
+        self._phase = RunPhase(cfg, learner_id, self.sessions, self.schedule)
         self._end = RunEnd(cfg, learner_id, self.fragments, self.sessions, self.schedule, self.stats, self._stop,
                            should_stop=lambda: self._should_stop())
 
@@ -131,7 +132,7 @@ class StreamingSync:
             session.start_heartbeats()
         for session in self.sessions:
             session.join(should_stop)
-        status = self._join_in_phase()
+        status = self._phase.join(self.step, self.tokens)
         behind = sum(self._pull_at_start(fragment, should_stop) for fragment in self.plan.fragments)
         age = 0.0 if process_started is None else time.monotonic() - process_started
         tell_what_it_joined(self.learner_id, self.cfg.run.name, self.cfg.trainer.max_run_tokens,
@@ -148,30 +149,10 @@ class StreamingSync:
 
     def rephase(self) -> None:
         """The training stood still while the others trained on: their phase again, from Status."""
-        self._join_in_phase()
+        self._phase.join(self.step, self.tokens)
         self.stats.rephased += 1
         log.info("%s: sync schedule back in phase with the others (offset %d)", self.learner_id,
                  self.schedule.sync_offset)
-
-    def _join_in_phase(self) -> pb.StatusResponse | None:
-        """Starts the sync schedule in phase with the learners already training, as the first
-        shard that answers Status sees them (none answers: at this learner's own step), and
-        counts the run's tokens from there until a heartbeat does. Returns that Status."""
-        status = self._first_status()
-        if status is None:
-            return None
-        self.schedule.join_in_phase(status.learners, self.learner_id, self.step)
-        self.schedule.heard_run_tokens(others_tokens(status, self.learner_id) + self.tokens, 0.0, self.tokens, 0.0)
-        return status
-
-    def _first_status(self) -> pb.StatusResponse | None:
-        """The Status of the first shard that answers (None: none does)."""
-        for session in self.sessions:
-            try:
-                return session.client.status(timeout=self.cfg.rpc.deadline_seconds)
-            except grpc.RpcError:
-                continue
-        return None
 
     def _pull_at_start(self, fragment: Fragment, should_stop: Callable[[], bool]) -> int:
         """Pulls the fragment (only the updates since a checkpoint's version where there is
@@ -238,9 +219,15 @@ class StreamingSync:
         for pipeline in self.fragments.values():
             if (seconds := pipeline.take_push_seconds()) is not None:
                 self.schedule.pushed(seconds, step_seconds)
-        if self.schedule.first_step_pending and (status := self._first_status()) is not None:
+        if self.schedule.first_step_pending and (status := self._phase.first_status()) is not None:
             self.schedule.heard_again_before_first_step(status.learners, self.learner_id)
-        healed = self._heal(step) if self.healing.sick() else []
+        healed = []
+        if self.healing.sick():  # every fragment takes back the global value this learner holds
+            why = self.healing.heal(self.fragments.values(), step)  # raises LearnerDiverged if it did not help
+            self.stats.heals += 1
+            log.error("learner %s healed at step %d: %s. It took back the global model it holds (versions %s) "
+                      "and dropped its local progress since", self.learner_id, step, why, self.held_versions())
+            healed = list(self.fragments)
         actions = self.schedule.step_done(step, tokens)
         if actions.held:
             self.stats.held_steps += 1
@@ -250,17 +237,6 @@ class StreamingSync:
         applied = [due.fragment_id for due in actions.apply if self._finish(self.fragments[due.fragment_id],
                                                                               due.wait_limit)]
         return healed or applied
-
-    def _heal(self, step: int) -> list[int]:
-        """The learner is sick (learner/sync/healing.py): every fragment of the model takes back
-        the global value this learner holds. Returns every fragment's id (all were replaced)."""
-        for pipeline in self.fragments.values():
-            pipeline.heal()
-        why = self.healing.take(step)  # raises LearnerDiverged when the last heal did not help
-        self.stats.heals += 1
-        log.error("learner %s healed at step %d: %s. It took back the global model it holds (versions %s) "
-                  "and dropped its local progress since", self.learner_id, step, why, self.held_versions())
-        return list(self.fragments)
 
     def _finish(self, pipeline: FragmentPipeline, wait_limit: float | None) -> bool:
         """Applies the in-flight result, waiting up to `wait_limit` seconds for it (None: as
