@@ -82,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --chaos-replicas: only the first N learners' islands lose groups (default: "
                              "every island); the others' blocked time is what those losses cost learners that "
                              "lost nothing")
+    parser.add_argument("--eval-global", action="store_true",
+                        help="each learner's evaluations also evaluate the global model it holds: the summary "
+                             "sets the global model against the learners' own over the run (built-in learner)")
     parser.add_argument("--chaos-poison", action="append", default=[], metavar="LEARNER:STEP:KIND",
                         help="after inner step STEP the learner's model goes bad: KIND scale (x1000), nan or "
                              "bitflip (learner/trainer/poison.py); the run refuses its pushes, it heals or "
@@ -168,9 +171,10 @@ def check_flags(args: argparse.Namespace, cfg: Config) -> None:
         raise ConfigError("--chaos-mtbf: a learner of island.replica_groups > 1 fails only when every group does; "
                           "kill its groups with --chaos-replicas")
     poison_flags(args.chaos_poison, cfg)
-    if args.chaos_poison and (args.learner_script or args.mode != "diloco"):
-        raise ConfigError("--chaos-poison: poisons the built-in learner of --mode diloco (not a --learner-script, "
-                          "not --mode dp or param-avg)")
+    for flag, given in (("--chaos-poison", args.chaos_poison), ("--eval-global", args.eval_global)):
+        if given and (args.learner_script or args.mode != "diloco"):
+            raise ConfigError(f"{flag}: a flag of the built-in learner of --mode diloco (not of a --learner-script, "
+                              "not --mode dp or param-avg)")
     if args.learner_script is None:
         return
     if cfg.island.replica_groups > 1:
@@ -200,6 +204,15 @@ def poison_flags(poisons: list[str], cfg: Config | None = None) -> dict[str, lis
             if cfg.island.replica_groups > 1:
                 raise ConfigError("--chaos-poison: the built-in learner of one process; not with replica groups")
         flags.setdefault(learner_id, []).extend(["--poison", step_kind])
+    return flags
+
+
+def learner_flags(args: argparse.Namespace, cfg: Config) -> dict[str, list[str]]:
+    """Flags of `diloco learner` by learner id: --poison of --chaos-poison, --eval-global."""
+    flags = poison_flags(args.chaos_poison)
+    if args.eval_global:
+        for learner in cfg.learners:
+            flags.setdefault(learner.id, []).append("--eval-global")
     return flags
 
 
@@ -233,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
         run_processes = lambda: data_parallel.simulate(processes, args, progress)  # noqa: E731
     else:
         processes = LocalCluster(cfg, run_dir, learner_script=args.learner_script,
-                                 warm_restarts=args.warm_restarts, learner_flags=poison_flags(args.chaos_poison))
+                                 warm_restarts=args.warm_restarts, learner_flags=learner_flags(args, cfg))
         write_file_sd(cfg, args.prometheus_targets or run_dir / "prometheus-targets.json")
         run_processes = lambda: simulate(cfg, processes, args)  # noqa: E731
     stop_signals = StopSignals(processes)

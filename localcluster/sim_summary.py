@@ -108,6 +108,7 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
                                        "heals": figures["heals"], "phase": figures["phase"]}
                           for learner_id, figures in per_learner.items()
                           if figures["heals"] or counters.get(f"outliers.{learner_id}", 0)},
+        "global_vs_local": global_vs_local(per_learner),
         "timeline": timeline,
         "config": {"model": cfg.model_name(), "H": cfg.sync.interval_steps, "P": cfg.sync.fragments, "tau": cfg.sync.overlap_steps,
                    "codec": cfg.sync.codec, "K": cfg.syncer.quorum, "wan_mbps": cfg.rpc.wan_mbps,
@@ -167,10 +168,26 @@ def _learner_figures(cfg: Config, reports: dict[str, dict], learner_chaos: Chaos
                                    "blocked_seconds": total("blocked_seconds"),
                                    "phase": report.get("phase"), "evaluations": report.get("evaluations", []),
                                    "heals": int(total("heals")),
+                                   "global_evaluations": report.get("global_evaluations", []),
                                    # each life that recorded: its process start and its join and pull
                                    "startup_seconds": [life.get("startup_seconds", 0.0) for life in lives],
                                    "restore_seconds": [life.get("restore_seconds", 0.0) for life in lives]}
     return useful, provisioned_total, badput, totals, links, per_learner
+
+
+def global_vs_local(per_learner: dict[str, dict]) -> list[list[float]]:
+    """[step, the learners' own models' mean loss, the mean loss of the global models they held]
+    at each step where learners evaluated both (`--eval-global`), before they finished."""
+    by_step: dict[int, list[tuple[float, float]]] = {}
+    for learner in per_learner.values():
+        own, held = {}, {}
+        for evaluations, by in ((learner["evaluations"], own), (learner["global_evaluations"], held)):
+            for _, step, _, loss in evaluations:
+                by.setdefault(step, loss)  # a step's first: its last step's is evaluated again once it holds the global model
+        for step in own.keys() & held.keys():
+            by_step.setdefault(step, []).append((own[step], held[step]))
+    return [[step, sum(o for o, _ in pairs) / len(pairs), sum(g for _, g in pairs) / len(pairs)]
+            for step, pairs in sorted(by_step.items())]
 
 
 def hashes_agree(reports: dict[str, dict], statuses: list) -> bool:
@@ -219,6 +236,7 @@ def print_summary(report: dict, report_path: pathlib.Path) -> None:
             f" (each learner holds the bits the shards served it; anchors at most {report['anchor_offset']:.2f} "
             "of their last pull from the shards' values)")
          + (f"; {', '.join(report['down_at_end'])} down at the end: not compared" if report.get("down_at_end") else "")),
+        *((("global vs own", _global_vs_local(report["global_vs_local"])),) if report.get("global_vs_local") else ()),
         *((f"sick {learner_id}", f"{sick['outliers_refused']} pushes refused as outliers, healed {sick['heals']}x"
            + ("" if sick["phase"] == "done" else f", ended {sick['phase']}"))
           for learner_id, sick in report.get("sick_learners", {}).items()),
@@ -230,6 +248,14 @@ def print_summary(report: dict, report_path: pathlib.Path) -> None:
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
     print(f"\nreport: {report_path}")
+
+
+def _global_vs_local(curve: list[list[float]]) -> str:
+    """The global model's loss against the learners' own, at their last step and on average."""
+    last = curve[-1]
+    gaps = [held / own - 1 for _, own, held in curve[1:]] or [0.0]
+    return (f"step {last[0]:.0f}: global {last[2]:.3f}, learners' own {last[1]:.3f} ({last[2] / last[1] - 1:+.1%}); "
+            f"mean gap over {len(gaps)} evaluations {sum(gaps) / len(gaps):+.1%}")
 
 
 def _link(link: dict) -> str:

@@ -4,7 +4,7 @@ steps past the checkpoint the next life restored; the hashes compared at the end
 the learners that finished."""
 from types import SimpleNamespace
 
-from diloco.localcluster.sim_summary import hashes_agree, killed_lives
+from diloco.localcluster.sim_summary import global_vs_local, hashes_agree, killed_lives
 
 STEP = 0.1  # seconds per step
 
@@ -61,3 +61,16 @@ def test_a_learner_down_when_the_run_ended_is_not_compared_but_one_that_finished
     assert not hashes_agree({"a": learner_report("done", 6, "f22f"), "b": learner_report("done", 5, "29e4")},
                             statuses)
     assert not hashes_agree({"b": down}, statuses)  # nobody finished: nothing agrees
+
+
+def test_the_global_model_is_set_beside_the_learners_own_at_each_step_both_were_evaluated():
+    # Each learner evaluates its own model and the global one it holds at steps 0, 50 and 100;
+    # at step 100 it evaluates again once it holds the final global model: not counted.
+    def learner(own: list[float], held: list[float]) -> dict:
+        steps = [0, 50, 100]
+        return {"evaluations": [[0.0, s, 0, loss] for s, loss in zip(steps, own)] + [[0.0, 100, 0, 9.0]],
+                "global_evaluations": [[0.0, s, 0, loss] for s, loss in zip(steps, held)] + [[0.0, 100, 0, 9.0]]}
+    curve = global_vs_local({"a": learner([5.0, 3.0, 2.0], [5.0, 3.4, 2.2]),
+                             "b": learner([5.0, 3.2, 2.2], [5.0, 3.4, 2.4]),
+                             "c": {"evaluations": [[0.0, 0, 0, 5.0]], "global_evaluations": []}})  # no --eval-global
+    assert curve == [[0, 5.0, 5.0], [50, 3.1, 3.4], [100, 2.1, 2.3]]

@@ -27,6 +27,8 @@ class Report:
         self.parameters = parameters  # of the model, each synced (tied) tensor once
         saved = restored or {}
         self.evaluations: list[list[float]] = saved.get("evaluations", [])  # [unix time, step, tokens, loss]
+        # The same of the global model it held then (`diloco learner --eval-global`).
+        self.global_evaluations: list[list[float]] = saved.get("global_evaluations", [])
         self.incarnations: list[dict] = saved.get("incarnations", [])
         self.island_checks = 0  # rank-equality checks passed (diloco learner --verify-island)
         self.island: dict | None = None  # an island of replica groups: its groups' changes
@@ -35,7 +37,8 @@ class Report:
         self._written: Future | None = None
 
     def persistent(self) -> dict:
-        return {"evaluations": self.evaluations, "incarnations": self.incarnations}
+        return {"evaluations": self.evaluations, "global_evaluations": self.global_evaluations,
+                "incarnations": self.incarnations}
 
     def begin_incarnation(self, incarnation: int, restored_step: int, startup: float, restore: float,
                           behind: int) -> None:
@@ -62,9 +65,16 @@ class Report:
         The learner's provisioned time ends here; catching up and the last evaluation follow."""
         self.current["training_ended_at"] = time.time()
 
-    def evaluation(self, step: int, tokens: int, loss: float) -> None:
-        self.evaluations.append([time.time(), step, tokens, loss])
-        log.info("learner %s step %d: validation loss %.4f", self.learner_id, step, loss)
+    def evaluation(self, step: int, tokens: int, loss: float, global_loss: float | None = None) -> None:
+        """The validation loss of the learner's model and (given) of the global model it holds."""
+        now = time.time()
+        self.evaluations.append([now, step, tokens, loss])
+        if global_loss is None:
+            log.info("learner %s step %d: validation loss %.4f", self.learner_id, step, loss)
+            return
+        self.global_evaluations.append([now, step, tokens, global_loss])
+        log.info("learner %s step %d: validation loss %.4f, of the global model it holds %.4f", self.learner_id,
+                 step, loss, global_loss)
 
     def update(self, sync: StreamingSync | None) -> None:
         """Copies the sync counters of this incarnation into its record. `recorded_at`: what a
@@ -92,7 +102,8 @@ class Report:
         body = {"learner_id": self.learner_id, "region": self.region, "phase": phase,
                 "steps": steps, "tokens": tokens, "world_size": world_size, "parameters": self.parameters,
                 "island_checks": self.island_checks,
-                "evaluations": self.evaluations, "incarnations": self.incarnations}
+                "evaluations": self.evaluations, "global_evaluations": self.global_evaluations,
+                "incarnations": self.incarnations}
         if self.island:
             body["island"] = self.island
         if sync:

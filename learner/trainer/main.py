@@ -77,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-parallel", action="store_true",
                         help="under torchrun with one process per learner of the config: data parallel "
                              "training, rank r on learner r's data, gradients averaged every step, no syncer")
+    parser.add_argument("--eval-global", action="store_true",
+                        help="each evaluation also evaluates the global model this learner holds (the report's "
+                             "global_evaluations): the global model against the learner's own over the run")
     parser.add_argument("--poison", type=poison_flag, metavar="STEP:KIND",
                         help="fault injection (tests, `diloco sim --chaos-poison`): after inner step STEP the "
                              "model goes bad, KIND scale (x1000), nan or bitflip (learner/trainer/poison.py)")
@@ -204,7 +207,9 @@ def train(args: argparse.Namespace, trainer: Trainer, sync: DecoupledDiLoCo, che
     report, budget = sync.report, sync.cfg.trainer
 
     def evaluate() -> None:
-        report.evaluation(trainer.step, sync.tokens, trainer.evaluate())
+        held = sync.global_state_dict() if args.eval_global and sync.sync else None
+        report.evaluation(trainer.step, sync.tokens, trainer.evaluate(),
+                          None if held is None else trainer.evaluate(held))
 
     def save(ranks: list[dict] | None = None) -> None:
         """Every rank calls it at the same step: rank 0 writes what each rank alone holds."""

@@ -21,6 +21,7 @@ parallel training (`trainer.forward_module = DistributedDataParallel(trainer.mod
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import os
@@ -165,15 +166,20 @@ class Trainer:
             return contextlib.nullcontext()
         return self.forward_module.no_sync()
 
-    def evaluate(self) -> float:
-        """Mean loss over the fixed validation set."""
-        self.model.eval()  # no dropout
+    def evaluate(self, values: dict[str, torch.Tensor] | None = None) -> float:
+        """Mean loss over the fixed validation set of the model, or (`values`: parameters by the
+        synced module's names) of a copy of it holding those values."""
+        model = self.model
+        if values is not None:
+            model = copy.deepcopy(self.model)
+            synced_module(model).load_state_dict(values, strict=False)
+        model.eval()  # no dropout
         try:
             with torch.no_grad():  # no graph to build: it is never backpropagated
-                losses = [self.model(x.to(self.device), y.to(self.device))[1].item()
+                losses = [model(x.to(self.device), y.to(self.device))[1].item()
                           for x, y in self.data.validation_batches()]
         finally:
-            self.model.train()
+            model.train()
         return sum(losses) / len(losses)
 
     def checkpoint(self, extra: dict | None = None, ranks: list[dict] | None = None) -> dict:
