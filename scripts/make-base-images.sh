@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Makes the images docker-compose.yml needs from Debian's archive alone, for machines that
-# reach no container registry (README "Containers"):
+# reach no container registry (docs/running.md "Containers"):
 #
 #   diloco-base:bookworm        Debian bookworm (debootstrap --variant=minbase) with Python 3.11:
 #                               the Dockerfile's BASE_IMAGE in place of python:3.11-slim
