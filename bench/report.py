@@ -4,7 +4,7 @@
 
 Nothing here measures: every number comes from results.json, which the runner wrote from
 the commands it ran. bench/history.md (earlier sessions' measurements, written by hand) is
-appended as the last section, so regenerating keeps it.
+linked from the last section.
 """
 from __future__ import annotations
 
@@ -772,7 +772,10 @@ def render(results: dict, out: pathlib.Path) -> None:
     for name in RENDERERS:
         if name in results:
             lines += [f"## {TITLES[name]}", "", *RENDERERS[name](results[name], out)]
-    lines += [HISTORY.read_text()]
+    lines += ["## History and notes", "",
+              f"Earlier sessions' measurements, what changed between them and why, with the machine and commit "
+              f"each was measured on: [bench/history.md](bench/history.md) ({len(HISTORY.read_text().splitlines())} "
+              "lines, written by hand).", ""]
     (out / "BENCHMARKS.md").write_text("\n".join(lines))
 
 

@@ -1,6 +1,6 @@
 """The benchmark runner: a quick run of one section end to end, the shape of the committed
 bench/results.json (every section, numbers not strings, the dp baseline beside diloco), and
-BENCHMARKS.md rendered from it (every section numbered, the history kept, merged runs named)."""
+BENCHMARKS.md rendered from it (every section numbered, the history linked, merged runs named)."""
 from __future__ import annotations
 
 import json
@@ -93,7 +93,7 @@ def test_committed_results_hold_every_section_with_dp_beside_diloco():
     assert is_number(results["runner"]["wall_seconds"])
 
 
-def test_benchmarks_md_numbers_every_section_and_ends_with_the_history(tmp_path):
+def test_benchmarks_md_numbers_every_section_and_links_the_history(tmp_path):
     results = json.loads((ROOT / "bench" / "results.json").read_text())
     render(results, tmp_path)
     markdown = (tmp_path / "BENCHMARKS.md").read_text()
@@ -102,7 +102,8 @@ def test_benchmarks_md_numbers_every_section_and_ends_with_the_history(tmp_path)
     summary = markdown.split("## Summary")[1].split("\n## ")[0]
     numbered = [line.split(".")[0] for line in summary.splitlines() if line[:3].startswith("| ") and line[2].isdigit()]
     assert numbered == [f"| {number}" for number in range(1, len(SECTIONS) + 1)]  # a summary row each
-    assert markdown.endswith(HISTORY.read_text())
+    assert "[bench/history.md](bench/history.md)" in markdown.split("## History and notes")[1]
+    assert HISTORY.read_text().startswith("# Benchmark history and notes")
     assert "python bench/user_loop.py" in markdown and "python bench/hf_overlap.py" in markdown
 
 

@@ -1,4 +1,4 @@
-"""Every relative link in the README, docs/ and BENCHMARKS.md resolves: the file or folder
+"""Every relative link in the README, docs/, BENCHMARKS.md and bench/history.md resolves: the file or folder
 exists, and a link to a heading of a Markdown file names one it has (GitHub's anchors)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "BENCHMARKS.md", ROOT / "bench" / "history.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
