@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import sys
 from types import ModuleType
@@ -49,16 +50,34 @@ def subcommand(name: str) -> ModuleType:
     return module
 
 
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+
+
+class HelpWithDefaults(argparse.HelpFormatter):
+    """Every option's help ends with its default, where it has one its help does not already say."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or not action.option_strings or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
         prog="diloco", description="Decoupled DiLoCo: syncer shards, learner islands and local clusters.")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--version", action="version",
+                        version=f"diloco {importlib.metadata.version('decoupled-diloco')}")
+    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = next((a for a in argv if a in SUBCOMMANDS), None)
     for name, help_text in SUBCOMMANDS.items():
-        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpWithDefaults)
+        # After the command too (`diloco sim --log-level DEBUG`); given before it, it stays.
+        sub_parser.add_argument("--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS,
+                                help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
         if name == chosen:
             module = subcommand(name)
             module.add_arguments(sub_parser)

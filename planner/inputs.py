@@ -252,10 +252,20 @@ def load_inputs(data: object, source: str = "plan inputs") -> PlanInputs:
 
 
 def load_file(path: str) -> dict:
-    """A YAML file of inputs (1e9 reads as a number, as in cluster configs)."""
+    """A YAML file of inputs (1e9 reads as a number, as in cluster configs); PlanError for a
+    cluster config, which is not one."""
     with open(path) as file:
         data = yaml.load(file, Loader=ConfigLoader)
-    return data if data is not None else {}
+    data = data if data is not None else {}
+    # learners and shards are numbers, or lists of them (a sweep), in plan inputs
+    cluster_keys = [key for key in ("shards", "learners")
+                    if isinstance(data.get(key), list) and any(isinstance(item, dict) for item in data[key])]
+    cluster_keys += [key for key in ("sync", "syncer", "trainer") if isinstance(data.get(key), dict)]
+    if cluster_keys:
+        raise PlanError(f"{path}: a cluster config ({', '.join(cluster_keys)}), not plan inputs: `diloco config "
+                        "check` checks it; `diloco plan --calibrate-from REPORT` plans the run a `diloco sim` "
+                        "report describes (docs/planning.md)")
+    return data
 
 
 def check_relations(inputs: PlanInputs) -> None:

@@ -1,11 +1,15 @@
 """Config loading: the example is valid, and each kind of bad input is refused
 with a message that names the key."""
+import dataclasses
 import pathlib
+import re
 
 import pytest
 import yaml
 
 from diloco.cli import main
+from diloco.planner.inputs import PlanInputs
+from diloco.services.contract.config.loading import PLAN_FILE_KEYS
 from diloco.services.contract.config import (Config, ConfigError, GPTConfig, LinkConfig, dump_config, load_config,
                                              parse_config)
 
@@ -158,8 +162,26 @@ def test_a_key_given_twice_is_refused_naming_it_and_its_line(tmp_path):
 def test_an_unknown_key_is_named_as_written_with_the_key_it_may_mean(written):
     data = example()
     data["sync"][written] = data["sync"].pop("interval_steps")
-    with pytest.raises(ConfigError, match=rf"sync\.{written}: unknown key \(did you mean interval_steps\?\)"):
+    with pytest.raises(ConfigError, match=rf"sync\.{written}: unknown key \(did you mean sync\.interval_steps\?\)"):
         parse_config(data)
+
+
+@pytest.mark.parametrize("section, key, meant", [(None, "interval_steps", "sync.interval_steps"),
+                                                 ("sync", "quorum", "syncer.quorum"),
+                                                 ("syncer", "quorum_", "syncer.quorum")])
+def test_a_key_in_the_wrong_section_is_pointed_to_where_it_belongs(section, key, meant):
+    data = example()
+    (data[section] if section else data)[key] = 2
+    where = f"{section}.{key}" if section else key
+    with pytest.raises(ConfigError, match=rf"{re.escape(where)}: unknown key \(did you mean {re.escape(meant)}\?\)"):
+        parse_config(data)
+
+
+def test_a_plan_input_file_is_recognised_and_the_plan_command_named():
+    with pytest.raises(ConfigError, match=r"a `diloco plan` input file \(chips, chip_mtbf_hours.*\), not a cluster config: run "
+                                          r"`diloco plan --config examples/plan/datacenter.yaml`"):
+        load_config(pathlib.Path("examples/plan/datacenter.yaml"))
+    assert set(PLAN_FILE_KEYS) <= {field.name for field in dataclasses.fields(PlanInputs)}
 
 
 def test_lookup_of_unknown_learner_and_shard():

@@ -326,3 +326,9 @@ def test_evaluations_and_checkpoints_pause_the_learner_at_their_steps():
     badput = result.goodput.badput_seconds
     assert badput["evaluation"] == pytest.approx(4 * 3 * 2.0) and badput["checkpoint"] == pytest.approx(4 * 16 * 0.5)
     assert result.goodput.kept_seconds == pytest.approx(4 * 165 * 1.0)
+
+
+def test_a_cluster_config_given_as_plan_inputs_is_recognised_and_the_right_commands_named(capsys):
+    assert main(["plan", "--config", "examples/local-4-regions.yaml"]) == 2
+    assert ("examples/local-4-regions.yaml: a cluster config (shards, learners, sync, syncer, trainer), not plan "
+            "inputs: `diloco config check` checks it; `diloco plan --calibrate-from REPORT`") in capsys.readouterr().err

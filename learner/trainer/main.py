@@ -49,7 +49,7 @@ FAILED = 1  # exit status of a learner that could not do its job (a config error
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="cluster YAML file")
     parser.add_argument("--learner-id", required=True)
-    parser.add_argument("--region", required=True)
+    parser.add_argument("--region", help="checked against the learner's region in the config (default: that region)")
     parser.add_argument("--state-dir", help="checkpoint and report folder "
                         "(default: <run.state_dir>/learner-<id>)")
     parser.add_argument("--tls-dir", help="folder with this learner's ca.crt, tls.crt and tls.key "
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config)
         learner = cfg.learner(args.learner_id)
-        if learner.region != args.region:
+        if args.region is not None and learner.region != args.region:
             raise ConfigError(f"--region {args.region}: learner {learner.id} is in region "
                               f"{learner.region} in {args.config}")
     except ConfigError as error:

@@ -7,6 +7,7 @@ import functools
 import pathlib
 import re
 import tempfile
+import typing
 from typing import Annotated, Union
 
 import yaml
@@ -166,21 +167,47 @@ def _key_path(loc: tuple, written: bool = False) -> str:
 
 
 @functools.cache
-def _known_keys() -> tuple[str, ...]:
-    """Every key a config section has, for suggestions."""
-    sections, seen = [Section], set()
-    while sections:
-        section = sections.pop()
-        seen.update(section.model_fields)
-        sections.extend(section.__subclasses__())
-    return tuple(sorted(seen))
+def _known_paths() -> dict[str, tuple[str, ...]]:
+    """Every key of the config by name: the dotted paths where it is (interval_steps:
+    sync.interval_steps), for suggestions."""
+    paths: dict[str, list[str]] = {}
+    pending: list[tuple[str, type[Section]]] = [("", Config)]
+    while pending:
+        prefix, section = pending.pop()
+        for name, field in section.model_fields.items():
+            path = f"{prefix}{name}"
+            paths.setdefault(name, []).append(path)
+            for inner in _sections_in(field.annotation):
+                pending.append((f"{path}[]." if _is_list(field.annotation) else f"{path}.", inner))
+    return {name: tuple(sorted(found)) for name, found in paths.items()}
 
 
-def _suggestion(key: str) -> str:
-    """ (did you mean interval_steps?) for intervalSteps, interval-steps or interval_step."""
+def _sections_in(annotation: object) -> list[type[Section]]:
+    """The config sections an annotation holds (itself, in a list, a union or a mapping)."""
+    if isinstance(annotation, type) and issubclass(annotation, Section):
+        return [annotation]
+    return [inner for arg in typing.get_args(annotation) for inner in _sections_in(arg)]
+
+
+def _is_list(annotation: object) -> bool:
+    return typing.get_origin(annotation) is list or any(_is_list(arg) for arg in typing.get_args(annotation))
+
+
+def _suggestion(key: str, where: str) -> str:
+    """ (did you mean sync.interval_steps?) for intervalSteps, interval-steps or interval_step
+    written in sync, or for interval_steps written at the top level: the closest key, where it is."""
     snake = re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", str(key)).replace("-", "_").lower()
-    close = difflib.get_close_matches(snake, _known_keys(), n=1, cutoff=0.75)
-    return f" (did you mean {close[0]}?)" if close else ""
+    close = difflib.get_close_matches(snake, _known_paths(), n=1, cutoff=0.75)
+    if not close:
+        return ""
+    paths = _known_paths()[close[0]]
+    section = re.sub(r"\[\d+\]", "[]", where.rpartition(".")[0] if "." in where else "")
+    here = [path for path in paths if path.rpartition(".")[0] == section]
+    return f" (did you mean {(here or paths)[0]}?)"
+
+
+# Keys only a `diloco plan` input file has (planner/inputs.py; tests/test_config.py keeps them so).
+PLAN_FILE_KEYS = ("chips", "chip_mtbf_hours", "model_parameters", "step_seconds", "wan_gbps")
 
 
 def validation_message(exc: ValidationError) -> str:
@@ -190,7 +217,7 @@ def validation_message(exc: ValidationError) -> str:
         detail = err["msg"]
         unknown = err["type"] in ("extra_forbidden", "unexpected_keyword_argument")  # models, dataclasses
         if unknown:
-            detail = "unknown key" + _suggestion(err["loc"][-1])
+            detail = "unknown key" + _suggestion(err["loc"][-1], _key_path(err["loc"], written=True))
         elif "input" in err and err["type"] != "missing" and not isinstance(err["input"], (dict, list)):
             detail += f" (got {err['input']!r})"
         lines.append(f"{_key_path(err['loc'], written=unknown)}: {detail}")
@@ -201,6 +228,10 @@ def parse_config(data: object, source: str = "config") -> Config:
     """Validates an already-parsed YAML document."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    plan_keys = [key for key in PLAN_FILE_KEYS if key in data]
+    if plan_keys and "shards" not in data:
+        raise ConfigError(f"{source}: a `diloco plan` input file ({', '.join(plan_keys)}), not a cluster config: "
+                          f"run `diloco plan --config {source}`")
     try:
         cfg = Config.model_validate(data)
     except ValidationError as exc:
