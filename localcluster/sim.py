@@ -110,7 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int,
                         help="seed of the run and of the chaos schedule (default: the config's run.seed)")
     parser.add_argument("--run-dir", default=".diloco/sim", help="state, logs and generated config")
-    parser.add_argument("--report", help="write the JSON report here (default: <run-dir>/report.json)")
+    parser.add_argument("--report", "--json", dest="report",
+                        help="write the JSON report here (default: <run-dir>/report.json)")
     parser.add_argument("--plot", help="write a PNG of loss and goodput over time here")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--prometheus-targets",
