@@ -701,9 +701,10 @@ def summary(results: dict) -> list[str]:
         s = results["sick_learner"]
         rows.append(["12. sick learner", f"one of 4 learners poisoned (x1000, NaN, bit flips): global model at most "
                      f"{pct(s['worst_vs_clean'], signed=True)} against the run without poison (clean runs' spread "
-                     f"{pct(s['clean_spread'])}); healed after at most "
+                     f"{pct(s['clean_spread'])}); the healthy learners' goodput at most "
+                     f"{100 * s.get('worst_healthy_goodput_lost', float('nan')):.1f} points lower; healed after at most "
                      f"{max(r['steps_to_heal'] or 0 for r in s['runs'] if r['poison'] in POISONS)} steps",
-                     f"within {pct(s['loss_target'])}; healed within one sync period, "
+                     f"within {pct(s['loss_target'])}; healthy goodput within 2 points; healed within one sync period, "
                      f"H = {s['interval_steps']} steps (issue 55)", verdict(s["met"])])
     return table(["section", "headline (this run)", "target or anchor", "verdict"], rows)
 
@@ -721,15 +722,16 @@ def sick_learner(section: dict, out: pathlib.Path) -> list[str]:
              "`scale, rule off` is the same poison with the outlier rule off. Global loss: the run's global model "
              "at the end; against the run without poison of the same seed. Healed: steps from the poison to the "
              f"learner's heal. {code(section['command'])} runs them all.", ""]
-    lines += table(["seed", "poison", "global loss", "vs no poison", "learners' own", "sick learner: refused as "
-                    "outliers / heals / healed after steps", "healthy learners blocked s (vs no poison)", "goodput",
-                    "command"],
+    lines += table(["seed", "poison", "global loss", "vs no poison", "sick learner: refused as outliers / heals / "
+                    "healed after steps", "healthy learners: blocked s (vs no poison)", "healthy learners: goodput "
+                    "(vs no poison)", "run's goodput", "command"],
                    [[str(r["seed"]), r["poison"], _loss(r["final_eval_loss"]),
                      "-" if r["poison"] == "none" else pct(r["vs_clean"], signed=True),
-                     _loss(r["final_eval_loss_learners"]),
                      "-" if r["poison"] == "none" else
                      f"{r['outliers_refused']} / {r['heals']} / {r['steps_to_heal'] if r['steps_to_heal'] is not None else '-'}",
-                     f"{r['healthy_blocked_seconds']:.1f} ({r['blocked_vs_clean_seconds']:+.1f})", pct(r["goodput"]),
+                     f"{r['healthy_blocked_seconds']:.1f} ({r['blocked_vs_clean_seconds']:+.1f})",
+                     f"{pct(r['healthy_goodput'])} ({100 * r['healthy_goodput_vs_clean']:+.1f})" if "healthy_goodput" in r
+                     else "-", pct(r["goodput"]),
                      code(r["command"])] for r in section["runs"]])
     return lines
 

@@ -8,12 +8,12 @@ learner (us-east-0) poisoned after a quarter of its steps (`--chaos-poison`, lea
 poison.py): its weights x1000, one NaN, or the top exponent bit of 16 values flipped. One more
 run has the x1000 poison with the shards' outlier rule off (`--set syncer.outlier_norm_factor=
 null`): what a run did before it. Per run: the global model's final validation loss against the
-run without poison of the same seed, the three healthy learners' blocked seconds and the run's
-goodput, and of the sick learner the pushes the shards refused as outliers, its heals and how
+run without poison of the same seed, the three healthy learners' blocked seconds and goodput
+(their kept steps' compute over their provisioned time) and the run's goodput, and of the sick learner the pushes the shards refused as outliers, its heals and how
 many steps after the poison it healed (its log's "healed at step N"), against one sync period
 of a fragment (H / P steps between its pushes, H for one fragment).
-Targets (issue 55): the global model within 2 % of the run without poison; healed within one
-sync period (H steps).
+Targets (issue 55): the global model within 2 % of the run without poison; the healthy learners'
+goodput at most 2 points lower; healed within one sync period (H steps).
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ CONFIG = "examples/local-4-regions.yaml"
 SICK = "us-east-0"
 KINDS = ("scale", "nan", "bitflip")
 LOSS_TARGET = 0.02  # the global model within this of the run without poison
+GOODPUT_TARGET = 0.02  # the healthy learners lose at most this much goodput (points)
 HEALED = re.compile(r"learner \S+ healed at step (\d+)")
 
 
@@ -55,6 +56,9 @@ def figures(command: list[str], report: dict, run_dir: pathlib.Path, poisoned_at
         "final_eval_loss_learners": report["final_eval_loss_learners"],
         "goodput": report["goodput"],
         "healthy_blocked_seconds": sum(learner["blocked_seconds"] for learner in healthy.values()),
+        # The healthy learners' own goodput: their kept steps' compute over their provisioned time.
+        "healthy_goodput": sum(l["steps"] * l["step_seconds"] for l in healthy.values())
+        / sum(l["provisioned_seconds"] for l in healthy.values()),
         "outliers_refused": sick.get("outliers_refused", 0),
         "heals": sick.get("heals", 0),
         "sick_phase": report["per_learner"][SICK]["phase"],
@@ -90,21 +94,25 @@ def main() -> int:
     for run in runs:
         run["vs_clean"] = run["final_eval_loss"] / clean[run["seed"]]["final_eval_loss"] - 1
         run["blocked_vs_clean_seconds"] = run["healthy_blocked_seconds"] - clean[run["seed"]]["healthy_blocked_seconds"]
+        run["healthy_goodput_vs_clean"] = run["healthy_goodput"] - clean[run["seed"]]["healthy_goodput"]
     with_rule = [run for run in runs if run["poison"] in KINDS]
     sync = load_config(ROOT / CONFIG).sync
     result = {
         "steps": args.steps, "seeds": args.seeds, "poisoned_at": poisoned_at, "sick": SICK,
         "interval_steps": sync.interval_steps, "fragments": sync.fragments, "runs": runs,
         "worst_vs_clean": max(run["vs_clean"] for run in with_rule),
+        "worst_healthy_goodput_lost": -min(run["healthy_goodput_vs_clean"] for run in with_rule),
         "clean_spread": (max(r["final_eval_loss"] for r in clean.values()) - min(r["final_eval_loss"] for r in clean.values()))
         / statistics.mean(r["final_eval_loss"] for r in clean.values()),
         "loss_target": LOSS_TARGET,
     }
-    result["met"] = result["worst_vs_clean"] <= LOSS_TARGET and all(
+    result["goodput_target"] = GOODPUT_TARGET
+    result["met"] = result["worst_vs_clean"] <= LOSS_TARGET and result["worst_healthy_goodput_lost"] <= GOODPUT_TARGET and all(
         run["heals"] >= 1 and run["steps_to_heal"] is not None and run["steps_to_heal"] <= sync.interval_steps
         for run in with_rule)
     print(f"worst global loss against the run without poison: {result['worst_vs_clean']:+.2%} "
-          f"(target <= {LOSS_TARGET:.0%}); spread of the clean runs {result['clean_spread']:.2%}")
+          f"(target <= {LOSS_TARGET:.0%}); spread of the clean runs {result['clean_spread']:.2%}; the healthy "
+          f"learners' goodput at most {result['worst_healthy_goodput_lost']:.2%} lower (target <= {GOODPUT_TARGET:.0%})")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
     return 0 if result["met"] else 1

@@ -163,6 +163,7 @@ def _learner_figures(cfg: Config, reports: dict[str, dict], learner_chaos: Chaos
         links[learner.id] = {"region": learner.region, **link.model_dump(), "bytes": moved,
                              "bytes_per_second": moved / total("transfer_seconds") if total("transfer_seconds") else 0.0}
         per_learner[learner.id] = {"region": learner.region, "steps": kept_steps, "step_seconds": step_seconds,
+                                   "provisioned_seconds": provisioned[learner.id],
                                    "steps_run": steps_run, "restarts": max(0, len(lives) - 1),
                                    "push_seconds": total("push_seconds") / total("pushes") if total("pushes") else None,
                                    "blocked_seconds": total("blocked_seconds"),
