@@ -255,6 +255,7 @@ class FragmentPipeline:
             outer.rollback()
             self.context.healing.non_finite(self.fragment.id, str(exc))
             self.undelivered = (Remedy.STOP, str(exc))
+            session.heartbeat_now()  # its round need not wait for this learner's push (skipped_fragments)
             return None
         finally:
             self.context.stats.copied_to_host(outer.device_to_host_bytes)
@@ -272,6 +273,7 @@ class FragmentPipeline:
                     self.context.healing.refused_as_outlier(self.fragment.id, reason(error))
             log.warning("fragment %d: push to shard %d failed: %s", self.fragment.id, session.index, reason(error))
             self.undelivered = (remedy(error), f"shard {session.index}: {reason(error)}")
+            session.heartbeat_now()
             return None
         self.undelivered = None
         self.context.healing.delivered()

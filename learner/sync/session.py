@@ -111,6 +111,7 @@ class ShardSession:
         self._stop = stop
         self._may_rejoin = threading.Event()  # start-up is over: the heartbeat thread rejoins from now on
         self._left = threading.Event()  # said goodbye: no heartbeats, no rejoining
+        self._beat_now = threading.Event()  # a heartbeat is due before the interval is up
         self._heartbeats = threading.Thread(target=self._heartbeat_loop, daemon=True, name=f"heartbeat-{index}")
 
     @property
@@ -260,7 +261,11 @@ class ShardSession:
     def _heartbeat_loop(self) -> None:
         """Heartbeats the shard, rejoining it when it forgot this learner."""
         interval = self.cfg.trainer.heartbeat_seconds
-        while not self._stop.wait(interval) and not self._left.is_set():
+        while True:
+            self._beat_now.wait(interval)
+            self._beat_now.clear()
+            if self._stop.is_set() or self._left.is_set():
+                return
             try:
                 if not self._joined:
                     if not self._may_rejoin.is_set():
@@ -317,7 +322,13 @@ class ShardSession:
                 self._attendance = None
         self.forgotten()
 
+    def heartbeat_now(self) -> None:
+        """What the heartbeats say changed (a push of one of this shard's fragments failed, and
+        its round need not wait for this learner): the next one goes now."""
+        self._beat_now.set()
+
     def stop_heartbeats(self) -> None:
         """After the sync's stop event is set."""
+        self._beat_now.set()  # ends the wait at once
         if self._heartbeats.is_alive():
             self._heartbeats.join(timeout=5)
