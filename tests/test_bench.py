@@ -12,11 +12,9 @@ import sys
 import pytest
 
 from bench.report import HISTORY, TITLES, render
-from bench.run_all import merged
+from bench.run_all import SECTIONS, merged
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SECTIONS = ("quality", "bandwidth", "goodput", "overlap", "transport", "recovery", "user_loop", "hf", "plan",
-            "calibration", "island")
 
 
 def is_number(value) -> bool:
