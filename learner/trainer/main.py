@@ -82,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "global_evaluations): the global model against the learner's own over the run")
     parser.add_argument("--poison", type=poison_flag, metavar="STEP:KIND",
                         help="fault injection (tests, `diloco sim --chaos-poison`): after inner step STEP the "
-                             "model goes bad, KIND scale (x1000), nan or bitflip (learner/trainer/poison.py)")
+                             "model goes bad, KIND scale (x1000), nan or bitflip (learner/trainer/poison.py); in "
+                             "every life of the learner that reaches STEP")
 
 
 def poison_flag(text: str) -> Poison:
