@@ -188,29 +188,28 @@ def check_flags(args: argparse.Namespace, cfg: Config) -> None:
         raise ConfigError(f"--learner-script: no file {args.learner_script}")
 
 
-def poison_flags(poisons: list[str], cfg: Config | None = None) -> dict[str, list[str]]:
+def poison_flags(poisons: list[str], cfg: Config) -> dict[str, list[str]]:
     """The `diloco learner --poison STEP:KIND` flags of --chaos-poison LEARNER:STEP:KIND, by
-    learner id; with `cfg`, ConfigError naming what is wrong."""
+    learner id; ConfigError naming what is wrong."""
+    if poisons and cfg.island.replica_groups > 1:
+        raise ConfigError("--chaos-poison: the built-in learner of one process; not with replica groups")
     flags: dict[str, list[str]] = {}
     for poison in poisons:
         learner_id, _, step_kind = poison.partition(":")
-        if cfg is not None:
-            if learner_id not in {l.id for l in cfg.learners}:
-                raise ConfigError(f"--chaos-poison {poison}: no learner {learner_id!r} in the run "
-                                  f"({', '.join(l.id for l in cfg.learners)})")
-            try:
-                Poison.parse(step_kind)
-            except ValueError as error:
-                raise ConfigError(f"--chaos-poison {poison}: {error}") from None
-            if cfg.island.replica_groups > 1:
-                raise ConfigError("--chaos-poison: the built-in learner of one process; not with replica groups")
+        if learner_id not in {l.id for l in cfg.learners}:
+            raise ConfigError(f"--chaos-poison {poison}: no learner {learner_id!r} in the run "
+                              f"({', '.join(l.id for l in cfg.learners)})")
+        try:
+            Poison.parse(step_kind)
+        except ValueError as error:
+            raise ConfigError(f"--chaos-poison {poison}: {error}") from None
         flags.setdefault(learner_id, []).extend(["--poison", step_kind])
     return flags
 
 
 def learner_flags(args: argparse.Namespace, cfg: Config) -> dict[str, list[str]]:
     """Flags of `diloco learner` by learner id: --poison of --chaos-poison, --eval-global."""
-    flags = poison_flags(args.chaos_poison)
+    flags = poison_flags(args.chaos_poison, cfg)
     if args.eval_global:
         for learner in cfg.learners:
             flags.setdefault(learner.id, []).append("--eval-global")

@@ -103,6 +103,17 @@ def test_sim_refuses_a_learner_script_with_dp_or_that_does_not_exist_and_leaves_
         assert previous_run.read_text() == "{}"
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--chaos-poison", "nobody:5:nan"], "--chaos-poison nobody:5:nan: no learner 'nobody' in the run"),
+    (["--chaos-poison", "us-east-0:5:zap"], "--chaos-poison us-east-0:5:zap: '5:zap': expected STEP:KIND"),
+    (["--chaos-poison", "us-east-0:5:nan", "--mode", "dp"], "--chaos-poison: a flag of the built-in learner"),
+    (["--eval-global", "--mode", "param-avg"], "--eval-global: a flag of the built-in learner")])
+def test_sim_refuses_a_learner_flag_it_cannot_apply_naming_it_and_starts_nothing(tmp_path, flags, message):
+    result = subprocess.run(sim_command(tmp_path, *flags), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not (tmp_path / "run" / "logs").exists()
+
+
 def test_sim_param_avg_mode_syncs_every_step_uncompressed(tmp_path):
     report = run_sim(tmp_path, "--mode", "param-avg", "--learners", "2", "--steps", "40")
     assert report["mode"] == "param-avg"

@@ -3,12 +3,12 @@
 A learner is sick when its model holds NaN or Inf (a fragment's outer gradient cannot be
 encoded: learner/sync/pipeline.py never sends one) or when the shards refuse its pushes as
 outliers (syncer/outliers.py) `after_refusals` times in a row. (A push beyond
-syncer.max_update_norm but not an outlier says more of that setting than of the learner.) It heals at the next step: its
-model takes back the global values it holds (the anchors, the shards' values as of its last
-syncs), the error-feedback residuals built on the sick values are dropped, and the inner
-optimizer's state is cleared; one ERROR line says why. A learner sick again within
-`window_steps` of its last heal is not healing: it stops with LearnerDiverged (the built-in
-learner exits non-zero), rather than train on values it cannot keep finite.
+syncer.max_update_norm but not an outlier says more of that setting than of the learner.) It
+heals at the next step: its model takes back the global values it holds (the anchors, the
+shards' values as of its last syncs), the error-feedback residuals built on the sick values are
+dropped, and the inner optimizer's state is cleared; one ERROR line says why. A learner sick
+again within `window_steps` of its last heal is not healing: it stops with LearnerDiverged (the
+built-in learner exits non-zero), rather than train on values it cannot keep finite.
 
 The sync threads report what their pushes met; the training thread asks `sick()` after each
 step and then `heal(fragments, step)` (learner/sync/pipeline.py: FragmentPipeline.heal).
