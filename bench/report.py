@@ -520,7 +520,29 @@ def calibration(section: dict, out: pathlib.Path) -> list[str]:
     lines += ["Largest difference, planned less measured, over the runs: " + ", ".join(
         _calibration_spread(figure, [row for run in section["rows"] for row in run["rows"] if row["figure"] == figure])
         for figure in CALIBRATION_SHOWN) + ".", ""]
+    if "dp_rows" in section:
+        lines += calibration_dp(section["dp_rows"])
     return lines
+
+
+def calibration_dp(runs: list[dict]) -> list[str]:
+    lines = ["Data parallel over the same links: the demo's 4 learners as one DDP job (`diloco sim --mode dp`), "
+             "without kills; each bucket of fp32 gradients waits for a ring across the 4 regions over the "
+             "slowest link, as the planner's dp pays for it (learner/trainer/wan_allreduce.py, "
+             "planner/allreduce.py). From the run the planner takes a step's compute time and how long "
+             "DDP's buckets overlapped the backward pass (as a share of it); it predicts the step with its "
+             "all-reduce, the share of the training time blocked on the links, and the steps in that time. "
+             "Each cell: planned / measured.", ""]
+    body = []
+    for run in runs:
+        by_figure = {row["figure"]: row for row in run["rows"]}
+        step, blocked, steps = by_figure["step seconds"], by_figure["blocked"], by_figure["steps"]
+        body.append([run["name"], f"{run['load_1min']:.1f}", f"{run['compute_seconds']:.3f}",
+                     f"{run['backward_share']:.2f}", f"{step['predicted']:.3f} / {step['measured']:.3f}",
+                     f"{blocked['predicted']:.1%} / {blocked['measured']:.1%}",
+                     f"{steps['predicted']:.0f} / {steps['measured']:.0f}", code(run["command"])])
+    return lines + table(["run", "load", "compute s per step", "overlap share", "step s", "blocked", "steps",
+                          "sim command"], body)
 
 
 def _calibration_spread(figure: str, rows: list[dict]) -> str:

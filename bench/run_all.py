@@ -116,6 +116,7 @@ class Profile:
     calibration_seconds: float  # each calibration run lasts this long
     calibration_mtbfs: tuple[float, ...]  # learner failure rates (--chaos-mtbf); the middle one also with
     calibration_shard_mtbf: float  # shard kills, and with mixed links
+    calibration_dp_steps: int  # data parallel's steps over the 20 Mbit/s links (half as many over mixed links)
     island: tuple[str, ...]  # of bench/island.py
     sick_learner: tuple[str, ...]  # of bench/sick_learner.py
 
@@ -140,6 +141,7 @@ FULL = Profile("full", steps=3000, quality=(
                      "--wan-gbps", "20"),
                plan_speed=("--chips", "2457600", "--learners", "16", "--hours", "24"),
                calibration_seconds=120, calibration_mtbfs=(200, 90, 40), calibration_shard_mtbf=40,
+               calibration_dp_steps=20,
                island=("--steps", "600", "--chaos-replicas", "30", "--chaos-islands", "1"),
                sick_learner=("--steps", "600", "--seeds", "1", "2"))
 QUICK = Profile("quick", steps=60, quality=(QualityRun("gpt", 2, 10, "int4"), QualityRun("gpt", 2, 25, "int4", (1, 2)),
@@ -154,7 +156,7 @@ QUICK = Profile("quick", steps=60, quality=(QualityRun("gpt", 2, 10, "int4"), Qu
                 hf=("--steps", "60", "--repeats", "1"),
                 plan=("--chips", "153600,307200", "--learners", "2,4", "--hours", "0.05", "--wan-gbps", "20"),
                 plan_speed=("--chips", "153600", "--learners", "4", "--hours", "0.1"),
-                calibration_seconds=30, calibration_mtbfs=(20,), calibration_shard_mtbf=15,
+                calibration_seconds=30, calibration_mtbfs=(20,), calibration_shard_mtbf=15, calibration_dp_steps=4,
                 island=("--steps", "100", "--chaos-replicas", "5", "--chaos-islands", "1"),
                 sick_learner=("--steps", "80", "--seeds", "1"))
 
@@ -482,7 +484,25 @@ def calibration_section(runner: Runner, profile: Profile) -> dict:
                      "step_seconds": planned["inputs"]["step_seconds"],
                      "startup_seconds": planned["inputs"]["startup_seconds"]})
     return {"config": GOODPUT_CONFIG, "seconds": profile.calibration_seconds, "restart_delay": profile.restart_delay,
-            "plan_command": "diloco plan --calibrate-from REPORT", "rows": rows}
+            "plan_command": "diloco plan --calibrate-from REPORT", "rows": rows,
+            "dp_rows": [calibrated_dp(runner, name, flags) for name, flags in dp_calibration_runs(profile)]}
+
+
+def dp_calibration_runs(profile: Profile) -> list[tuple[str, list[str]]]:
+    """(name, flags of diloco sim) of data parallel's runs: its all-reduce over the same links."""
+    steps = profile.calibration_dp_steps
+    return [("dp-20", ["--mode", "dp", "--steps", str(steps), *CALIBRATION_LINKS]),
+            ("dp-mixed-links", ["--mode", "dp", "--steps", str(max(1, steps // 2)), *CALIBRATION_MIXED_LINKS])]
+
+
+def calibrated_dp(runner: Runner, name: str, flags: list[str]) -> dict:
+    """A data-parallel job of the demo's cluster over capped links, and the planner's dp beside it."""
+    sim_name = f"calibration-{name}"
+    report = runner.sim(sim_name, ["--learners", "4", "--seed", "1", *flags], config=GOODPUT_CONFIG)
+    planned = runner.calibrate(f"{sim_name}-plan", sim_name)
+    return {"name": name, "command": report["command"], "load_1min": os.getloadavg()[0], "rows": planned["rows"],
+            "compute_seconds": planned["inputs"]["step_seconds"][0],
+            "backward_share": planned["inputs"]["backward_share"]}
 
 
 # ---- the machine and the whole run ---------------------------------------------------------

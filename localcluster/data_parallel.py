@@ -10,6 +10,11 @@ Failures are data parallel's: chaos SIGKILLs one rank, torchrun stops the others
 --restart-delay the whole job starts again, every rank from the last checkpoint. Bytes on the
 wire are a ring all-reduce's of the fp32 gradients: each rank sends and receives
 2 (M - 1) / M x 4 B per parameter per step.
+
+Links capped as for a diloco run (--wan-mbps, --wan-latency-ms, the config's `links`) cap the
+all-reduce: each rank's gradients wait for a ring across the regions over its region's link
+(learner/trainer/wan_allreduce.py), and that wait is the job's badput "blocked". `diloco plan
+--calibrate-from` sets the planner's data parallel beside such a run.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ import time
 from diloco.localcluster.processes import Proc
 from diloco.localcluster.chaos import Chaos
 from diloco.localcluster.interrupt import ends_early
-from diloco.services.contract.config import Config, dump_config
+from diloco.services.contract.config import Config, LinkConfig, dump_config
 from diloco.services.contract.goodput import account, no_badput
 
 POLL_SECONDS = 0.5
@@ -51,9 +56,12 @@ class DataParallelJob:
         self.config_path.write_text(dump_config(cfg))
         leader = cfg.learners[0]
         self.report_path = pathlib.Path(cfg.run.state_dir) / f"learner-{leader.id}" / "report.json"
+        # Capped links: every rank starts behind its emulated link, which its all-reduce waits for.
+        capped = any(cfg.link(l.id, l.region) for l in cfg.learners)
         self.proc = Proc("data-parallel", [
             sys.executable, "-m", "diloco.localcluster.torchrun", "--standalone", "--nnodes", "1",
             "--nproc-per-node", str(self.ranks), "--max-restarts", "0", "--monitor-interval", "0.1",
+            *(["-m", "diloco.localcluster.wan"] if capped else []),
             "-m", "diloco", "learner", "--config", str(self.config_path), "--learner-id", leader.id,
             "--region", leader.region, "--data-parallel"], run_dir / "logs" / "data-parallel.log",
             env={"OMP_NUM_THREADS": str(cfg.trainer.threads)})
@@ -181,7 +189,7 @@ def summarise(cfg: Config, args: argparse.Namespace, report: dict, chaos: Chaos,
         return life["started"] - launched - life.get("restore_seconds", 0.0)
 
     steps_run = total("steps")
-    step_seconds = total("compute_seconds") / steps_run if steps_run else 0.0
+    step_seconds = total("compute_seconds") / steps_run if steps_run else 0.0  # the WAN's wait not in it
     kept_steps = report.get("steps", 0)
     parameters = report.get("parameters", 0)
     ended = lives[-1].get("training_ended_at", stopping) if report.get("phase") == "done" else stopping
@@ -192,6 +200,7 @@ def summarise(cfg: Config, args: argparse.Namespace, report: dict, chaos: Chaos,
     badput["startup"] = ranks * sum(startup(life) for life in lives)
     badput["down"] = ranks * sum(chaos.down_seconds)
     badput["lost"] = ranks * lost_seconds
+    badput["blocked"] = ranks * total("wan_seconds")  # the all-reduce waiting for the links
     goodput = account(ranks * wall, ranks * kept_steps * step_seconds, badput)
     evaluations = report.get("evaluations", [])
     # The job's model is evaluated by rank 0 after its last step; a job stopped while down never was.
@@ -204,6 +213,7 @@ def summarise(cfg: Config, args: argparse.Namespace, report: dict, chaos: Chaos,
         "learners": ranks,
         "shards": 0,
         "regions": sorted({l.region for l in cfg.learners}),
+        "started_at": started,
         "wall_seconds": wall,
         "tokens": report.get("tokens", 0),
         "inner_steps": ranks * kept_steps,
@@ -224,12 +234,16 @@ def summarise(cfg: Config, args: argparse.Namespace, report: dict, chaos: Chaos,
         "chaos_events": chaos.events,
         "state_hashes_agree": None,  # no shards: one model, the same on every rank by construction
         "anchor_offset": None,
-        "links": {},
+        "links": {l.id: {"region": l.region, **(cfg.link(l.id, l.region) or LinkConfig()).model_dump(),
+                         "bytes": 2 * per_rank_bytes} for l in cfg.learners},
         "per_learner": {leader.id: {"region": leader.region, "steps": kept_steps, "step_seconds": step_seconds,
+                                    "steps_run": steps_run, "wan_seconds": total("wan_seconds"),
+                                    "wan_overlap_seconds": total("wan_overlap_seconds"),
                                     "restarts": max(0, len(lives) - 1), "phase": report.get("phase"),
                                     "evaluations": evaluations, "ranks": ranks}},
         "timeline": timeline,
+        "cluster_config": cfg.model_dump(mode="json"),
         "config": {"model": cfg.model_name(), "H": 1, "P": 1,
-                   "tau": 0, "codec": "fp32", "K": ranks, "wan_mbps": None, "chaos_mtbf": args.chaos_mtbf,
+                   "tau": 0, "codec": "fp32", "K": ranks, "wan_mbps": cfg.rpc.wan_mbps, "chaos_mtbf": args.chaos_mtbf,
                    "restart_delay": args.restart_delay, "slow_learner": args.slow_learner},
     }

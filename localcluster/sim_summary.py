@@ -261,12 +261,16 @@ def _global_vs_local(curve: list[list[float]]) -> str:
 
 def _link(link: dict) -> str:
     """A learner's link as configured, and the rate its pushes and pulls achieved (their bytes
-    over their time on the wire, waits for a round's result included)."""
+    over their time on the wire, waits for a round's result included; a dp rank's all-reduce:
+    its bytes only)."""
     def rate(mbps: float | None) -> str:
         return "uncapped" if mbps is None else f"{mbps:g}"
 
-    return (f"{link['region']}: up {rate(link['up_mbps'])} / down {rate(link['down_mbps'])} Mbit/s, "
-            f"latency {link['latency_ms']:g} ms; measured {link['bytes_per_second'] / 1e6:.3f} MB/s "
+    configured = (f"{link['region']}: up {rate(link['up_mbps'])} / down {rate(link['down_mbps'])} Mbit/s, "
+                  f"latency {link['latency_ms']:g} ms")
+    if "bytes_per_second" not in link:
+        return f"{configured}; {link['bytes'] / 1e6:.2f} MB"
+    return (f"{configured}; measured {link['bytes_per_second'] / 1e6:.3f} MB/s "
             f"({link['bytes_per_second'] * 8 / 1e6:.2f} Mbit/s) over {link['bytes'] / 1e6:.2f} MB")
 
 

@@ -32,14 +32,19 @@ class PacedDirection:
         self._busy_until = 0.0
         self._lock = threading.Lock()
 
-    def consume(self, count: int) -> None:
+    def book(self, count: int) -> float:
+        """Takes the link for n bytes after what it carries already; the clock's time when
+        they are through (now, uncapped)."""
+        now = self._clock()
         if self.bytes_per_second is None:
-            return
+            return now
         with self._lock:
-            start = max(self._clock(), self._busy_until)
-            self._busy_until = start + count / self.bytes_per_second
-            done_at = self._busy_until
-        self._sleep(max(0.0, done_at - self._clock()))
+            self._busy_until = max(now, self._busy_until) + count / self.bytes_per_second
+            return self._busy_until
+
+    def consume(self, count: int) -> None:
+        if self.bytes_per_second is not None:
+            self._sleep(max(0.0, self.book(count) - self._clock()))
 
     def wait_latency(self) -> None:
         if self.latency_seconds:

@@ -8,6 +8,11 @@ evaluation and a checkpoint copy take (every trainer.eval_every and checkpoint_e
 the loop's other work per step (one figure each for the run), and the chaos schedule (each kill, and the restart after it, as an injected failure and its repair;
 each shard kill as a shard outage). The planner then predicts the rest: blocked, lost, restore,
 down and start-up time, goodput, bytes each way and outer steps.
+
+A data-parallel run (`diloco sim --mode dp`, links capped, no kills) is planned as the
+planner's dp: from the run it takes a step's compute time and how long DDP's buckets overlapped
+the backward pass, and predicts the step with its all-reduce over the links, the share of the
+training time blocked on the WAN and the steps trained in it.
 """
 from __future__ import annotations
 
@@ -42,9 +47,11 @@ def inputs_from_report(report: dict) -> PlanInputs:
                if key not in report]
     if missing:
         raise CalibrationError(f"the report has no {', '.join(missing)}: rerun diloco sim with this version")
-    if report.get("mode") != "diloco":
-        raise CalibrationError(f"a {report.get('mode')} run: only a diloco run can be planned")
+    if report.get("mode") not in ("diloco", "dp"):
+        raise CalibrationError(f"a {report.get('mode')} run: only a diloco or dp run can be planned")
     cfg = parse_config(report["cluster_config"], source="the report's cluster_config")
+    if report["mode"] == "dp":
+        return _dp_inputs(report, cfg)
     learners = [report["per_learner"][learner.id] for learner in cfg.learners]
     steps_run = sum(learner["steps_run"] for learner in learners)
     if not steps_run:
@@ -80,6 +87,25 @@ def inputs_from_report(report: dict) -> PlanInputs:
         "shard_outages": [{"shard": event["index"], "at_seconds": event["time"] - start,
                            "seconds": _restart(chaos, event, report) - event["time"]}
                           for event in chaos if event["event"] == "kill" and event["kind"] == "shard"],
+    }, source="the plan of the report")
+
+
+def _dp_inputs(report: dict, cfg) -> PlanInputs:
+    """The planner's dp as the data-parallel job ran: its ranks, links, model and compute step;
+    the run's training time (its steps and their waits) is the plan's length."""
+    if any(event["event"] == "kill" for event in report["chaos_events"]):
+        raise CalibrationError("a dp run with kills: the planner's dp is set beside a run without --chaos-mtbf")
+    (job,) = report["per_learner"].values()
+    if not job["steps_run"]:
+        raise CalibrationError("the data-parallel job trained no step in the run")
+    m = len(cfg.learners)
+    compute = job["step_seconds"]
+    return load_inputs({
+        "chips": m, "learners": m, "chip_mtbf_hours": None, "seed": report["seed"],
+        "hours": (job["steps_run"] * compute + job["wan_seconds"]) / 3600, "step_seconds": [compute],
+        "batch_tokens": m * cfg.tokens_per_step(), "restore_minutes": 0.0,
+        "model_parameters": report["model_parameters"], "links": _links(report, cfg), "gradient_dtype": "fp32",
+        "backward_share": min(1.0, job["wan_overlap_seconds"] / job["steps_run"] / compute),
     }, source="the plan of the report")
 
 
@@ -125,7 +151,7 @@ class Row:
     figure: str
     predicted: float
     measured: float
-    unit: str  # "share": of provisioned time; "MB"; "count"
+    unit: str  # "share": of provisioned time (dp: of training time); "MB"; "count"; "seconds"
 
     @property
     def difference(self) -> float:
@@ -141,7 +167,9 @@ class Row:
 
 def compare(report: dict, inputs: PlanInputs, result: PlanResult) -> list[Row]:
     """The planner's figures beside the run's: goodput and each badput category as shares of
-    provisioned time, bytes each way, inner and outer steps."""
+    provisioned time, bytes each way, inner and outer steps (dp: compare_dp)."""
+    if report["mode"] == "dp":
+        return compare_dp(report, inputs, result)
     planned = result.goodput.badput_shares()
     provisioned = report["provisioned_seconds"]
     measured = {category: seconds / provisioned for category, seconds in report["badput_seconds"].items()}
@@ -154,9 +182,21 @@ def compare(report: dict, inputs: PlanInputs, result: PlanResult) -> list[Row]:
     return rows
 
 
+def compare_dp(report: dict, inputs: PlanInputs, result: PlanResult) -> list[Row]:
+    """A data-parallel job's step with its all-reduce, the share of its training time blocked
+    on the links, and the steps it trained in that time."""
+    (job,) = report["per_learner"].values()
+    training = job["steps_run"] * job["step_seconds"] + job["wan_seconds"]
+    return [Row("step seconds", result.step_seconds, training / job["steps_run"], "seconds"),
+            Row("blocked", result.goodput.badput_shares()["blocked"], job["wan_seconds"] / training, "share"),
+            Row("steps", result.tokens / inputs.batch_tokens, job["steps_run"], "count")]
+
+
 def table(rows: list[Row]) -> str:
     def shown(row: Row, value: float) -> str:
-        return f"{value:.1%}" if row.unit == "share" else f"{value:.2f}" if row.unit == "MB" else f"{value:.0f}"
+        if row.unit == "share":
+            return f"{value:.1%}"
+        return f"{value:.3f}" if row.unit == "seconds" else f"{value:.2f}" if row.unit == "MB" else f"{value:.0f}"
 
     lines = [("figure", "planned", "measured", "difference")]
     for row in rows:
@@ -170,5 +210,5 @@ def table(rows: list[Row]) -> str:
 def calibrate(report_path: pathlib.Path) -> tuple[PlanInputs, PlanResult, list[Row]]:
     report = json.loads(report_path.read_text())
     inputs = inputs_from_report(report)
-    result = simulate(inputs, "diloco")
+    result = simulate(inputs, report["mode"])
     return inputs, result, compare(report, inputs, result)

@@ -26,12 +26,17 @@ from diloco.services.contract.wire import pb, pb_grpc
 class LinkEmulation(Protocol):
     """Paces the bytes of one learner's transfers as a capped link would (localcluster/wan.py:
     WanLink): `up.consume(n)` and `down.consume(n)` return once n bytes went through, and
-    `wait_latency()` once a message would have crossed the link that way."""
+    `wait_latency()` once a message would have crossed the link that way; `book(n)` takes the
+    link for n bytes without waiting and says when they are through."""
     up: "Pacer"
     down: "Pacer"
 
 
 class Pacer(Protocol):
+    latency_seconds: float
+
+    def book(self, count: int) -> float: ...
+
     def consume(self, count: int) -> None: ...
 
     def wait_latency(self) -> None: ...

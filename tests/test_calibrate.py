@@ -7,6 +7,8 @@ import pytest
 
 from diloco.planner.calibrate import CalibrationError, calibrate, inputs_from_report
 from diloco.cli import main
+from diloco.services.contract.config import dump_config
+from tests.cluster_config import tiny_cluster
 from tests.sim_command import run_sim
 
 # What a loaded 2-core machine still holds (the planner's model: BENCHMARKS.md §10 is within a few
@@ -43,6 +45,27 @@ def test_the_planner_predicts_a_short_chaos_run_of_the_local_cluster(tmp_path, c
     assert written["rows"][0]["predicted"] == pytest.approx(goodput.predicted)
 
 
+@pytest.mark.slow
+def test_the_planner_predicts_a_data_parallel_job_whose_all_reduce_crosses_capped_links(tmp_path):
+    report = run_sim(tmp_path, "--mode", "dp", "--learners", "2", "--regions", "us-east,us-west", "--steps", "15",
+                     "--wan-mbps", "us-east=20,us-west=2/4", "--wan-latency-ms", "us-west=30")
+    (job,) = report["per_learner"].values()
+    assert job["wan_seconds"] > 0 and report["badput_seconds"]["blocked"] == pytest.approx(2 * job["wan_seconds"])
+    inputs, result, rows = calibrate(tmp_path / "report.json")
+    assert inputs.links["us-west"].up_mbps == 2 and inputs.gradient_dtype == "fp32" and not inputs.failures
+    by_figure = {row.figure: row for row in rows}
+    # The slow link paces the ring: without it the steps would be mostly compute, not mostly blocked.
+    assert by_figure["blocked"].measured > 0.5
+    assert abs(by_figure["blocked"].difference) < GOODPUT_POINTS, rows
+    assert BYTES_RATIO[0] < by_figure["step seconds"].difference < BYTES_RATIO[1], rows
+
+
+def test_a_dp_report_with_kills_is_refused():
+    with pytest.raises(CalibrationError, match="a dp run with kills"):
+        inputs_from_report({"mode": "dp", "cluster_config": tiny_cluster_dict(), "started_at": 0.0,
+                            "per_learner": {}, "links": {}, "chaos_events": [{"event": "kill"}]})
+
+
 def test_a_report_without_what_the_planner_needs_is_refused_naming_it(tmp_path, capsys):
     with pytest.raises(CalibrationError, match="no cluster_config, started_at"):
         inputs_from_report({"mode": "diloco", "per_learner": {}, "links": {}, "chaos_events": []})
@@ -52,3 +75,8 @@ def test_a_report_without_what_the_planner_needs_is_refused_naming_it(tmp_path, 
     assert "rerun diloco sim with this version" in capsys.readouterr().err
     assert main(["plan", "--calibrate-from", str(tmp_path / "missing.json")]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+def tiny_cluster_dict() -> dict:
+    import yaml
+    return yaml.safe_load(dump_config(tiny_cluster("/tmp/unused", shards=1, learners=2)))

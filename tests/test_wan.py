@@ -92,3 +92,12 @@ def test_a_shard_clients_push_and_pull_wait_the_latency_each_way_and_their_bytes
     waits = time.slept[len(pushed):]
     assert waits[0] == waits[-1] == pytest.approx(0.04)
     assert pulled.payload_bytes > 0 and sum(waits[1:-1]) == pytest.approx(pulled.payload_bytes / 0.25e6)
+
+
+def test_booking_takes_the_link_without_waiting_and_says_when_the_bytes_are_through():
+    time = FakeTime(advance=False)
+    wan = link(time, up_mbps=8.0, down_mbps=8.0)
+    assert wan.up.book(1_000_000) == pytest.approx(1.0)
+    assert wan.up.book(1_000_000) == pytest.approx(2.0)  # behind the first
+    assert time.slept == []
+    assert link(time).down.book(10) == time.now  # uncapped: through at once

@@ -47,13 +47,20 @@ class Report:
                         "startup_seconds": startup, "restore_seconds": restore,
                         "versions_behind_at_join": behind, "steps": 0, "compute_seconds": 0.0,
                         "loop_seconds": 0.0, "evaluation_seconds": 0.0, "checkpoint_seconds": 0.0,
-                        "regroup_seconds": 0.0}
+                        "regroup_seconds": 0.0, "wan_seconds": 0.0, "wan_overlap_seconds": 0.0}
         self.incarnations.append(self.current)
 
     def spent(self, category: str, seconds: float) -> None:
         """Training-time work besides steps: category "evaluation", "checkpoint" or "regroup"
         (an island regrouping; badput restore, apart from the life's own join and pull)."""
         self.current[f"{category}_seconds"] += seconds
+
+    def waited_for_wan(self, seconds: float, overlap_seconds: float) -> None:
+        """Data parallel behind an emulated link (learner/trainer/wan_allreduce.py): a step
+        waited `seconds` for its all-reduce (not compute: badput blocked), whose buckets
+        overlapped its backward pass for `overlap_seconds`."""
+        self.current["wan_seconds"] += seconds
+        self.current["wan_overlap_seconds"] += overlap_seconds
 
     def step(self, compute_seconds: float, loop_seconds: float) -> None:
         self.current["steps"] += 1

@@ -38,6 +38,8 @@ from diloco.learner.sync.report import LIFE_STARTED_ENV
 from diloco.learner.sync.healing import LearnerDiverged
 from diloco.learner.sync.streaming import JoinRefused
 from diloco.learner.trainer.poison import Poison
+from diloco.learner.trainer.wan_allreduce import PacedAllReduce
+from diloco.services.client import emulated_link
 from diloco.learner.trainer.train import Trainer
 from diloco.services.contract.config import ConfigError, load_config
 
@@ -182,6 +184,8 @@ def learn(args: argparse.Namespace, cfg, learner_id: str, trainer: Trainer, isla
             trainer.step, trainer.tokens = sync.steps, sync.tokens // world_size  # rank 0's, on every rank
             if world_size > 1:
                 trainer.forward_module = DistributedDataParallel(trainer.model)
+            if args.data_parallel:
+                pace_allreduce(cfg, trainer)
             return train(args, trainer, sync, checkpoints)
     except LeadTaken as taken:
         log.warning("learner %s: %s", learner_id, taken)
@@ -233,7 +237,9 @@ def train(args: argparse.Namespace, trainer: Trainer, sync: DecoupledDiLoCo, che
             stood_still = 0.0
         if not stats.committed:  # a replica group died during it: no step, the survivors go on
             continue
-        applied = sync.step(stats.tokens, stats.seconds)
+        applied = sync.step(stats.tokens, stats.seconds - stats.wan_seconds)
+        if report and trainer.wan_allreduce:
+            report.waited_for_wan(stats.wan_seconds, stats.wan_overlap_seconds)
         if args.poison and trainer.step == args.poison.step:
             log.warning("learner %s: poisoned after step %d (--poison %s)", sync.learner.id,
                         trainer.step, args.poison.kind)
@@ -270,6 +276,18 @@ def train(args: argparse.Namespace, trainer: Trainer, sync: DecoupledDiLoCo, che
     log.info("learner %s %s at step %d", report.learner_id, "finished" if sync.budget_spent else "stopped",
              trainer.step)
     return 0
+
+
+def pace_allreduce(cfg, trainer: Trainer) -> None:
+    """Data parallel whose harness emulates the WAN (`diloco sim --mode dp --wan-mbps`): the
+    gradient all-reduce waits for a ring over the links of the regions its ranks are in (rank r
+    is learner r of the config; a region's link is its first learner's)."""
+    first = {l.region: l for l in reversed(cfg.learners)}
+    ring = [link for l in first.values() if (link := emulated_link(cfg, l.id, l.region)) is not None]
+    if len(first) < 2 or not ring:
+        return
+    trainer.wan_allreduce = PacedAllReduce(ring, len(first))
+    trainer.forward_module.register_comm_hook(None, trainer.wan_allreduce.hook)
 
 
 def replica_group_problem(cfg, args: argparse.Namespace, world_size: int) -> str | None:

@@ -38,6 +38,7 @@ from diloco.learner.trainer.causal_lm import synced_module
 from diloco.learner.trainer.checkpoint import checkpoint_state, rank_state, restore_rng
 from diloco.learner.trainer.data import DataSource, build_data
 from diloco.learner.trainer.model import build_model
+from diloco.learner.trainer.wan_allreduce import PacedAllReduce
 from diloco.learner.sync.synced_parameters import named_parameters
 from diloco.services.contract.config import Config, InnerOptimizerConfig, TrainerConfig
 
@@ -57,6 +58,8 @@ class StepStats:
     committed: bool = True  # False: a replica group failed during the step, which was dropped
     regrouped: bool = False  # the island of replica groups regrouped before the step (it stood still)
     regroup_seconds: float = 0.0  # how long that regroup held the step back
+    wan_seconds: float = 0.0  # of `seconds`, waited for an emulated WAN link's all-reduce (wan_allreduce)
+    wan_overlap_seconds: float = 0.0  # how long that all-reduce's buckets overlapped the backward pass
 
 
 def lr_at(step: int, opt: InnerOptimizerConfig, max_steps: int) -> float:
@@ -101,6 +104,8 @@ class Trainer:
         # An island of replica groups (learner/island/replica_groups.py) averages gradients and decides
         # whether each step counts; None: this process (with DDP, its torchrun job) alone.
         self.replicas: ReplicaGroups | None = None
+        # Data parallel behind an emulated WAN link (learner/trainer/wan_allreduce.py); None: none.
+        self.wan_allreduce: PacedAllReduce | None = None
         # What the run syncs and exports: a transformers model under its own parameter names.
         self.synced_module = synced_module(model)
         self.device = next(model.parameters()).device
@@ -140,6 +145,7 @@ class Trainer:
                 (loss / micro_batches).backward()
             loss_sum += loss.detach().double()  # read once per step: .item() waits for the device
             tokens += x.numel()
+        wan_seconds, wan_overlap = self.wan_allreduce.take_step() if self.wan_allreduce else (0.0, 0.0)
         if self.replicas:
             self.replicas.average_gradients(self.model.parameters())
         # With clipping off the norm is still measured (max_norm=inf scales by exactly 1).
@@ -151,11 +157,12 @@ class Trainer:
                              regroup_seconds=regroup_seconds)
         self.optimizer.step()
         if self.slowdown > 1.0:  # emulated slower hardware: the step takes longer, for real
-            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - started))
+            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - started - wan_seconds))
         self.step += 1
         self.tokens += tokens
         return StepStats(loss=loss_sum.item() / micro_batches, tokens=tokens, seconds=time.perf_counter() - started,
-                         lr=lr, grad_norm=grad_norm.item(), regrouped=regrouped, regroup_seconds=regroup_seconds)
+                         lr=lr, grad_norm=grad_norm.item(), regrouped=regrouped, regroup_seconds=regroup_seconds,
+                         wan_seconds=wan_seconds, wan_overlap_seconds=wan_overlap)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16")
