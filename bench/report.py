@@ -701,8 +701,12 @@ def summary(results: dict) -> list[str]:
     if "calibration" in results:
         c = results["calibration"]
         goodput = [next(row for row in run["rows"] if row["figure"] == "goodput") for run in c["rows"]]
+        dp = [(run["name"], next(row for row in run["rows"] if row["figure"] == "step seconds"))
+              for run in c.get("dp_rows", [])]
         rows.append(["10. calibration", "planned / measured goodput: " + ", ".join(
-            f"{run['name']} {g['predicted']:.1%} / {g['measured']:.1%}" for run, g in zip(c["rows"], goodput)),
+            f"{run['name']} {g['predicted']:.1%} / {g['measured']:.1%}" for run, g in zip(c["rows"], goodput))
+            + ("; data parallel's step over capped links, planned / measured: " + ", ".join(
+                f"{name} {step['predicted']:.2f} / {step['measured']:.2f} s" for name, step in dp) if dp else ""),
                      "the planner predicts what diloco sim measures", "-"])
     if "island" in results:
         chaos = results["island"]["groups_killed"]

@@ -84,6 +84,11 @@ def test_committed_results_hold_every_section_with_dp_beside_diloco():
     for run in runs:
         assert run["learner_kills"] > 0 and run["rows"][0]["figure"] == "goodput"
         assert all(is_number(row["predicted"]) and is_number(row["measured"]) for row in run["rows"])
+    dp_runs = results["calibration"]["dp_rows"]  # issue 58: data parallel's all-reduce over capped links
+    assert {run["name"] for run in dp_runs} == {"dp-20", "dp-mixed-links"}
+    for run in dp_runs:
+        assert [row["figure"] for row in run["rows"]] == ["step seconds", "blocked", "steps"]
+        assert all(is_number(row["predicted"]) and is_number(row["measured"]) for row in run["rows"])
     island = results["island"]  # issue 35: groups killed, the leading ones too, against no kills
     assert island["groups_killed"]["kills"] > 0 and island["groups_killed"]["leader_kills"] > 0
     assert island["groups_killed"]["learner_restarts"] == 0 and island["without_failures"]["kills"] == 0
