@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diloco.services.contract.config import Config, RpcConfig, dump_config
 from diloco.services.contract.rpc import open_channel
-from diloco.services.cli.certs import issue_cluster_certs
+from diloco.services.authority import issue_cluster_certs
 from diloco.services.contract.tls import OPERATOR, Identity, certs_dir, load_identity
 from diloco.localcluster.islands import Islands
 from diloco.localcluster.processes import Proc

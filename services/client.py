@@ -8,6 +8,7 @@ decide on retries by status code.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Protocol, Sequence
@@ -91,7 +92,9 @@ class TransferObserver(Protocol):
 
 class ShardClient:
     """`identity` is the certificate this process presents (services.tls.load_identity);
-    None only when the config says plaintext. A learner's calls must present its own."""
+    None only when the config says plaintext. A learner's calls must present its own. When its
+    folder's files change (`diloco certs renew`), the calls from then on present the new one
+    on a new channel; calls in flight finish on the old one, which closes with the client."""
 
     def __init__(self, address: str, rpc: RpcConfig, learner_id: str = "", incarnation: int = 0,
                  wan: LinkEmulation | None = None, observer: TransferObserver | None = None, *,
@@ -102,11 +105,28 @@ class ShardClient:
         self.rpc = rpc
         self.learner_id = learner_id
         self.incarnation = incarnation
+        self._identity = identity
+        self._lock = threading.Lock()
         self.channel = open_channel(address, rpc, identity)
-        self.stub = pb_grpc.SyncerStub(self.channel)
+        self._stub = pb_grpc.SyncerStub(self.channel)
+        self._retired: list[grpc.Channel] = []
+
+    @property
+    def stub(self) -> pb_grpc.SyncerStub:
+        """The stub for a call made now: on a new channel if the certificate was renewed."""
+        with self._lock:
+            renewed = self._identity.reloaded() if self._identity else None
+            if renewed is not None:
+                self._identity = renewed
+                self._retired.append(self.channel)
+                self.channel = open_channel(self.address, self.rpc, renewed)
+                self._stub = pb_grpc.SyncerStub(self.channel)
+            return self._stub
 
     def close(self) -> None:
-        self.channel.close()
+        with self._lock:
+            for channel in [*self._retired, self.channel]:
+                channel.close()
 
     def __enter__(self) -> "ShardClient":
         return self

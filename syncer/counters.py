@@ -9,8 +9,10 @@ Families: contributions.<result> (accepted, stale_merged, refused_stale, refused
 refusal of an outer gradient once its header is read but a duplicate's, restored, clamped:
 restored with its claims brought into range), seeds, fragments.restored (a RESTORE taken),
 refusals.<reason>, rounds.<close reason>, learners.<event> (joined, rejoined, left, expired),
-outliers.<learner id> (its pushes refused as outliers: syncer/outliers.py), kept_compute_seconds, journal_bytes (written to the state folder), snapshots (full writes of a
-fragment's state), replayed_rounds (closed again from the log at a restart).
+outliers.<learner id> (its pushes refused as outliers: syncer/outliers.py), revoked.<learner
+id> (its calls refused: its certificate is revoked), kept_compute_seconds, journal_bytes
+(written to the state folder), snapshots (full writes of a fragment's state), replayed_rounds
+(closed again from the log at a restart).
 """
 from __future__ import annotations
 

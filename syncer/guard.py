@@ -8,7 +8,9 @@ makes before a call reaches the core.
   learner moves the anchor the shard serves that learner deltas from (docs/protocol.md, "The
   downlink"), so it is checked the same way; one naming none, and Status, only read, so any
   certificate of the CA will do (the operator's, for `diloco status` and `diloco export`).
-  In plaintext mode there is no identity to check: the config said the network is trusted.
+  A certificate the CA revoked is refused PERMISSION_DENIED on every call
+  (syncer/certificates.py). In plaintext mode there is no identity to check: the config said
+  the network is trusted.
 - Limits (config `limits`): streams in flight per peer, a push's declared size and chunk
   count, and its pace: a push that stalls for limits.push_idle_seconds, or outlasts the
   deadline a client would give it (services.rpc.stream_deadline), is cut off. Everything a
@@ -30,6 +32,7 @@ from diloco.services.contract.config import Config
 from diloco.services.contract.rpc import stream_deadline
 from diloco.services.contract.tls import LEARNER_PREFIX, learner_of, peer_spiffe_id
 from diloco.services.contract.wire import pb
+from diloco.syncer.certificates import ShardCertificates
 from diloco.syncer.counters import Counters
 from diloco.syncer.refusal import Refusal
 
@@ -37,8 +40,10 @@ T = TypeVar("T")
 
 
 class CallGuard:
-    def __init__(self, cfg: Config, counters: Counters):
+    def __init__(self, cfg: Config, counters: Counters, certificates: ShardCertificates | None):
+        """`certificates`: the shard's, under tls.mode mtls (None in plaintext)."""
         self.authenticating = cfg.tls.mode == "mtls"
+        self.certificates = certificates
         self.limits, self.rpc = cfg.limits, cfg.rpc
         self.counters = counters
         self._streams: Counter[str] = Counter()
@@ -52,6 +57,14 @@ class CallGuard:
         """A pull: for `learner_id` where it names one, else a read anyone of the run may make."""
         if learner_id:
             self.check_learner(context, learner_id)
+        else:
+            self.check_reader(context)
+
+    def check_reader(self, context: grpc.ServicerContext) -> None:
+        """A call that only reads (Status, a pull naming no learner): any certificate of the
+        run's CA that it did not revoke."""
+        if self.certificates is not None:
+            self._counted(self.certificates.refusal(context))
 
     def open_stream(self, context: grpc.ServicerContext) -> None:
         """Takes one of the peer's stream slots until the call ends."""
@@ -112,6 +125,9 @@ class CallGuard:
     def _learner_refusal(self, context: grpc.ServicerContext, learner_id: str) -> Refusal | None:
         if not self.authenticating:
             return None
+        revoked = self.certificates.refusal(context) if self.certificates is not None else None
+        if revoked is not None:
+            return revoked
         peer = peer_spiffe_id(context)
         certified = learner_of(peer)
         if certified is None:

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                     max(f.merged_tokens for f in resumed))
     metrics_port = cfg.shard(args.shard_index).metrics_port
     if metrics_port:
-        metrics = SyncerMetrics(handle.core.status)
+        metrics = SyncerMetrics(handle.core.status, handle.servicer.certificates)
         handle.core.round_listeners.append(metrics.round_closed)
         serve(metrics.registry, metrics_port, cfg.run.listen_host)
     log.info("shard %d serving on %d", args.shard_index, handle.port)

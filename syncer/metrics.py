@@ -8,6 +8,7 @@ from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from diloco.services.metrics import WAN_TRANSFER_BUCKETS, Collector, new_registry
+from diloco.syncer.certificates import ShardCertificates
 
 # The families of syncer/counters.py (`family.label` -> diloco_syncer_<family>_total{label}):
 # label name, and the label values exported as 0 before they first happen, so that rates and
@@ -18,6 +19,7 @@ SYNCER_COUNTER_FAMILIES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "rounds": ("reason", ("all", "others_waiting", "quorum_grace", "all_left")),
     "learners": ("event", ("joined", "rejoined", "left", "expired")),
     "outliers": ("learner", ()),
+    "revoked": ("learner", ()),
     "seeds": (None, ()),
     "kept_compute_seconds": (None, ()),
     "journal_bytes": (None, ()),
@@ -31,6 +33,7 @@ SYNCER_COUNTER_HELP = {
               "contributor left the run).",
     "learners": "Membership events.",
     "outliers": "Outer-gradient pushes refused as outliers (syncer.outlier_norm_factor), by learner.",
+    "revoked": "Calls refused because the learner's certificate is revoked (diloco certs revoke).",
     "seeds": "Fragments seeded with a learner's initial values.",
     "kept_compute_seconds": "Learner compute embodied in merged contributions: "
                             "c_steps * step_seconds * fragment share.",
@@ -43,11 +46,13 @@ SYNCER_COUNTER_HELP = {
 
 class SyncerMetrics:
     """A shard's metrics: its decision counters and state read from `status()` at scrape time
-    (a syncer.views.ShardStatus), plus what `round_closed` observes as rounds close."""
+    (a syncer.views.ShardStatus), its certificates (syncer.certificates.ShardCertificates,
+    under mTLS), plus what `round_closed` observes as rounds close."""
 
-    def __init__(self, status: Callable[[], object]):
+    def __init__(self, status: Callable[[], object], certificates: ShardCertificates | None = None):
         self.registry = r = new_registry()
         self._status = status
+        self._certificates = certificates
         self._lock = threading.Lock()
         self._outer_steps: dict[int, int] = {}
         self.round_duration = Histogram("diloco_syncer_round_duration_seconds",
@@ -85,6 +90,19 @@ class SyncerMetrics:
             version.add_metric(label, fragment.version)
             pending.add_metric(label, fragment.pending_contributions)
         yield from (steps, version, pending)
+        if self._certificates is not None:
+            yield from certificate_families(self._certificates)
+
+
+def certificate_families(certificates: ShardCertificates):
+    expiry = GaugeMetricFamily("diloco_certificate_expiry_timestamp_seconds",
+                               "When a certificate expires (unix seconds): the CAs the shard trusts, its own, "
+                               "and the last one each caller presented.", labels=["name", "serial"])
+    for view in certificates.views():
+        expiry.add_metric([view.name, f"{view.serial:x}"], view.expires.timestamp())
+    yield expiry
+    yield GaugeMetricFamily("diloco_syncer_revoked_certificates",
+                            "Serials in the shard's revocation list.", value=len(certificates.revocations))
 
 
 def counter_families(counters: Mapping[str, float]):

@@ -3,7 +3,8 @@
 Rounds close on pushes and on time: a ticker thread calls `core.tick()` every TICK_SECONDS, so
 a round that reached quorum closes when its grace window ends (or when the last missing
 learner's lease expires) without waiting for another push. Pulls wait on a condition that
-every new version notifies.
+every new version notifies. Under mTLS a RevocationWatch reads the shard's certificate folder
+every REVOCATION_POLL_SECONDS and ends the calls of a learner whose certificate it finds revoked.
 
     handle = start_shard(cfg, shard_index=0, listen="127.0.0.1:0", state_dir=tmp)
     ... ShardClient(f"127.0.0.1:{handle.port}", cfg.rpc, ...) ...
@@ -29,6 +30,7 @@ from diloco.services.contract.settings import cluster_settings
 from diloco.services.contract.tls import load_identity, shard_name
 from diloco.services.contract.wire import REFUSAL_REASON_KEY, pb, pb_grpc
 from diloco.syncer.admission import PushOutcome
+from diloco.syncer.certificates import ShardCertificates
 from diloco.syncer.core import ShardCore
 from diloco.syncer.counters import Counters
 from diloco.syncer.guard import CallGuard
@@ -42,6 +44,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Syncer"].full_name
 TICK_SECONDS = 0.05
+REVOCATION_POLL_SECONDS = 1.0
 IDLE_RELEASE_SECONDS = 1.0
 
 
@@ -72,13 +75,16 @@ def _abort(context: grpc.ServicerContext, refusal: Refusal) -> None:
 
 
 class SyncerServicer(pb_grpc.SyncerServicer):
-    def __init__(self, core: ShardCore):
+    def __init__(self, core: ShardCore, certificates: ShardCertificates | None = None):
+        """`certificates`: the shard's under tls.mode mtls; None in plaintext."""
         self.core = core
-        self.guard = CallGuard(core.cfg, core.counters)
+        self.certificates = certificates
+        self.guard = CallGuard(core.cfg, core.counters, certificates)
         self.settings = cluster_settings(core.cfg)
         self._new_version = threading.Condition()
-        # Each learner's open Attend call, ended by a newer one or by the shard stopping.
-        self._attending: dict[str, threading.Event] = {}
+        # Each learner's open Attend call and the serial of the certificate it presented (None
+        # in plaintext), ended by a newer one, by a revocation or by the shard stopping.
+        self._attending: dict[str, tuple[threading.Event, int | None]] = {}
         self._attending_lock = threading.Lock()
         self._stopping = False
         # Pulls wake as each fragment's round closes, not once the ticker has closed them all:
@@ -121,26 +127,41 @@ class SyncerServicer(pb_grpc.SyncerServicer):
         the learner's connection or a newer Attend of the same learner ends it."""
         self.guard.check_learner(context, request.learner_id)
         attendance = self.core.attend(request.learner_id, request.incarnation)
+        presented = self.certificates.presented(context) if self.certificates else None
         ended = threading.Event()
         with self._attending_lock:
             replaced = self._attending.get(request.learner_id)
-            self._attending[request.learner_id] = ended
+            self._attending[request.learner_id] = (ended, presented.serial if presented else None)
         if replaced is not None:
-            replaced.set()
+            replaced[0].set()
         if context.add_callback(ended.set) and not self._stopping:
             ended.wait()
         with self._attending_lock:
-            if self._attending.get(request.learner_id) is ended:
+            if self._attending.get(request.learner_id, (None,))[0] is ended:
                 del self._attending[request.learner_id]
         if not self._stopping:
             self.core.absent(request.learner_id, request.incarnation, attendance)
+        if presented is not None:  # ended by a revocation: the learner is told why
+            refusal = self.certificates.refusal_of(presented)
+            if refusal is not None:
+                raise refusal
         yield from ()
+
+    def revocations_changed(self) -> None:
+        """Ends the Attend call of every learner whose certificate is now revoked (its lease
+        ends with it: no round waits for it), and wakes waiting pulls to check theirs."""
+        with self._attending_lock:
+            revoked = [ended for ended, serial in self._attending.values()
+                       if serial is not None and self.certificates.revocations.revoked_on(serial)]
+        for ended in revoked:
+            ended.set()
+        self.versions_changed()
 
     def stop_attending(self) -> None:
         """The shard is stopping: every Attend call ends without counting its learner absent."""
         self._stopping = True
         with self._attending_lock:
-            for ended in self._attending.values():
+            for ended, _ in self._attending.values():
                 ended.set()
 
     @_answer_refusals
@@ -168,12 +189,14 @@ class SyncerServicer(pb_grpc.SyncerServicer):
 
         def reached() -> bool:
             version = self.core.version(fragment_id)
-            return (version is not None and version >= request.min_version) or not context.is_active()
+            return ((version is not None and version >= request.min_version) or not context.is_active()
+                    or self._revoked(context))
 
         wait = _wait_budget(request.max_wait_seconds, context.time_remaining())
         if wait > 0:
             with self._new_version:
                 self._new_version.wait_for(reached, timeout=wait)
+            self.guard.check_puller(context, request.learner_id)  # revoked meanwhile
         plan = self.core.pull(fragment_id, request.base_version if request.HasField("base_version") else None,
                               request.learner_id, request.anchor_hash)
         kind = pb.PAYLOAD_KIND_SNAPSHOT if plan.snapshot else pb.PAYLOAD_KIND_UPDATE
@@ -184,7 +207,13 @@ class SyncerServicer(pb_grpc.SyncerServicer):
             for chunk in iter_chunks(item.payload):
                 yield pb.PullResponse(chunk=chunk)
 
+    def _revoked(self, context: grpc.ServicerContext) -> bool:
+        presented = self.certificates.presented(context) if self.certificates else None
+        return presented is not None and self.certificates.revocations.revoked_on(presented.serial) is not None
+
+    @_answer_refusals
     def Status(self, request, context):
+        self.guard.check_reader(context)
         status = self.core.status()
         return pb.StatusResponse(
             shard_index=status.shard_index, plan_digest=status.plan_digest,
@@ -208,7 +237,11 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                 for l in status.learners],
             counters=wire_counters(status.counters),
             manifest=pb.ParameterManifest(tensors=[pb.TensorSpec(name=name, shape=list(shape))
-                                                   for name, shape in self.core.manifest or ()]))
+                                                   for name, shape in self.core.manifest or ()]),
+            certificates=[pb.CertificateStatus(name=c.name, serial=f"{c.serial:x}",
+                                               expires_unix_seconds=c.expires.timestamp(), revoked=c.revoked)
+                          for c in (self.certificates.views() if self.certificates else ())],
+            revoked_certificates=len(self.certificates.revocations) if self.certificates else 0)
 
 
 def _push_header(requests: Iterator[pb.PushRequest]) -> pb.PushHeader:
@@ -278,6 +311,30 @@ class Ticker:
         self._thread.join()
 
 
+class RevocationWatch:
+    """A thread that reads the shard's certificate folder again every REVOCATION_POLL_SECONDS:
+    a renewed certificate is taken for new connections, a new revocation ends the revoked
+    learners' calls within a poll."""
+
+    def __init__(self, servicer: SyncerServicer, interval: float = REVOCATION_POLL_SECONDS):
+        self.servicer, self.interval = servicer, interval
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="revocation-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self.interval):
+            try:
+                if self.servicer.certificates.refresh():
+                    self.servicer.revocations_changed()
+            except Exception:  # a bug; the files' own faults are logged where they are read
+                log.exception("reading the certificate folder failed")
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join()
+
+
 def worker_threads(cfg: Config) -> int:
     """Enough RPC threads that pulls waiting for rounds never starve the pushes that close
     them: per learner, a push and a waiting pull for each fragment a shard may own, plus a
@@ -294,6 +351,7 @@ class ShardHandle:
     store: ShardStore
     ticker: Ticker
     port: int
+    revocation_watch: RevocationWatch | None = None
 
     def stop(self, drain_seconds: float = 0.0) -> None:
         """Health NOT_SERVING, in-flight calls drain, then the ticker and the files close.
@@ -301,6 +359,8 @@ class ShardHandle:
         self.servicer.stop_attending()
         self.server.stop(drain_seconds)
         self.ticker.stop()
+        if self.revocation_watch is not None:
+            self.revocation_watch.stop()
         self.store.close()
 
 
@@ -317,7 +377,8 @@ def start_shard(cfg: Config, shard_index: int, listen: str = "127.0.0.1:0",
         check_state_folder(store.directory)  # fails at start, naming it, not on the first Join
         core = ShardCore(cfg, shard_index, journal=store, state_location=str(store.directory), counters=counters)
         core.restore(store.load())
-        servicer = SyncerServicer(core)
+        certificates = ShardCertificates(identity, shard_name(shard_index), counters) if identity else None
+        servicer = SyncerServicer(core, certificates)
         server = Server(cfg.rpc, [SERVICE_NAME], max_workers=worker_threads(cfg), identity=identity)
         pb_grpc.add_SyncerServicer_to_server(servicer, server.grpc_server)
         port = server.start(listen, health_listen)
@@ -325,4 +386,5 @@ def start_shard(cfg: Config, shard_index: int, listen: str = "127.0.0.1:0",
         store.close()
         raise
     ticker = Ticker(core)
-    return ShardHandle(core, servicer, server, store, ticker, port)
+    return ShardHandle(core, servicer, server, store, ticker, port,
+                       RevocationWatch(servicer) if certificates else None)

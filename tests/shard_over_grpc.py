@@ -5,7 +5,7 @@ import socket
 import torch
 import yaml
 
-from diloco.services.cli.certs import issue_cluster_certs
+from diloco.services.authority import issue_cluster_certs
 from diloco.services.contract.codecs import get_codec
 from diloco.services.contract.config import load_config, parse_config
 from diloco.services.contract.payload import describe, iter_chunks

@@ -16,7 +16,7 @@ from diloco.services.client import ShardClient
 from diloco.services.contract.config import dump_config
 from diloco.services.contract.fragments import plan_for_config, scatter
 from diloco.services.contract.state import state_hash
-from diloco.services.cli.certs import issue_cluster_certs
+from diloco.services.authority import issue_cluster_certs
 from diloco.services.contract.tls import certs_dir, learner_name, load_identity
 from diloco.services.contract.wire import pb
 from diloco.services.export import transformers_config_of

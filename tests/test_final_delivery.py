@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from diloco.services.cli.certs import issue_cluster_certs
+from diloco.services.authority import issue_cluster_certs
 from diloco.services.contract.config import dump_config
 from diloco.services.contract.tls import certs_dir
 from diloco.syncer.service import start_shard

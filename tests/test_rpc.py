@@ -10,7 +10,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from diloco.services.contract.config import RpcConfig
 from diloco.services.contract.rpc import Server, open_channel
-from diloco.services.cli.certs import issue_cluster_certs
+from diloco.services.authority import issue_cluster_certs
 from diloco.services.contract.tls import OPERATOR, certs_dir, learner_name, load_identity, shard_name
 from tests.cluster_config import tiny_cluster
 

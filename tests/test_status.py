@@ -10,7 +10,7 @@ import torch
 from diloco.cli import main
 from diloco.services.client import ShardClient
 from diloco.services.contract.config import dump_config
-from diloco.services.cli.certs import issue_cluster_certs
+from diloco.services.authority import issue_cluster_certs
 from diloco.services.contract.tls import OPERATOR, certs_dir, learner_name, load_identity
 from diloco.services.contract.wire import pb
 from diloco.syncer.service import start_shard
@@ -81,6 +81,13 @@ def test_status_shows_learners_fragments_and_totals(cluster, capsys):
     assert first[3] == "1" and " ".join(first[6:]).startswith("#1 all, contributors 1,")
     assert "totals    1 outer steps" in out and "contributions 1 accepted" in out
     assert "requests refused: 1 (wrong_learner 1); races and retries: 1 (already_seeded 1)" in out
+    # The certificates the shard knows: its CA, its own, and the one each caller presented.
+    certificates = {line.split()[0]: line.split() for line in out.splitlines()
+                    if line.startswith(("ca ", "shard-0 ", "spiffe://"))}
+    assert set(certificates) == {"ca", "shard-0", f"spiffe://diloco/learner/{learner.id}",
+                                 "spiffe://diloco/operator"}
+    assert " ".join(certificates["shard-0"][3:]) == "365 days left"
+    assert "revoked   0 certificate(s) in the shards' revocation list" in out
 
 
 def test_status_from_a_config_names_the_shard_that_does_not_answer(cluster, capsys):

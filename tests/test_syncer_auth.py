@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from diloco.services.client import ShardClient
-from diloco.services.cli.certs import issue_cluster_certs
+from diloco.services.authority import issue_cluster_certs
 from diloco.services.contract.state import state_hash
 from diloco.services.contract.tls import learner_name, load_identity
 from diloco.services.contract.wire import pb

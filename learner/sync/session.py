@@ -20,7 +20,7 @@ import torch
 from diloco.learner.sync.host_copy import copy_to_host
 from diloco.learner.sync.known_hashes import KnownHashes
 from diloco.learner.sync.pulled import value_after
-from diloco.learner.sync.shard_errors import Remedy, reason, remedy, with_retries
+from diloco.learner.sync.shard_errors import Remedy, reason, refusal_reason, remedy, with_retries
 from diloco.learner.sync.stats import SyncStats
 from diloco.services.client import PullResult, ShardClient
 from diloco.services.contract.config import Config
@@ -274,6 +274,9 @@ class ShardSession:
                     log.info("rejoined shard %d", self.index)
                 self._heartbeat()
             except grpc.RpcError as error:
+                if refusal_reason(error) == "revoked":  # the run shut this learner out
+                    self.failure = JoinRefused(f"shard {self.index}: {reason(error)}")
+                    return
                 if remedy(error) is Remedy.REJOIN:
                     self.forgotten()
                 elif remedy(error) is not Remedy.RETRY_LATER:

@@ -1,140 +1,106 @@
-"""`diloco certs`: a CA and a certificate for every shard, learner and operator of a config,
-in the folder layout services/contract/tls.py reads (a Kubernetes TLS Secret with its CA)."""
+"""`diloco certs`: a CA and a certificate for every shard, learner and operator of a config, in
+the folder layout services/contract/tls.py reads (a Kubernetes TLS Secret with its CA); and,
+while the run goes on, renewing, revoking and rotating them (services/authority.py).
+
+    diloco certs --config C                      a CA (kept if there) and every process's folder
+    diloco certs renew --config C [NAME ...]     new certificates, the same CA (default: all)
+    diloco certs revoke --config C ID|SERIAL     shut a learner (or any certificate) out
+    diloco certs rotate-ca --config C --stage trust|issue|finish
+    diloco certs list --config C                 every certificate, its serial and days left
+"""
 from __future__ import annotations
 
 import argparse
 import datetime
-import ipaddress
 import pathlib
 import sys
-from dataclasses import dataclass
-from typing import Iterable
 
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from diloco.services.contract.config import Config, ConfigError, load_config
-from diloco.services.contract.tls import (CA_FILE, CA_FOLDER, CERT_FILE, KEY_FILE, LOOPBACK_HOSTS, OPERATOR,
-                                          certs_dir, learner_name, shard_name, spiffe_id)
-from diloco.services.files import atomic_write
+from diloco.services.authority import issue_cluster_certs, process_names, revoke, rotate_ca
+from diloco.services.contract.config import ConfigError, load_config
+from diloco.services.contract.revocations import CRL_FILE, RevocationList
+from diloco.services.contract.tls import CA_FILE, CA_FOLDER, CERT_FILE, certs_dir
 
+ACTIONS = ("renew", "revoke", "rotate-ca", "list")
 
-@dataclass(frozen=True)
-class _Authority:
-    cert: x509.Certificate
-    key: ec.EllipticCurvePrivateKey
-
-
-def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
-
-
-def _write(path: pathlib.Path, data: bytes, private: bool = False) -> None:
-    """Atomically, so a process reading the folder never sees half a file; keys 0600."""
-    atomic_write(path, data, mode=0o600 if private else 0o644)
-
-
-def _authority(folder: pathlib.Path, days: int) -> _Authority:
-    """The CA in `folder`, made there first if it is not."""
-    cert_path, key_path = folder / CA_FILE, folder / "ca.key"
-    if cert_path.exists() and key_path.exists():
-        return _Authority(x509.load_pem_x509_certificate(cert_path.read_bytes()),
-                          serialization.load_pem_private_key(key_path.read_bytes(), password=None))
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "diloco run CA")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=days))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                         content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False,
-                                         encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .sign(key, hashes.SHA256()))
-    folder.mkdir(parents=True, exist_ok=True)
-    _write(key_path, _pem_key(key), private=True)
-    _write(cert_path, cert.public_bytes(serialization.Encoding.PEM))
-    return _Authority(cert, key)
-
-
-def _host_name(host: str) -> x509.GeneralName:
-    try:
-        return x509.IPAddress(ipaddress.ip_address(host.strip("[]")))
-    except ValueError:
-        return x509.DNSName(host)
-
-
-def _issue(ca: _Authority, folder: pathlib.Path, name: str, hosts: Iterable[str], days: int) -> None:
-    """A key and a certificate for process `name`, with the CA's certificate, into `folder`.
-    Shards are servers (their host names as SANs), everyone else a client only."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    hosts = list(dict.fromkeys(hosts))
-    names = [x509.UniformResourceIdentifier(spiffe_id(name))] + [_host_name(h) for h in hosts]
-    usage = ExtendedKeyUsageOID.SERVER_AUTH if hosts else ExtendedKeyUsageOID.CLIENT_AUTH
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .issuer_name(ca.cert.subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(min(now + datetime.timedelta(days=days), ca.cert.not_valid_after_utc))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.SubjectAlternativeName(names), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()),
-                           critical=False)
-            .sign(ca.key, hashes.SHA256()))
-    folder.mkdir(parents=True, exist_ok=True)
-    _write(folder / KEY_FILE, _pem_key(key), private=True)
-    _write(folder / CERT_FILE, cert.public_bytes(serialization.Encoding.PEM))
-    _write(folder / CA_FILE, ca.cert.public_bytes(serialization.Encoding.PEM))
-
-
-def issue_cluster_certs(cfg: Config, out: pathlib.Path, extra_hosts: Iterable[str] = (),
-                        days: int = 365, ca_dir: pathlib.Path | None = None) -> list[str]:
-    """A CA in `ca_dir` (default <out>/ca; kept if it is there, so certificates issued before
-    stay valid) and a folder per process of the config in `out`: every shard (its address's
-    host, loopback and `extra_hosts` as SANs), every learner, and the operator. Returns the
-    names issued."""
-    ca = _authority(ca_dir or out / CA_FOLDER, days=max(days, 3650))
-    names = []
-    for index, shard in enumerate(cfg.shards):
-        host = shard.address.rsplit(":", 1)[0]
-        _issue(ca, out / shard_name(index), shard_name(index), [host, *LOOPBACK_HOSTS, *extra_hosts], days)
-        names.append(shard_name(index))
-    for learner in cfg.learners:
-        _issue(ca, out / learner_name(learner.id), learner_name(learner.id), [], days)
-        names.append(learner_name(learner.id))
-    _issue(ca, out / OPERATOR, OPERATOR, [], days)
-    return names + [OPERATOR]
-
-
-# ---- `diloco certs` --------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="cluster YAML file: its shards and learners get certificates")
-    parser.add_argument("--out", help="folder to write (default: tls.dir of the config, else <run.state_dir>/certs)")
+    _common(parser, required=False)
     parser.add_argument("--host", action="append", default=[],
                         help="another DNS name or IP the shards are dialled by (repeatable)")
-    parser.add_argument("--ca-dir", help="folder of the CA's ca.crt and ca.key, made if missing (default: <out>/ca)")
     parser.add_argument("--days", type=int, default=365, help="validity of the process certificates")
+    actions = parser.add_subparsers(dest="action", metavar="ACTION",
+                                    help="none: make the CA and every folder; or one of " + ", ".join(ACTIONS))
+    renew = actions.add_parser("renew", help="issue new certificates from the same CA while the run goes on")
+    _common(renew, required=True)
+    renew.add_argument("names", nargs="*", metavar="NAME", help="shard-<i>, learner-<id> or operator (default: all)")
+    renew.add_argument("--host", action="append", default=[], help="another DNS name or IP of the shards")
+    renew.add_argument("--days", type=int, default=365, help="validity of the new certificates")
+    revoke_parser = actions.add_parser("revoke", help="revoke a learner's certificate (or any, by serial); "
+                                                     "the shards refuse it within seconds")
+    _common(revoke_parser, required=True)
+    revoke_parser.add_argument("target", metavar="ID|SERIAL", help="a learner id of the config, or a serial in hex")
+    rotate = actions.add_parser("rotate-ca", help="replace the CA in three stages without stopping the run")
+    _common(rotate, required=True)
+    rotate.add_argument("--stage", required=True, choices=["trust", "issue", "finish"],
+                        help="trust: every process trusts a next CA too; issue: it issues every certificate; "
+                             "finish: the old CA is trusted no more")
+    rotate.add_argument("--days", type=int, default=365, help="validity of the certificates the new CA issues")
+    listing = actions.add_parser("list", help="every certificate of the config's folders: serial, expiry, revoked")
+    _common(listing, required=True)
+
+
+def _common(parser: argparse.ArgumentParser, required: bool) -> None:
+    default = None if not required else argparse.SUPPRESS
+    parser.add_argument("--config", required=required, default=default,
+                        help="cluster YAML file: its shards and learners get certificates")
+    parser.add_argument("--out", default=default,
+                        help="folder of the processes' folders (default: tls.dir of the config, else "
+                             "<run.state_dir>/certs)")
+    parser.add_argument("--ca-dir", default=default, help="folder of the CA's ca.crt and ca.key (default: <out>/ca)")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if not args.config:
+            raise ConfigError("--config: required")
         cfg = load_config(args.config)
-        out = pathlib.Path(args.out) if args.out else certs_dir(cfg)
-        ca_dir = pathlib.Path(args.ca_dir) if args.ca_dir else out / CA_FOLDER
-        names = issue_cluster_certs(cfg, out, args.host, args.days, ca_dir)
-    except (ConfigError, OSError) as error:  # a bad config; a folder we may not write
+        out = pathlib.Path(args.out) if getattr(args, "out", None) else certs_dir(cfg)
+        ca_dir = pathlib.Path(args.ca_dir) if getattr(args, "ca_dir", None) else out / CA_FOLDER
+        if args.action is None:
+            names = issue_cluster_certs(cfg, out, args.host, args.days, ca_dir)
+            print(f"CA in {ca_dir} (keep ca.key private); in {out}, a folder per process: {', '.join(names)}")
+        elif args.action == "renew":
+            names = issue_cluster_certs(cfg, out, args.host, args.days, ca_dir, names=args.names or None)
+            print(f"renewed in {out}: {', '.join(names)}; running processes take them up at their next connection")
+        elif args.action == "revoke":
+            serial, learner = revoke(cfg, out, ca_dir, args.target)
+            who = f"learner {learner}'s certificate" if learner else "certificate"
+            print(f"revoked {who} {serial:x}: {ca_dir / CRL_FILE}, copied into every shard folder of {out}; "
+                  "a running shard refuses it within seconds")
+        elif args.action == "rotate-ca":
+            print(rotate_ca(cfg, out, ca_dir, args.stage, args.days))
+        else:
+            print(listing(process_names(cfg), out, ca_dir))
+    except (ConfigError, OSError) as error:  # a bad config; a folder we may not read or write
         print(f"invalid: {error}" if isinstance(error, ConfigError) else f"cannot write: {error}",
               file=sys.stderr)
         return 2 if isinstance(error, ConfigError) else 1
-    print(f"CA in {ca_dir} (keep ca.key private); in {out}, a folder per process: {', '.join(names)}")
     return 0
+
+
+def listing(names: list[str], out: pathlib.Path, ca_dir: pathlib.Path) -> str:
+    """A line per certificate: the CA's and each process folder's (missing ones said)."""
+    revoked = RevocationList(ca_dir / CRL_FILE, (ca_dir / CA_FILE).read_bytes())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    lines, width = [], max(len(name) for name in names)
+    for name, path in [("ca", ca_dir / CA_FILE), *((name, out / name / CERT_FILE) for name in names)]:
+        if not path.exists():
+            lines.append(f"{name:<{width}}  missing ({path})")
+            continue
+        cert = x509.load_pem_x509_certificate(path.read_bytes())
+        left = (cert.not_valid_after_utc - now).total_seconds() / 86400
+        state = "REVOKED" if revoked.revoked_on(cert.serial_number) else ("EXPIRED" if left <= 0 else f"{left:.0f} days left")
+        lines.append(f"{name:<{width}}  serial {cert.serial_number:x}  expires {cert.not_valid_after_utc:%Y-%m-%d}  {state}")
+    return "\n".join(lines)

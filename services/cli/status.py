@@ -28,6 +28,7 @@ HASH_PREFIX = 12
 # Refusals a healthy run has: learners racing to seed a fragment, a push retried after its
 # reply was lost, a restore offered to a shard that already holds the version.
 HARMLESS_REFUSALS = frozenset({"already_seeded", "duplicate", "not_restorable"})
+EXPIRY_WARNING_DAYS = 14  # as the alert DilocoCertificateExpiresSoon (deploy/prometheus/diloco-rules.yml)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +79,16 @@ class ClusterView:
         return sorted(((reply.shard_index, f) for _, reply in self.replies for f in reply.fragments),
                       key=lambda item: item[1].fragment_id)
 
+    def certificates(self) -> list[pb.CertificateStatus]:
+        """Every certificate some shard reported (by name and serial), revoked if any says so."""
+        merged: dict[tuple[str, str], pb.CertificateStatus] = {}
+        for _, reply in self.replies:
+            for c in reply.certificates:
+                key = (c.name, c.serial)
+                if key not in merged or c.revoked:
+                    merged[key] = c
+        return sorted(merged.values(), key=lambda c: (c.name, c.expires_unix_seconds))
+
     def counters(self) -> dict[str, int]:
         total: dict[str, int] = {}
         for _, reply in self.replies:
@@ -127,6 +138,13 @@ def _by_reason(refusals: dict[str, float], real: bool) -> str:
     return f"{sum(chosen.values()):g} ({detail})"
 
 
+def _certificate_state(c: pb.CertificateStatus, now: float) -> str:
+    if c.revoked:
+        return "REVOKED"
+    days = (c.expires_unix_seconds - now) / 86400
+    return "EXPIRED" if days <= 0 else f"{days:.0f} days left" + (" (renew it)" if days < EXPIRY_WARNING_DAYS else "")
+
+
 def render(view: ClusterView, asked: int, now: float) -> str:
     learners = view.learners()
     counters = view.counters()
@@ -148,6 +166,13 @@ def render(view: ClusterView, asked: int, now: float) -> str:
             [[str(f.fragment_id), str(shard), str(f.numel), str(f.version) if f.initialized else "unseeded",
               f.state_hash[:HASH_PREFIX] or "-", str(f.pending_contributions), _last_round(f, now)]
              for shard, f in fragments])]
+    certificates = view.certificates()
+    if certificates:
+        revoked = max(reply.revoked_certificates for _, reply in view.replies)
+        lines += ["", table(["CERTIFICATE", "SERIAL", "EXPIRES", "STATE"],
+                            [[c.name, c.serial[:HASH_PREFIX] + "...", time.strftime("%Y-%m-%d", time.gmtime(c.expires_unix_seconds)),
+                              _certificate_state(c, now)] for c in certificates]),
+                  f"revoked   {revoked} certificate(s) in the shards' revocation list"]
     refused = counters.get("contributions.refused_stale", 0)
     refusals = {name.partition(".")[2]: count for name, count in counters.items()
                 if name.startswith("refusals.") and count}

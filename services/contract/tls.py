@@ -11,16 +11,27 @@ The identity is the certificate's one URI SAN, a SPIFFE ID, which gRPC hands the
 reads its own folder, `<tls.dir>/<name>/` with `ca.crt`, `tls.crt` and `tls.key` (the layout
 of a Kubernetes TLS Secret with its CA, as cert-manager writes it), or the folder given with
 --tls-dir. `diloco certs` (services/cli/certs.py) makes a CA and every folder of a config.
+
+Certificates change while the run goes on (docs/security.md): a process reads its folder again
+when its files change (a shard for each new connection, a client for each call), so a renewed
+certificate or a CA bundle of two CAs (a CA rotation) takes effect without a restart. An
+expired certificate is refused where it is read, naming its expiry.
 """
 from __future__ import annotations
 
+import datetime
+import logging
 import os
 import pathlib
 from dataclasses import dataclass
 
 import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from diloco.services.contract.config import Config, ConfigError
+
+log = logging.getLogger(__name__)
 
 SPIFFE_PREFIX = "spiffe://diloco/"
 LEARNER_PREFIX = SPIFFE_PREFIX + "learner/"
@@ -62,18 +73,59 @@ def peer_spiffe_id(context: grpc.ServicerContext) -> str | None:
 
 @dataclass(frozen=True)
 class Identity:
-    """One process's certificate and key, and the CA it trusts (PEM bytes)."""
+    """One process's certificate and key, and the CA (or CAs) it trusts (PEM bytes); `folder`:
+    where they were read, to be read again when they change (None: given in memory)."""
     ca: bytes
     cert: bytes
     key: bytes
+    folder: pathlib.Path | None = None
+
+    @property
+    def certificate(self) -> x509.Certificate:
+        return x509.load_pem_x509_certificate(self.cert)
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
-                                           require_client_auth=True)
+        """Each new connection's handshake takes the folder's files as they are then."""
+        if self.folder is None:
+            return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
+                                               require_client_auth=True)
+        current = [self]
+
+        def fetch() -> grpc.ServerCertificateConfiguration | None:
+            renewed = current[0].reloaded()
+            if renewed is None:
+                return None
+            current[0] = renewed
+            return renewed._server_configuration()
+
+        return grpc.dynamic_ssl_server_credentials(self._server_configuration(), fetch,
+                                                   require_client_authentication=True)
+
+    def _server_configuration(self) -> grpc.ServerCertificateConfiguration:
+        return grpc.ssl_server_certificate_configuration([(self.key, self.cert)], root_certificates=self.ca)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
                                             certificate_chain=self.cert)
+
+    def reloaded(self) -> Identity | None:
+        """The identity its folder holds now, if that differs from this one; None if it does
+        not, if there is no folder, or if the folder is half-written (a key that does not
+        match its certificate, a file missing) or holds an expired certificate: this one stays
+        until the next look."""
+        if self.folder is None:
+            return None
+        try:
+            now = read_identity(self.folder, "tls")
+        except ConfigError as error:
+            log.warning("certificates in %s not taken: %s", self.folder, error)
+            return None
+        if now == self:
+            return None
+        if now.certificate.public_key() != _private_key(now.key).public_key():
+            return None  # the key written, its certificate not yet
+        log.info("certificates in %s changed: serial %x from now on", self.folder, now.certificate.serial_number)
+        return now
 
 
 def certs_dir(cfg: Config) -> pathlib.Path:
@@ -101,4 +153,16 @@ def read_identity(folder: pathlib.Path, source: str) -> Identity:
             raise ConfigError(f"{source}: cannot read {folder / file} ({error.strerror}); tls.mode is "
                               "mtls: make certificates with `diloco certs`, or write "
                               "`tls: {mode: plaintext}` to run without") from None
-    return Identity(*parts)
+    identity = Identity(*parts, folder=folder)
+    try:
+        expires = identity.certificate.not_valid_after_utc
+    except ValueError as error:
+        raise ConfigError(f"{source}: {folder / CERT_FILE} is not a PEM certificate ({error})") from None
+    if expires <= datetime.datetime.now(datetime.timezone.utc):
+        raise ConfigError(f"{source}: the certificate {folder / CERT_FILE} expired on {expires:%Y-%m-%d %H:%M} UTC; "
+                          f"issue it again with `diloco certs renew --config CONFIG {folder.name}`")
+    return identity
+
+
+def _private_key(pem: bytes):
+    return serialization.load_pem_private_key(pem, password=None)

@@ -398,7 +398,7 @@ class LearnerStatus(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., region: _Optional[str] = ..., incarnation: _Optional[int] = ..., alive: _Optional[bool] = ..., last_step: _Optional[int] = ..., staleness: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., sync_step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("shard_index", "plan_digest", "fragments", "learners", "counters", "manifest")
+    __slots__ = ("shard_index", "plan_digest", "fragments", "learners", "counters", "manifest", "certificates", "revoked_certificates")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -412,10 +412,26 @@ class StatusResponse(_message.Message):
     LEARNERS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATES_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_CERTIFICATES_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     plan_digest: str
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentStatus]
     learners: _containers.RepeatedCompositeFieldContainer[LearnerStatus]
     counters: _containers.ScalarMap[str, int]
     manifest: ParameterManifest
-    def __init__(self, shard_index: _Optional[int] = ..., plan_digest: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., manifest: _Optional[_Union[ParameterManifest, _Mapping]] = ...) -> None: ...
+    certificates: _containers.RepeatedCompositeFieldContainer[CertificateStatus]
+    revoked_certificates: int
+    def __init__(self, shard_index: _Optional[int] = ..., plan_digest: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., manifest: _Optional[_Union[ParameterManifest, _Mapping]] = ..., certificates: _Optional[_Iterable[_Union[CertificateStatus, _Mapping]]] = ..., revoked_certificates: _Optional[int] = ...) -> None: ...
+
+class CertificateStatus(_message.Message):
+    __slots__ = ("name", "serial", "expires_unix_seconds", "revoked")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SERIAL_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    serial: str
+    expires_unix_seconds: float
+    revoked: bool
+    def __init__(self, name: _Optional[str] = ..., serial: _Optional[str] = ..., expires_unix_seconds: _Optional[float] = ..., revoked: _Optional[bool] = ...) -> None: ...
