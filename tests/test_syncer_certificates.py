@@ -1,15 +1,18 @@
 """A shard's certificates under mTLS (syncer/certificates.py), one shard in this process over
 real gRPC: a revoked certificate is refused on every call once the shard reads its folder, a
-list another CA signed is not taken, and the certificates it knows are exported."""
+list another CA signed is not taken, a CA rotation keeps every process served, and the
+certificates it knows are exported."""
 from __future__ import annotations
+
+import shutil
 
 import grpc
 import pytest
 
-from diloco.services.authority import authority, issue_cluster_certs, revoke
+from diloco.services.authority import authority, issue_cluster_certs, revoke, rotate_ca
 from diloco.services.client import ShardClient
 from diloco.services.contract.revocations import CRL_FILE
-from diloco.services.contract.tls import OPERATOR, certs_dir, learner_name, load_identity
+from diloco.services.contract.tls import OPERATOR, certs_dir, learner_name, load_identity, read_identity
 from diloco.syncer.metrics import SyncerMetrics
 from diloco.syncer.service import start_shard
 from tests.cluster_config import tiny_cluster
@@ -68,3 +71,23 @@ def test_the_shard_exports_when_each_certificate_it_knows_expires(shard):
              if sample.name == "diloco_certificate_expiry_timestamp_seconds"}
     assert names == {"ca", "shard-0", f"spiffe://diloco/learner/{cfg.learners[0].id}", "spiffe://diloco/operator"}
     assert metrics.registry.get_sample_value("diloco_syncer_revoked_certificates") == 0
+
+
+def test_during_a_ca_rotation_both_cas_certificates_are_served_and_after_it_only_the_new_ones(shard, tmp_path):
+    cfg, handle = shard
+    out, ca_dir = certs_dir(cfg), certs_dir(cfg) / "ca"
+    west = cfg.learners[1].id
+    rotate_ca(cfg, out, ca_dir, "trust")
+    old_west = tmp_path / "old-west"  # a learner machine that has not taken its new certificate yet
+    shutil.copytree(out / learner_name(west), old_west)
+    rotate_ca(cfg, out, ca_dir, "issue")
+    # The shard's next handshakes present its certificate of the new CA, and trust both.
+    client(cfg, handle, cfg.learners[0].id).join("us-east", MANIFEST)
+    with ShardClient(f"127.0.0.1:{handle.port}", cfg.rpc, west, 1, identity=read_identity(old_west, "old")) as old:
+        old.join("us-west", MANIFEST)
+    rotate_ca(cfg, out, ca_dir, "finish")
+    with ShardClient(f"127.0.0.1:{handle.port}", cfg.rpc, west, 2, identity=read_identity(old_west, "old")) as old:
+        with pytest.raises(grpc.RpcError) as refused:
+            old.join("us-west", MANIFEST)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # no handshake with a CA no longer trusted
+    client(cfg, handle, west).join("us-west", MANIFEST)
