@@ -63,9 +63,8 @@ class HelpWithDefaults(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def main(argv: list[str] | None = None) -> int:
-    die_with_parent()
-    argv = sys.argv[1:] if argv is None else argv
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line as `diloco` reads it (argparse exits on a bad one, naming it)."""
     parser = argparse.ArgumentParser(
         prog="diloco", description="Decoupled DiLoCo: syncer shards, learner islands and local clusters.")
     parser.add_argument("--version", action="version",
@@ -82,7 +81,12 @@ def main(argv: list[str] | None = None) -> int:
             module = subcommand(name)
             module.add_arguments(sub_parser)
             sub_parser.set_defaults(run=module.run)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    die_with_parent()
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.run(args)
