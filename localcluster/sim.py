@@ -69,13 +69,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(your own loop around DecoupledDiLoCo; SIGTERM must end it) instead of "
                              "`diloco learner`; not with --mode dp")
     parser.add_argument("--steps", type=int, help="inner steps per learner (default: trainer.max_steps)")
-    parser.add_argument("--duration", type=float, help="stop after this many seconds even if not done")
-    parser.add_argument("--chaos-mtbf", type=float, help="mean seconds between SIGKILLs of each learner")
-    parser.add_argument("--chaos-shards", type=float, help="mean seconds between SIGKILLs of each shard")
+    # Flags in seconds say so; the shorter spellings stay as aliases.
+    parser.add_argument("--duration-seconds", "--duration", type=float, dest="duration", metavar="SECONDS",
+                        help="stop after this many seconds even if not done")
+    parser.add_argument("--chaos-mtbf-seconds", "--chaos-mtbf", type=float, dest="chaos_mtbf", metavar="SECONDS",
+                        help="mean seconds between SIGKILLs of each learner")
+    parser.add_argument("--chaos-shards-mtbf-seconds", "--chaos-shards", type=float, dest="chaos_shards",
+                        metavar="SECONDS", help="mean seconds between SIGKILLs of each shard")
     parser.add_argument("--replica-groups", type=int, metavar="R",
                         help="replica groups per learner island (island.replica_groups): R processes under "
                              "torchft, one leads and syncs; losing a group costs the island a pause, not a restart")
-    parser.add_argument("--chaos-replicas", type=float, metavar="MTBF",
+    parser.add_argument("--chaos-replicas-mtbf-seconds", "--chaos-replicas", type=float, dest="chaos_replicas",
+                        metavar="SECONDS",
                         help="mean seconds between SIGKILLs of each replica group (a leading one too: another "
                              "group takes the lead)")
     parser.add_argument("--chaos-islands", type=int, metavar="N",
@@ -89,7 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after inner step STEP the learner's model goes bad: KIND scale (x1000), nan or "
                              "bitflip (learner/trainer/poison.py); the run refuses its pushes, it heals or "
                              "stops (docs/reliability.md); repeatable")
-    parser.add_argument("--restart-delay", type=float, default=5.0, help="seconds a killed process stays down")
+    parser.add_argument("--restart-delay-seconds", "--restart-delay", type=float, default=5.0, dest="restart_delay",
+                        metavar="SECONDS", help="seconds a killed process stays down")
     parser.add_argument("--warm-restarts", action=argparse.BooleanOptionalAction, default=True,
                         help="a killed learner's next life is a standby that imported torch and the learner "
                              "while it was down, as a spare host booting during the repair (start-up in tenths "

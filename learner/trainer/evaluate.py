@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 
 import torch
@@ -22,7 +23,8 @@ from diloco.services.contract.config import ConfigError, load_config
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="the run's cluster YAML file (model and data)")
     parser.add_argument("--weights", required=True, help="a model.safetensors from `diloco export`")
-    parser.add_argument("--json", action="store_true", help="print {\"eval_loss\": ...} instead of a sentence")
+    parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                        help="write {\"eval_loss\": ...} here instead of a sentence (no PATH, or '-': stdout)")
 
 
 def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -53,5 +55,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.weights}: {error}", file=sys.stderr)
         return 1
     loss = trainer.evaluate()
-    print(json.dumps({"eval_loss": loss}) if args.json else f"validation loss {loss:.4f}")
+    if args.json in (None, "-"):
+        print(json.dumps({"eval_loss": loss}) if args.json else f"validation loss {loss:.4f}")
+    else:
+        pathlib.Path(args.json).write_text(json.dumps({"eval_loss": loss}))
+        print(f"validation loss {loss:.4f}: {args.json}")
     return 0

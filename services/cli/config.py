@@ -1,4 +1,4 @@
-"""`diloco config check C`: validate a config file and summarise the run it describes.
+"""`diloco config check --config C` (or `config check C`): validate a config file and summarise the run it describes.
 A model or data factory is resolved (its module imported, nothing called)."""
 from __future__ import annotations
 
@@ -13,10 +13,15 @@ from diloco.services.contract.tls import certs_dir
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["check"], help="check: validate and summarise")
-    parser.add_argument("config", help="path to the cluster YAML file")
+    parser.add_argument("config", nargs="?", help="path to the cluster YAML file (or --config, as elsewhere)")
+    parser.add_argument("--config", dest="config_flag", metavar="CONFIG", help="path to the cluster YAML file")
 
 
 def run(args: argparse.Namespace) -> int:
+    if bool(args.config) == bool(args.config_flag):
+        print("invalid: config check: give the cluster YAML file once (--config C)", file=sys.stderr)
+        return 2
+    args.config = args.config or args.config_flag
     try:
         cfg = load_config(args.config)
         check_factories(cfg)
