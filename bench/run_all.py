@@ -47,6 +47,7 @@ from dataclasses import dataclass
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+from bench import doc_figures  # noqa: E402
 from bench.report import render  # noqa: E402
 from diloco.services.contract.config import load_config  # noqa: E402
 from diloco.localcluster.chaos import Chaos  # noqa: E402
@@ -583,6 +584,8 @@ def main() -> int:
     written = merged(json.loads((out / "bench" / "results.json").read_text()), results, wanted) if args.merge else results
     (out / "bench" / "results.json").write_text(json.dumps(written, indent=1))
     render(written, out)
+    if out.resolve() == ROOT.resolve():  # the figures the README and docs quote
+        doc_figures.rewrite(written)
     print(f"done in {results['runner']['wall_seconds'] / 60:.1f} min: {out / 'BENCHMARKS.md'}, "
           f"{out / 'bench' / 'results.json'}")
     return 0
