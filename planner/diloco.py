@@ -49,20 +49,16 @@ from diloco.services.contract.fragments import plan_for_config
 
 
 def core_config(inputs: PlanInputs) -> Config:
-    """The cluster config the cores run under: the plan's algorithm settings, fp32 one-element
-    fragments (their bytes are modelled), no step budget (the run's length is the plan's)."""
+    """The cluster config the cores run under: the plan's sync and syncer sections, fp32
+    one-element fragments (their bytes are modelled), no step budget (the run's length is the
+    plan's)."""
     m = inputs.num_learners
     return parse_config({
         "shards": [{"address": "127.0.0.1:1", "metrics_port": 0}],
         "learners": [{"id": f"learner-{i}", "region": inputs.region(i), "metrics_port": 0}
                      for i in range(m)],
-        "sync": {"fragments": inputs.fragments, "interval_steps": inputs.interval_steps,
-                 "overlap_steps": inputs.overlap_steps, "codec": "fp32",
-                 "max_block_seconds": inputs.max_block_seconds, "wait_for_own_link": inputs.wait_for_own_link},
-        "syncer": {"quorum": inputs.quorum, "max_staleness": inputs.max_staleness,
-                   "grace": {"mode": inputs.grace_mode, "seconds": inputs.grace_seconds},
-                   "lease_seconds": inputs.lease_seconds, "history_versions": inputs.history_versions,
-                   "max_tokens_per_step": inputs.learner_tokens_per_step()},
+        "sync": {**inputs.sync.model_dump(mode="json"), "codec": "fp32"},
+        "syncer": {**inputs.syncer.model_dump(mode="json"), "max_tokens_per_step": inputs.learner_tokens_per_step()},
         "trainer": {"max_steps": 1 << 40, "heartbeat_seconds": inputs.heartbeat_seconds,
                     "max_run_tokens": inputs.target_tokens},
     }, source="planner core config")
@@ -74,23 +70,23 @@ class DilocoRun:
         self.clock = VirtualClock()
         self.queue = EventQueue(self.clock)
         cfg = core_config(inputs)
-        manifest = [(f"fragment.{i}", (FRAGMENT_NUMEL,)) for i in range(inputs.fragments)]
+        manifest = [(f"fragment.{i}", (FRAGMENT_NUMEL,)) for i in range(inputs.sync.fragments)]
         self.plan = plan_for_config(cfg, manifest)
         ledger = Ledger()
         self.learners = [Learner(i, inputs, self.clock, ledger) for i in range(inputs.num_learners)]
         self.accounts = RunAccounts(inputs, self.clock, ledger, self.learners)
-        codec = get_codec(inputs.codec)
-        numel = math.ceil(inputs.model_parameters / inputs.fragments)  # balanced fragments
+        codec = get_codec(inputs.sync.codec)
+        numel = math.ceil(inputs.model_parameters / inputs.sync.fragments)  # balanced fragments
         # The syncer answers pulls down the learners' links, which their training (below) owns.
         self.syncer = SyncerModel(inputs, cfg, self.clock, self.queue, self.learners,
                                   lambda learner, fid, answer: self.training.answer_pull(learner, fid, answer),
                                   close_seconds=numel / inputs.syncer_params_per_second)
         self.core = self.syncer.core
         self.training = Training(inputs, cfg, self.plan, self.clock, self.queue, self.syncer, self.accounts,
-                                 update_bytes=codec.encoded_size(numel, inputs.codec_block_size))
+                                 update_bytes=codec.encoded_size(numel, inputs.sync.codec_block_size))
         self.restarts = Restarts(inputs, self.clock, self.queue, self.learners, self.syncer, self.training,
                                  self.accounts, failures.changes(), manifest,
-                                 snapshot_bytes=FP32.encoded_size(numel, inputs.codec_block_size))
+                                 snapshot_bytes=FP32.encoded_size(numel, inputs.sync.codec_block_size))
 
     def run(self, progress: Callable[[float], None]) -> PlanResult:
         self.restarts.begin([f.id for f in self.plan.fragments])

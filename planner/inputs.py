@@ -14,7 +14,8 @@ from pydantic import ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass
 
 from diloco.services.contract.codecs import CODEC_NAMES
-from diloco.services.contract.config import ConfigLoader, Identifier, LinkConfig, validation_message
+from diloco.services.contract.config import (ConfigLoader, Identifier, LinkConfig, SyncConfig, SyncerConfig,
+                                             validation_message)
 
 Positive = Annotated[float, Field(gt=0)]
 NonNegative = Annotated[float, Field(ge=0)]
@@ -23,6 +24,15 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 _STRICT = ConfigDict(extra="forbid", strict=True)
 DEFAULT_HOURS = 2.0  # a run of a day or more is asked for: --hours 24
 WAN_KEYS = ("wan_gbps", "wan_latency_ms")  # the links of numbered regions, which `links` replaces
+# The plan's sync and syncer sections where they differ from a cluster config's: P = 24
+# fragments (the paper's), and a dead learner waited for 10 s.
+PLAN_DEFAULTS = {"sync": {"fragments": 24}, "syncer": {"lease_seconds": 10.0}}
+# The keys of those sections a plan file or flag may give at its top level (--interval-steps),
+# and where each is in the config.
+FLAT_KEYS = {**{key: ("sync", key) for key in ("interval_steps", "fragments", "overlap_steps", "max_block_seconds",
+                                               "wait_for_own_link", "codec", "codec_block_size")},
+             **{key: ("syncer", key) for key in ("quorum", "max_staleness", "lease_seconds", "history_versions")},
+             "grace_mode": ("syncer", "grace", "mode"), "grace_seconds": ("syncer", "grace", "seconds")}
 
 
 class PlanError(ValueError):
@@ -93,28 +103,19 @@ class PlanInputs:
     # global model before its first step, as a learner process does; False: each starts from
     # the same initialised model (loaded from its own storage).
     pull_at_start: bool = False
-    # Decoupled DiLoCo (H, P, tau, K, ...), as the cluster config's sync and syncer keys.
-    interval_steps: PositiveInt = 24
-    fragments: PositiveInt = 24
-    overlap_steps: NonNegativeInt = 2
-    quorum: PositiveInt = 1
-    grace_mode: Literal["fixed", "adaptive"] = "adaptive"
-    grace_seconds: NonNegative = 1.0
-    max_staleness: NonNegativeInt = 4
-    max_block_seconds: NonNegative = 2.0
-    wait_for_own_link: bool = True
-    lease_seconds: Positive = 10.0  # how long a dead learner is waited for
+    # Decoupled DiLoCo (H, P, tau, K, ...): the cluster config's own sync and syncer sections
+    # (services/contract/config), with the planner's defaults (PLAN_DEFAULTS). A plan file or
+    # flag names a key of them by its key (FLAT_KEYS: interval_steps, grace_mode, ...).
+    sync: SyncConfig = SyncConfig(**PLAN_DEFAULTS["sync"])
+    syncer: SyncerConfig = SyncerConfig(**PLAN_DEFAULTS["syncer"])
     # How often learners report their step (the cluster config's trainer.heartbeat_seconds): a
     # rejoining learner takes its phase from these reports, so their age matters.
     heartbeat_seconds: Positive = 0.5
-    history_versions: PositiveInt = 32
-    # The model and its traffic: bytes per sync from the codec; links per region (learner i is
+    # The model and its traffic: bytes per sync from sync.codec; links per region (learner i is
     # in region i mod the number of regions); the syncer closes a round at this many
     # parameters per second (by default a production shard's; one shard on 2 cores measured
     # 41e6: bench/history.md).
     model_parameters: PositiveInt = 12_000_000_000
-    codec: str = "int4"
-    codec_block_size: PositiveInt = 128
     wan_gbps: tuple[Positive, ...] = (5.0,)
     wan_latency_ms: tuple[NonNegative, ...] = (30.0,)
     # Or each region's link as the cluster config's `links` writes it (region -> up_mbps,
@@ -238,6 +239,7 @@ def load_inputs(data: object, source: str = "plan inputs") -> PlanInputs:
                 raise PlanError(f"{source}: {key}[{i}]: {validation_message(error)}") from None
         if items:
             data[key] = tuple(items)
+    data = nested(data)
     rates = [key for key in WAN_KEYS if key in data]
     if data.get("links") is not None and rates:
         raise PlanError(f"{source}: links: give each region's link in links or in {' and '.join(rates)}, not both")
@@ -251,6 +253,23 @@ def load_inputs(data: object, source: str = "plan inputs") -> PlanInputs:
     return inputs
 
 
+def nested(data: dict) -> dict:
+    """The plan's sync and syncer sections from the plan defaults, the sections given (a
+    mapping, or a config's own section) and the top-level keys that name one of their keys."""
+    data = dict(data)
+    sections = {}
+    for name, kind in (("sync", SyncConfig), ("syncer", SyncerConfig)):
+        given = data.pop(name, None) or {}
+        sections[name] = {**PLAN_DEFAULTS[name], **(given.model_dump() if isinstance(given, kind) else given)}
+    for key, path in FLAT_KEYS.items():
+        if key in data:
+            section = sections[path[0]]
+            for part in path[1:-1]:
+                section = section.setdefault(part, {})
+            section[path[-1]] = data.pop(key)
+    return {**data, **sections}
+
+
 def load_file(path: str) -> dict:
     """A YAML file of inputs (1e9 reads as a number, as in cluster configs); PlanError for a
     cluster config, which is not one."""
@@ -260,7 +279,7 @@ def load_file(path: str) -> dict:
     # learners and shards are numbers, or lists of them (a sweep), in plan inputs
     cluster_keys = [key for key in ("shards", "learners")
                     if isinstance(data.get(key), list) and any(isinstance(item, dict) for item in data[key])]
-    cluster_keys += [key for key in ("sync", "syncer", "trainer") if isinstance(data.get(key), dict)]
+    cluster_keys += [key for key in ("trainer", "run") if isinstance(data.get(key), dict)]
     if cluster_keys:
         raise PlanError(f"{path}: a cluster config ({', '.join(cluster_keys)}), not plan inputs: `diloco config "
                         "check` checks it; `diloco plan --calibrate-from REPORT` plans the run a `diloco sim` "
@@ -290,16 +309,17 @@ def check_relations(inputs: PlanInputs) -> None:
         for key in ("up_mbps", "down_mbps"):
             if getattr(link, key) is None:
                 raise PlanError(f"links.{region}.{key}: required in a plan (a planned link has a rate each way)")
-    if inputs.overlap_steps >= inputs.interval_steps:
-        raise PlanError(f"overlap_steps: tau={inputs.overlap_steps} must be smaller than "
-                        f"interval_steps (H={inputs.interval_steps})")
-    if inputs.heartbeat_seconds * 2 > inputs.lease_seconds:
-        raise PlanError(f"lease_seconds: {inputs.lease_seconds} must be at least twice heartbeat_seconds "
+    sync, syncer = inputs.sync, inputs.syncer
+    if sync.overlap_steps >= sync.interval_steps:
+        raise PlanError(f"overlap_steps: tau={sync.overlap_steps} must be smaller than "
+                        f"interval_steps (H={sync.interval_steps})")
+    if inputs.heartbeat_seconds * 2 > syncer.lease_seconds:
+        raise PlanError(f"lease_seconds: {syncer.lease_seconds} must be at least twice heartbeat_seconds "
                         f"({inputs.heartbeat_seconds})")
-    if inputs.quorum > m:
-        raise PlanError(f"quorum: K={inputs.quorum} exceeds the number of learners (M={m})")
-    if inputs.codec not in CODEC_NAMES:
-        raise PlanError(f"codec: unknown codec {inputs.codec!r} (valid: {', '.join(CODEC_NAMES)})")
+    if syncer.quorum > m:
+        raise PlanError(f"quorum: K={syncer.quorum} exceeds the number of learners (M={m})")
+    if sync.codec not in CODEC_NAMES:
+        raise PlanError(f"codec: unknown codec {sync.codec!r} (valid: {', '.join(CODEC_NAMES)})")
     if inputs.batch_tokens < m:
         raise PlanError(f"batch_tokens: {inputs.batch_tokens} is less than one token per learner (M={m})")
     lengths = [key for key in ("hours", "steps", "tokens") if getattr(inputs, key) is not None]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import pathlib
@@ -28,14 +29,15 @@ from pydantic import TypeAdapter
 
 from diloco.planner.calibrate import CalibrationError, calibrate
 from diloco.planner.calibrate import table as calibration_table
-from diloco.planner.inputs import WAN_KEYS, PlanError, PlanInputs, load_file, load_inputs
+from diloco.planner.inputs import FLAT_KEYS, WAN_KEYS, PlanError, PlanInputs, load_file, load_inputs
 from diloco.planner.outcome import PlanResult
 from diloco.planner.report import Speed, plot, speed_table, table, time_to_train, write_json
 from diloco.planner.simulate import MODES, simulate
 
 SWEPT = ("chips", "learners", "chips_per_learner", "slices_per_learner")  # keys that take a list of values to sweep
-# Keys whose flags (--fail, --links) are not a list of values, or that only a file gives.
-OWN_SYNTAX = ("failures", "links", "shard_outages")
+# Keys whose flags (--fail, --links, --interval-steps ...) are not a list of values, or that
+# only a file gives.
+OWN_SYNTAX = ("failures", "links", "shard_outages", "sync", "syncer")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--" + field.name.replace("_", "-"), dest=field.name,
                             metavar="V1,V2,..." if listed else "VALUE",
                             help=f"default {_shown(field.default)}" + (" (a list)" if listed else ""))
+    defaults = PlanInputs()
+    for key, path in FLAT_KEYS.items():
+        default = functools.reduce(getattr, path, defaults)
+        parser.add_argument("--" + key.replace("_", "-"), dest=key, metavar="VALUE",
+                            help=f"{'.'.join(path)} of the cluster config, default {default}")
     parser.add_argument("--links", metavar="YAML",
                         help="each region's link, as the cluster config's links: '{us-east: {up_mbps: 2000, "
                              "down_mbps: 5000, latency_ms: 30}, us-west: {...}}' (instead of --wan-gbps)")
@@ -84,6 +91,9 @@ def plan_points(args: argparse.Namespace) -> list[PlanInputs]:
             values = [_scalar(v) for v in text.split(",")]
             listed = field.name in SWEPT or isinstance(field.default, tuple)
             data[field.name] = values if listed else values[0] if len(values) == 1 else text
+    for key in FLAT_KEYS:
+        if getattr(args, key) is not None:
+            data[key] = _scalar(getattr(args, key))
     if args.fail:
         data["failures"] = [_failure(text) for text in args.fail]
     swept = {key: value if isinstance(value, list) else [value] for key, value in data.items()

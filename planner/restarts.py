@@ -110,7 +110,7 @@ class Restarts:
                 undelivered = sum(f.tokens_since_sync - learner.delivered_tokens[fid]
                                   for fid, f in learner.schedule.fragments.items())
                 self.accounts.lose(learner,
-                                   learner.full_steps(undelivered) * learner.step_seconds / self.inputs.fragments)
+                                   learner.full_steps(undelivered) * learner.step_seconds / self.inputs.sync.fragments)
             if learner.blocked_since is not None:
                 self.ledger.add("blocked", learner.island.share_seconds(learner.blocked_since, now))
             elif now > learner.last_step_end:  # the step in progress
@@ -149,7 +149,7 @@ class Restarts:
         held = learner.checkpointed_held
         nbytes = (sum(self.training.pull_bytes(self.core.fragments[fid].version - version)
                       for fid, version in held.items())
-                  if held else self.snapshot_bytes * self.inputs.fragments)
+                  if held else self.snapshot_bytes * self.inputs.sync.fragments)
         self.queue.at(learner.down.send(self.syncer.every_shard_up(self.clock.now), nbytes),
                       lambda: self._restored(learner, life))
 

@@ -74,8 +74,8 @@ class SyncerModel:
         self.contributions: Counter[tuple[int, int]] = Counter()  # (fragment, round): pushes merged
         self.staleness: Counter[int] = Counter()
         self.refused_stale = 0
-        zeros = FP32.encode(torch.zeros(FRAGMENT_NUMEL), inputs.codec_block_size)
-        self.payload = describe(FP32, FRAGMENT_NUMEL, zeros, inputs.codec_block_size)
+        zeros = FP32.encode(torch.zeros(FRAGMENT_NUMEL), inputs.sync.codec_block_size)
+        self.payload = describe(FP32, FRAGMENT_NUMEL, zeros, inputs.sync.codec_block_size)
         self.chunks = list(iter_chunks(zeros))
 
     def seed(self, learner: Pulling, fragment_ids: list[int]) -> None:
@@ -107,7 +107,7 @@ class SyncerModel:
         self.waiters[fid].append(Waiter(learner.index, learner.life, header.base_version, outcome.round, asked_at))
         self.answer_closed_rounds()
         self.contributions[fid, outcome.round] += 1
-        if self.contributions[fid, outcome.round] == self.inputs.quorum:
+        if self.contributions[fid, outcome.round] == self.inputs.syncer.quorum:
             self._tick_after_grace(fid, outcome.round)
         close_by = self.core.fragments[fid].round.close_by
         if close_by > self.clock.now and math.isfinite(close_by):  # a contributor's deadline (syncer/grace.py)

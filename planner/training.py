@@ -166,7 +166,7 @@ class Training:
         if outcome.result == pb.PUSH_RESULT_REFUSED_STALE:
             # The learner re-anchors on the current value: the fragment's steps are lost.
             lost = fragment_compute_seconds(learner.full_steps(header.c_tokens), header.step_seconds, 1,
-                                            self.inputs.fragments)
+                                            self.inputs.sync.fragments)
             self.accounts.lose(learner, lost)
             self.answer_pull(learner, fid, Answer(outcome.current_version, True, self.clock.now,
                                                   outcome.current_version - header.base_version))

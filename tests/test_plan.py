@@ -330,5 +330,21 @@ def test_evaluations_and_checkpoints_pause_the_learner_at_their_steps():
 
 def test_a_cluster_config_given_as_plan_inputs_is_recognised_and_the_right_commands_named(capsys):
     assert main(["plan", "--config", "examples/local-4-regions.yaml"]) == 2
-    assert ("examples/local-4-regions.yaml: a cluster config (shards, learners, sync, syncer, trainer), not plan "
+    assert ("examples/local-4-regions.yaml: a cluster config (shards, learners, trainer, run), not plan "
             "inputs: `diloco config check` checks it; `diloco plan --calibrate-from REPORT`") in capsys.readouterr().err
+
+
+def test_the_plans_sync_and_syncer_are_the_cluster_configs_own_sections_whichever_way_they_are_written():
+    from diloco.services.contract.config import SyncConfig, SyncerConfig, load_config
+    nested_form = load_inputs({"sync": {"interval_steps": 48, "overlap_steps": 4}, "syncer": {"grace": {"mode": "fixed"}}})
+    flat_form = load_inputs({"interval_steps": 48, "overlap_steps": 4, "grace_mode": "fixed"})
+    assert nested_form == flat_form
+    assert isinstance(nested_form.sync, SyncConfig) and isinstance(nested_form.syncer, SyncerConfig)
+    assert (nested_form.sync.fragments, nested_form.syncer.lease_seconds) == (24, 10.0)  # the plan's defaults
+    cfg = load_config("examples/local-4-regions.yaml")  # a config's sections are taken whole
+    taken = load_inputs({"chips": 4, "learners": 4, "sync": cfg.sync, "syncer": cfg.syncer})
+    assert (taken.sync, taken.syncer) == (cfg.sync, cfg.syncer)
+    with pytest.raises(PlanError, match=r"sync\.interval_steps: Input should be greater than 0"):
+        load_inputs({"interval_steps": 0})
+    with pytest.raises(PlanError, match=r"syncer\.qorum: unknown key \(did you mean syncer\.quorum\?\)"):
+        load_inputs({"syncer": {"qorum": 2}})
