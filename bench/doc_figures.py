@@ -15,6 +15,10 @@ import sys
 from typing import Callable
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from bench.report import summary_rows  # noqa: E402
+
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKED = re.compile(r"(<!-- bench:([a-z_]+) -->)(.*?)(<!-- /bench -->)", re.S)
 
@@ -97,9 +101,16 @@ def dp_calibration(results: dict) -> str:
             f"{goodput['measured']:.0%} goodput under kills")
 
 
+def missed_targets(results: dict) -> str:
+    """The sections whose target the last run missed, each with its target (BENCHMARKS.md's summary)."""
+    missed = [f"{section.removeprefix('↳ ')} ({target})" for section, _, target, verdict in summary_rows(results)
+              if "missed" in verdict]
+    return "Targets missed in the last run: " + ("; ".join(missed) if missed else "none") + "."
+
+
 FIGURES: dict[str, Callable[[dict], str]] = {
     "quality_vs_dp": quality_vs_dp, "quality_by_setting": quality_by_setting, "sick_learner": sick_learner, "paper_point": paper_point,
-    "dp_calibration": dp_calibration}
+    "dp_calibration": dp_calibration, "missed_targets": missed_targets}
 
 
 def marked(text: str) -> list[tuple[str, str]]:

@@ -596,6 +596,10 @@ def _largest_badput(run: dict) -> str:
 
 
 def summary(results: dict) -> list[str]:
+    return table(["section", "headline (this run)", "target or anchor", "verdict"], summary_rows(results))
+
+
+def summary_rows(results: dict) -> list[list[str]]:
     """One headline row per section that ran, with its target or anchor and whether it was met."""
     rows = []
     if "quality" in results:
@@ -732,7 +736,7 @@ def summary(results: dict) -> list[str]:
                      f"{max(r['steps_to_heal'] or 0 for r in s['runs'] if r['poison'] in POISONS)} steps",
                      f"within {pct(s['loss_target'])}; healthy goodput within 2 points; healed within one sync period, "
                      f"H = {s['interval_steps']} steps (issue 55)", verdict(s["met"])])
-    return table(["section", "headline (this run)", "target or anchor", "verdict"], rows)
+    return rows
 
 
 POISONS = ("scale", "nan", "bitflip")
