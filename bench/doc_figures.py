@@ -17,7 +17,7 @@ from typing import Callable
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from bench.report import summary_rows  # noqa: E402
+from bench.report import capacity, summary_rows  # noqa: E402
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKED = re.compile(r"(<!-- bench:([a-z_]+) -->)(.*?)(<!-- /bench -->)", re.S)
@@ -101,6 +101,11 @@ def dp_calibration(results: dict) -> str:
             f"{goodput['measured']:.0%} goodput under kills")
 
 
+def syncer_capacity(results: dict) -> str:
+    """BENCHMARKS.md section 5's capacity table, for docs/helm.md's sizing."""
+    return "\n" + "\n".join(capacity(results["transport"]["scale"])) + "\n"
+
+
 def missed_targets(results: dict) -> str:
     """The sections whose target the last run missed, each with its target (BENCHMARKS.md's summary)."""
     missed = [f"{section.removeprefix('↳ ')} ({target})" for section, _, target, verdict in summary_rows(results)
@@ -110,7 +115,7 @@ def missed_targets(results: dict) -> str:
 
 FIGURES: dict[str, Callable[[dict], str]] = {
     "quality_vs_dp": quality_vs_dp, "quality_by_setting": quality_by_setting, "sick_learner": sick_learner, "paper_point": paper_point,
-    "dp_calibration": dp_calibration, "missed_targets": missed_targets}
+    "dp_calibration": dp_calibration, "missed_targets": missed_targets, "syncer_capacity": syncer_capacity}
 
 
 def marked(text: str) -> list[tuple[str, str]]:

@@ -295,22 +295,26 @@ def scale(section: dict) -> list[str]:
                      f"{r['durable_bytes_per_round_per_fragment'] / 1e6:.1f}",
                      f"{r['durable_bytes_per_round_per_fragment'] / r['received_bytes_per_round_per_fragment']:.2f}x",
                      code(section["command"])] for r in section["runs"]])
+    return lines + capacity(section)
+
+
+def capacity(section: dict) -> list[str]:
+    """bench/syncer_scale.py's capacity table for 1B, 12B and 70B, scaled from its run."""
     plan, measured = section["plan"], section["measured"]
-    lines += [f"Capacity for H = {plan['interval_steps']}, P = {plan['fragments']}, M = {plan['learners']}, "
+    lines = [f"Capacity for H = {plan['interval_steps']}, P = {plan['fragments']}, M = {plan['learners']}, "
               f"tau = {plan['overlap_steps']}, {plan['step_seconds']:g} s inner steps, int4, on shard machines of 16 cores and "
               f"128 GiB (80 % used), scaled linearly from this run: a round close of M = {plan['learners']} took "
               f"{measured['close_seconds_per_param'] * 1e9:.1f} ns per fragment parameter on {measured['cores']} cores, "
               f"{measured['rest_bytes_per_param']:.1f} B/param at rest plus {measured['close_bytes_per_param']:.1f} B per "
               f"parameter of the closing fragment, disk {measured['disk_bytes_per_second'] / 1e6:.0f} MB/s. "
               "Where one fragment's close does not fit a shard, P doubles.", ""]
-    lines += table(["model", "P", "per fragment", "close on this machine", "cores to close within tau steps", "shards",
+    return lines + table(["model", "P", "per fragment", "close on this machine", "cores to close within tau steps", "shards",
                     "memory per shard", "at rest, all shards", "WAN in", "disk writes", "snapshot write", "disk per shard"],
                    [[f"{r['params'] / 1e9:.0f}B", r["fragments"], f"{r['fragment_params'] / 1e6:.0f}M",
                      f"{r['close_seconds_here']:.1f} s", f"{r['cores_for_window']:.0f}", r["shards"],
                      f"{r['shard_memory_gib']:.0f} GiB", f"{r['memory_at_rest_gib']:.0f} GiB",
                      f"{r['wan_in_mbytes_per_second']:.0f} MB/s", f"{r['disk_mbytes_per_second']:.0f} MB/s",
                      f"{r['snapshot_seconds']:.0f} s", f"{r['disk_gib_per_shard']:.0f} GiB"] for r in section["capacity"]])
-    return lines
 
 
 def recovery(section: dict, out: pathlib.Path) -> list[str]:
