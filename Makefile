@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DILOCO := $(VENV)/bin/diloco
 
-.PHONY: demo test test-fast bench benchmarks gpu-check install clean
+.PHONY: demo test test-fast bench benchmarks gpu-check image install clean
 
 install: $(VENV)/.installed
 
@@ -55,6 +55,14 @@ benchmarks: install
 # already has CUDA torch and this package installed instead of .venv; ARGS="--json F" keeps the figures.
 gpu-check: $(if $(filter $(VENV)/bin/python,$(PY)),install)
 	$(PY) scripts/gpu_check.py $(ARGS)
+
+# The image docker-compose.yml and the Helm chart run (its default image.repository and
+# appVersion); push it to your registry (docs/helm.md). BASE_IMAGE=diloco-base:bookworm
+# (scripts/make-base-images.sh) where no registry can be reached.
+IMAGE ?= ghcr.io/decoupled-diloco/diloco:0.1.0
+image:
+	scripts/fill-wheelhouse.sh
+	docker build $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t $(IMAGE) .
 
 clean:
 	rm -rf $(VENV) .diloco .pytest_cache

@@ -131,11 +131,13 @@ def process_names(cfg: Config) -> list[str]:
 
 
 def _hosts(cfg: Config, name: str, extra_hosts: Iterable[str]) -> list[str]:
-    """A shard's host names: its address's host, loopback and the extra ones; a client's: none."""
+    """A shard's host names: its own address's host first, every other shard's (one Secret
+    serves every shard pod of the Helm chart), loopback and the extra ones; a client's: none."""
     if not name.startswith("shard-"):
         return []
-    host = cfg.shards[int(name.removeprefix("shard-"))].address.rsplit(":", 1)[0]
-    return [host, *LOOPBACK_HOSTS, *extra_hosts]
+    own = int(name.removeprefix("shard-"))
+    hosts = [shard.address.rsplit(":", 1)[0] for shard in [cfg.shards[own], *cfg.shards]]
+    return [*hosts, *LOOPBACK_HOSTS, *extra_hosts]
 
 
 def issue_cluster_certs(cfg: Config, out: pathlib.Path, extra_hosts: Iterable[str] = (),

@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import yaml
 
+from diloco.cli import main
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "diloco"
 EXAMPLES = CHART / "examples"
@@ -40,8 +42,7 @@ REGIONS = ["us-east", "us-west", "us-central", "us-south"]
 RELEASES = {"diloco": ["values-cluster.yaml", "values-syncer.yaml"]} | {
     f"learners-{region}": ["values-cluster.yaml", f"values-{region}.yaml"] for region in REGIONS}
 # Every optional part of the chart switched on, on top of the defaults.
-EVERYTHING = ["tls.secretName=diloco-tls", "tls.learnerSecretPrefix=learner-tls-", "syncer.credentialsSecret=tokens",
-              "learners.credentialsSecret=creds", "learners.persistence.enabled=true",
+EVERYTHING = ["tls.secretName=diloco-tls", "tls.learnerSecretPrefix=learner-tls-", "learners.persistence.enabled=true",
               "syncer.expose.enabled=true", "metrics.serviceMonitor.enabled=true",
               "metrics.prometheusRule.enabled=true", "grafana.dashboards.enabled=true",
               "learners.gpus=2", "learners.torchrun.nprocPerNode=2"]
@@ -446,17 +447,47 @@ def test_learner_islands_get_torchrun_gpus_and_region_placement(renders):
     assert container(south)["resources"]["limits"]["nvidia.com/gpu"] == 1
 
 
-def test_secrets_are_mounted_where_documented(renders):
-    docs = renders["everything"]
-    for suffix, credentials in (("-syncer", "tokens"), ("-learner", "creds")):
-        statefulset = one(docs, "StatefulSet", suffix)
-        volumes = {v["name"]: v for v in statefulset["spec"]["template"]["spec"]["volumes"]}
-        mounts = {m["name"]: m for m in container(statefulset)["volumeMounts"]}
-        assert volumes["credentials"]["secret"]["secretName"] == credentials
+def mounted(docs: list[dict]) -> set[tuple[str, str]]:
+    """(kind, name) of every Secret, ConfigMap and PersistentVolumeClaim a pod of the release
+    mounts; a StatefulSet's volume claim templates make their own claims."""
+    needed = set()
+    for workload in (d for d in docs if d["kind"] in ("StatefulSet", "Job", "Deployment")):
+        spec = workload["spec"]
+        templates = {t["metadata"]["name"] for t in spec.get("volumeClaimTemplates", [])}
+        for volume in spec["template"]["spec"].get("volumes", []):
+            if "secret" in volume:
+                needed.add(("Secret", volume["secret"]["secretName"]))
+            for source in volume.get("projected", {}).get("sources", []):
+                if "secret" in source:
+                    needed.add(("Secret", source["secret"]["name"]))
+            if "configMap" in volume:
+                needed.add(("ConfigMap", volume["configMap"]["name"]))
+            claim = volume.get("persistentVolumeClaim", {}).get("claimName")
+            if claim and volume["name"] not in templates:
+                needed.add(("PersistentVolumeClaim", claim))
+    return needed
+
+
+@pytest.mark.parametrize("release", [*RELEASES, "default"])
+def test_every_secret_config_map_and_claim_a_pod_mounts_is_made_by_the_chart_or_diloco_certs(
+        renders, release, tmp_path, capsys):
+    """docs/helm.md's releases start: what the chart does not make, `diloco certs secrets`
+    does from the release's own cluster config (nothing else is mounted)."""
+    docs = renders[release]
+    config = tmp_path / "cluster.yaml"
+    config.write_text(yaml.safe_dump(cluster_config(docs)))
+    assert main(["certs", "--config", str(config), "--out", str(tmp_path / "certs")]) == 0
+    assert main(["certs", "secrets", "--config", str(config), "--out", str(tmp_path / "certs")]) == 0
+    made = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    made |= {(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(capsys.readouterr().out)}
+    needed = mounted(docs)
+    assert needed and needed <= made, f"mounted but made by nothing: {sorted(needed - made)}"
+
+
+def test_the_tls_secrets_are_mounted_where_the_processes_read_them(renders):
+    for suffix in ("-syncer", "-learner"):
+        mounts = {m["name"]: m for m in container(one(renders["everything"], "StatefulSet", suffix))["volumeMounts"]}
         assert mounts["tls"] == {"name": "tls", "mountPath": "/etc/diloco/tls", "readOnly": True}
-        assert mounts["credentials"]["mountPath"] == "/etc/diloco/credentials"
-    assert not any(v["name"] == "credentials" for v in
-                   one(renders["default"], "StatefulSet", "-syncer")["spec"]["template"]["spec"]["volumes"])
 
 
 def test_mutual_tls_each_process_reads_its_own_certificate(helm, renders):
@@ -614,3 +645,10 @@ def test_install_script_leaves_a_pinned_helm_alone(helm, tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert (dest / "helm").stat().st_mtime_ns == before
+
+
+def test_make_image_builds_the_image_the_chart_runs_by_default():
+    image = re.search(r"^IMAGE \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M)[1]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert image == f"{values['image']['repository']}:{chart['appVersion']}"

@@ -7,22 +7,27 @@ while the run goes on, renewing, revoking and rotating them (services/authority.
     diloco certs revoke --config C ID|SERIAL     shut a learner (or any certificate) out
     diloco certs rotate-ca --config C --stage trust|issue|finish
     diloco certs list --config C                 every certificate, its serial and days left
+    diloco certs secrets --config C | kubectl apply -f -    the Helm chart's TLS Secrets
 """
 from __future__ import annotations
 
 import argparse
+import base64
 import datetime
 import pathlib
 import sys
 
+import yaml
 from cryptography import x509
 
 from diloco.services.authority import issue_cluster_certs, process_names, revoke, rotate_ca
 from diloco.services.contract.config import ConfigError, load_config
 from diloco.services.contract.revocations import CRL_FILE, RevocationList
-from diloco.services.contract.tls import CA_FILE, CA_FOLDER, CERT_FILE, certs_dir
+from diloco.services.contract.tls import CA_FILE, CA_FOLDER, CERT_FILE, KEY_FILE, certs_dir, learner_name, shard_name
 
-ACTIONS = ("renew", "revoke", "rotate-ca", "list")
+ACTIONS = ("renew", "revoke", "rotate-ca", "list", "secrets")
+# The Helm chart's defaults (helm/diloco/values.yaml: tls.secretName, tls.learnerSecretPrefix).
+SHARDS_SECRET, LEARNER_SECRET_PREFIX = "diloco-syncer-tls", "diloco-learner-tls-"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +54,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rotate.add_argument("--days", type=int, default=365, help="validity of the certificates the new CA issues")
     listing = actions.add_parser("list", help="every certificate of the config's folders: serial, expiry, revoked")
     _common(listing, required=True)
+    secrets = actions.add_parser("secrets", help="the Helm chart's TLS Secrets as Kubernetes manifests, from the "
+                                                 "folders: pipe them into `kubectl apply -f -`")
+    _common(secrets, required=True)
+    secrets.add_argument("--namespace", default="diloco", help="the releases' namespace")
+    secrets.add_argument("--shards", action="store_true", help="only the shards' Secret (the syncer's cluster)")
+    secrets.add_argument("--region", action="append", default=[],
+                         help="only the learners of this region (its cluster; repeatable)")
+    secrets.add_argument("--secret-name", default=SHARDS_SECRET, help="the chart's tls.secretName")
+    secrets.add_argument("--learner-secret-prefix", default=LEARNER_SECRET_PREFIX,
+                         help="the chart's tls.learnerSecretPrefix")
 
 
 def _common(parser: argparse.ArgumentParser, required: bool) -> None:
@@ -81,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
                   "a running shard refuses it within seconds")
         elif args.action == "rotate-ca":
             print(rotate_ca(cfg, out, ca_dir, args.stage, args.days))
+        elif args.action == "secrets":
+            print(secrets_manifest(cfg, out, args), end="")
         else:
             print(listing(process_names(cfg), out, ca_dir))
     except (ConfigError, OSError) as error:  # a bad config; a folder we may not read or write
@@ -88,6 +105,33 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2 if isinstance(error, ConfigError) else 1
     return 0
+
+
+def secrets_manifest(cfg, out: pathlib.Path, args: argparse.Namespace) -> str:
+    """One Secret (ca.crt, tls.crt, tls.key) for every shard pod, from shard-0's folder, whose
+    certificate names every shard's host; one per learner, <prefix><learner id>. With --shards
+    or --region, only those: each goes to the Kubernetes cluster that runs them."""
+    everything = not args.shards and not args.region
+    chosen = [(args.secret_name, shard_name(0))] if args.shards or everything else []
+    unknown = sorted(set(args.region) - {l.region for l in cfg.learners})
+    if unknown:
+        raise ConfigError(f"--region {', '.join(unknown)}: no learner of the config is in it")
+    chosen += [(args.learner_secret_prefix + l.id, learner_name(l.id)) for l in cfg.learners
+               if everything or l.region in args.region]
+    documents = []
+    for secret, folder in chosen:
+        data = {}
+        for file in (CA_FILE, CERT_FILE, KEY_FILE):
+            path = out / folder / file
+            try:
+                data[file] = base64.b64encode(path.read_bytes()).decode()
+            except OSError as error:
+                raise ConfigError(f"--out: cannot read {path} ({error.strerror}): run `diloco certs --config "
+                                  f"{args.config}` first") from None
+        documents.append({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                          "metadata": {"name": secret, "namespace": args.namespace,
+                                       "labels": {"app.kubernetes.io/name": "diloco"}}, "data": data})
+    return yaml.safe_dump_all(documents, sort_keys=False)
 
 
 def listing(names: list[str], out: pathlib.Path, ca_dir: pathlib.Path) -> str:

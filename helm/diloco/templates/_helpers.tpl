@@ -23,7 +23,6 @@ cluster.syncerRelease alone, so there is no nameOverride/fullnameOverride indire
 {{- define "diloco.configPath" -}}/etc/diloco/cluster.yaml{{- end -}}
 {{- define "diloco.stateDir" -}}/var/lib/diloco{{- end -}}
 {{- define "diloco.tlsDir" -}}/etc/diloco/tls{{- end -}}
-{{- define "diloco.credentialsDir" -}}/etc/diloco/credentials{{- end -}}
 
 {{- define "diloco.image" -}}
 {{ printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
@@ -117,7 +116,7 @@ Sections are written in a fixed order so the file reads like examples/*.yaml.
 {{- end }}
 {{- end -}}
 
-{{/* Volumes and mounts of the optional Secrets, shared by syncer and learner pods. */}}
+{{/* Volumes and mounts of the TLS Secrets, shared by syncer and learner pods. */}}
 {{- /* With learnerIds (learner pods): each of those learners' Secrets in a folder named
   after it; else (shards) the shards' Secret. */ -}}
 {{- define "diloco.secretVolumes" -}}
@@ -142,23 +141,12 @@ Sections are written in a fixed order so the file reads like examples/*.yaml.
     secretName: {{ $tls.secretName }}
     defaultMode: 0440
 {{- end }}
-{{- if .credentialsSecret }}
-- name: credentials
-  secret:
-    secretName: {{ .credentialsSecret }}
-    defaultMode: 0440
-{{- end }}
 {{- end -}}
 
 {{- define "diloco.secretMounts" -}}
 {{- if eq .ctx.Values.tls.mode "mtls" }}
 - name: tls
   mountPath: {{ include "diloco.tlsDir" .ctx }}
-  readOnly: true
-{{- end }}
-{{- if .credentialsSecret }}
-- name: credentials
-  mountPath: {{ include "diloco.credentialsDir" .ctx }}
   readOnly: true
 {{- end }}
 {{- end -}}
