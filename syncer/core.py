@@ -162,7 +162,8 @@ class ShardCore:
         else:  # a seed or restore is written in full by the snapshot it makes
             spool = NullSpool()
         started = self.clock()
-        payload = receive(assembler, chunks, spool)
+        with self.membership.receiving(header.learner_id, header.incarnation, self.clock):
+            payload = receive(assembler, chunks, spool)
         if transfer_seconds is None:
             transfer_seconds = self.clock() - started
         if header.kind == pb.PUSH_KIND_SEED:

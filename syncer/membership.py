@@ -14,11 +14,12 @@ mistaken for a live one.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable, Iterator
 
 from diloco.syncer.counters import Counters
 from diloco.syncer.refusal import Refusal
@@ -62,6 +63,9 @@ class Learner:
     standing_still: bool = False  # as last reported
     skipped: frozenset[int] = frozenset()  # as last reported
     attendance: int = 0  # its Attend call now open (0: none since it joined)
+    # Its pushes whose payload is arriving: each is proof of life while it lasts, since on a
+    # slow link a heartbeat waits behind a push's bytes longer than a lease.
+    receiving: int = 0
 
     @property
     def alive(self) -> bool:
@@ -115,6 +119,20 @@ class Membership:
                               f" (last seen {now - learner.last_seen:.1f}s ago): join again")
             learner.last_seen = now
             learner.lease_expires = now + self._lease_seconds
+
+    @contextlib.contextmanager
+    def receiving(self, learner_id: str, incarnation: int, clock: Callable[[], float]) -> Iterator[None]:
+        """A push of this live incarnation (authenticated) whose payload is arriving: its lease
+        does not run out meanwhile, and runs from the push's end."""
+        with self._lock:
+            learner = self._identify(learner_id, incarnation, clock())
+            learner.receiving += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                learner.receiving -= 1
+                learner.lease_expires = max(learner.lease_expires, clock() + self._lease_seconds)
 
     def heartbeat(self, learner_id: str, incarnation: int, now: float, report: HeartbeatReport) -> None:
         self.authenticate(learner_id, incarnation, now)
@@ -255,7 +273,7 @@ class Membership:
         return self._refresh(learner, now)
 
     def _refresh(self, learner: Learner, now: float) -> Learner:
-        if not learner.alive or now < learner.lease_expires:
+        if not learner.alive or now < learner.lease_expires or learner.receiving:
             return learner
         learner.expired = True
         self._live = None

@@ -888,3 +888,25 @@ def test_a_push_whose_round_cannot_be_committed_is_accepted_and_merged_once_the_
     journal.full = False
     assert shard.core.tick() == [0] and shard.version() == 1
     assert torch.allclose(shard.value() - shard.seeds[0], -delta(1, n), atol=1e-6)
+
+
+def test_a_learner_stays_live_while_its_push_arrives_however_long_its_link_takes():
+    # On a slow link a heartbeat waits behind a push's bytes: the bytes themselves are proof of life.
+    shard = Shard(make_config(lease_seconds=1.5), joined=("a", "b"))
+    header, chunks = shard.push_parts("a", 0, delta(0, shard.numel()), chunk_bytes=64)
+
+    def slow(chunks):
+        for chunk in chunks:
+            shard.clock.advance(1.0)  # each chunk a lease's worth of time after the last
+            assert alive(shard, "a")
+            yield chunk
+
+    assert shard.core.push(header, slow(chunks)).result == pb.PUSH_RESULT_ACCEPTED
+    shard.clock.advance(1.4)  # its lease runs from the push's end
+    assert alive(shard, "a")
+    shard.clock.advance(0.2)
+    assert not alive(shard, "a")
+
+
+def alive(shard, learner_id: str) -> bool:
+    return next(l for l in shard.core.status().learners if l.id == learner_id).alive
