@@ -13,6 +13,7 @@ import pathlib
 import signal
 import sys
 import time
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -60,7 +61,11 @@ class LocalCluster:
 
     def __init__(self, cfg: Config, run_dir: pathlib.Path, learner_env: dict[str, str] | None = None,
                  learner_script: pathlib.Path | None = None, warm_restarts: bool = False,
-                 learner_flags: dict[str, list[str]] | None = None):
+                 learner_flags: dict[str, list[str]] | None = None,
+                 learner_prefix: Callable[[str], list[str]] | None = None):
+        """`learner_prefix`: what runs each learner's command in a network namespace whose link
+        the kernel shapes (localcluster/kernel_links.py); None: learners with a link in the
+        config pace it themselves (localcluster/wan.py)."""
         if cfg.run.listen_host is None:  # a local cluster is reached from this machine only
             cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"listen_host": "127.0.0.1"})})
         self.cfg = cfg
@@ -82,7 +87,8 @@ class LocalCluster:
         # until then a finished learner keeps following the global values. A learner script
         # (the user's own loop) is given the config and its id, and must stop on SIGTERM.
         learner = ([sys.executable, str(learner_script)] if learner_script else cli + ["learner"])
-        argv = {l.id: (learner if cfg.link(l.id, l.region) is None else launcher(learner))
+        argv = {l.id: (learner_prefix(l.id) + learner if learner_prefix
+                       else learner if cfg.link(l.id, l.region) is None else launcher(learner))
                 + ["--config", str(self.config_path), "--learner-id", l.id]
                 + ([] if learner_script else ["--region", l.region, "--catch-up-seconds", "86400"])
                 + (learner_flags or {}).get(l.id, [])

@@ -23,6 +23,8 @@ bits): the shards refuse its pushes, it heals or stops (docs/reliability.md). WA
 (`--wan-mbps`, `--wan-latency-ms`, or the config's `links`) paces each learner's sync client
 at its region's rate each way, n bytes in n / rate seconds, and makes each push and pull wait
 the one-way latency out and back (localcluster/wan.py: WanLink); no root, no namespaces needed.
+`--kernel-links` instead puts each learner in a network namespace whose link the kernel shapes
+(tc; localcluster/kernel_links.py), which needs root.
 
 SIGTERM or Ctrl-C stops every process the run started (learners leave cleanly, shards drain);
 another one meanwhile SIGKILLs them. On Linux they also die with the sim if it is SIGKILLed.
@@ -48,6 +50,7 @@ from diloco.localcluster.sim_summary import plot, print_summary
 from diloco.localcluster.wan import apply_link_flags
 from diloco.services.contract.config import (Config, ConfigError, ConfigLoader, check_factories, load_config,
                                              parse_config)
+from diloco.localcluster.kernel_links import KernelLinks
 from diloco.services.metrics import write_file_sd
 
 DEFAULT_REGIONS = "us-east,us-west,us-central,us-south"
@@ -101,6 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "while it was down, as a spare host booting during the repair (start-up in tenths "
                              "of a second); --no-warm-restarts starts a new process, as a restarted container "
                              "does (seconds here)")
+    parser.add_argument("--kernel-links", action="store_true",
+                        help="each learner in a network namespace, its link shaped by the kernel (tc tbf; netem "
+                             "delay where the kernel has it) instead of paced by the learner; needs root")
     parser.add_argument("--wan-mbps", metavar="N|REGION=UP[/DOWN],...",
                         help="cap each learner's link to the syncer (Mbit/s): one number for every region "
                              "(each way), or per region, e.g. us-east=50,us-west=20/40 (up 20, down 40); "
@@ -178,6 +184,9 @@ def check_flags(args: argparse.Namespace, cfg: Config) -> None:
         raise ConfigError("--chaos-mtbf: a learner of island.replica_groups > 1 fails only when every group does; "
                           "kill its groups with --chaos-replicas")
     poison_flags(args.chaos_poison, cfg)
+    if args.kernel_links and (args.mode == "dp" or cfg.island.replica_groups > 1):
+        raise ConfigError("--kernel-links: learners of one process each in --mode diloco or param-avg (not "
+                          "--mode dp, not replica groups)")
     for flag, given in (("--chaos-poison", args.chaos_poison), ("--eval-global", args.eval_global)):
         if given and (args.learner_script or args.mode != "diloco"):
             raise ConfigError(f"{flag}: a flag of the built-in learner of --mode diloco (not of a --learner-script, "
@@ -246,14 +255,30 @@ def run(args: argparse.Namespace) -> int:
         print(f"invalid: {error}", file=sys.stderr)
         return 2
     shutil.rmtree(run_dir, ignore_errors=True)  # a run starts from nothing
+    try:
+        links = KernelLinks(cfg) if args.kernel_links else None
+    except ConfigError as error:
+        print(f"invalid: {error}", file=sys.stderr)
+        return 2
+    try:
+        return run_cluster(cfg if links is None else links.cfg, args, run_dir, links)
+    finally:
+        if links is not None:
+            links.close()
+
+
+def run_cluster(cfg: Config, args: argparse.Namespace, run_dir: pathlib.Path, links: KernelLinks | None) -> int:
+    """The run of the config, its report written and summarised; the exit status."""
     if args.mode == "dp":
         processes = data_parallel.DataParallelJob(cfg, run_dir)
         progress = None if args.quiet else progress_bar(cfg.trainer.max_steps * len(cfg.learners))
         run_processes = lambda: data_parallel.simulate(processes, args, progress)  # noqa: E731
     else:
         processes = LocalCluster(cfg, run_dir, learner_script=args.learner_script,
-                                 warm_restarts=args.warm_restarts, learner_flags=learner_flags(args, cfg))
-        write_file_sd(cfg, args.prometheus_targets or run_dir / "prometheus-targets.json")
+                                 warm_restarts=args.warm_restarts, learner_flags=learner_flags(args, cfg),
+                                 learner_prefix=links.prefix if links else None)
+        write_file_sd(cfg, args.prometheus_targets or run_dir / "prometheus-targets.json",
+                      learner_hosts=links.addresses if links else None)
         run_processes = lambda: simulate(cfg, processes, args)  # noqa: E731
     stop_signals = StopSignals(processes)
     try:
@@ -269,6 +294,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         stop_signals.cleaning_up = True
         processes.stop()
+    if links is not None:
+        report["kernel_links"] = {"latency_applied": links.latency_applied}
+        for learner_id, link in report["links"].items():
+            link["kernel_bytes_up"], link["kernel_bytes_down"] = links.bytes_through(learner_id)
     report_path = pathlib.Path(args.report or run_dir / "report.json")
     report_path.write_text(json.dumps(report, indent=2))
     print_summary(report, report_path)

@@ -270,8 +270,10 @@ def _link(link: dict) -> str:
                   f"latency {link['latency_ms']:g} ms")
     if "bytes_per_second" not in link:
         return f"{configured}; {link['bytes'] / 1e6:.2f} MB"
+    kernel = (f"; the kernel let through {link['kernel_bytes_up'] / 1e6:.2f} MB up, "
+              f"{link['kernel_bytes_down'] / 1e6:.2f} MB down" if "kernel_bytes_up" in link else "")
     return (f"{configured}; measured {link['bytes_per_second'] / 1e6:.3f} MB/s "
-            f"({link['bytes_per_second'] * 8 / 1e6:.2f} Mbit/s) over {link['bytes'] / 1e6:.2f} MB")
+            f"({link['bytes_per_second'] * 8 / 1e6:.2f} Mbit/s) over {link['bytes'] / 1e6:.2f} MB{kernel}")
 
 
 def _island(island: dict) -> str:

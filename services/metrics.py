@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from typing import Callable
+from typing import Callable, Mapping
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, ProcessCollector, disable_created_metrics, start_http_server
@@ -59,22 +59,24 @@ class Collector:
 
 # ---- scrape targets -------------------------------------------------------------------
 
-def file_sd_target_groups(cfg: Config, host: str = "127.0.0.1") -> list[dict]:
+def file_sd_target_groups(cfg: Config, host: str = "127.0.0.1",
+                          learner_hosts: Mapping[str, str] | None = None) -> list[dict]:
     """Prometheus file_sd target groups for every /metrics endpoint of `cfg`'s processes, with
     the target labels the recording rules and dashboards group by. `component` becomes the
-    job (diloco-syncer, diloco-learner) in deploy/prometheus/local/prometheus.yml."""
+    job (diloco-syncer, diloco-learner) in deploy/prometheus/local/prometheus.yml.
+    `learner_hosts`: a learner's own address, where it is not `host` (a network namespace)."""
     groups = [{"targets": [f"{host}:{shard.metrics_port}"],
                "labels": {"component": "syncer", "run": cfg.run.name, "shard": str(index)}}
               for index, shard in enumerate(cfg.shards) if shard.metrics_port]
-    groups += [{"targets": [f"{host}:{learner.metrics_port}"],
+    groups += [{"targets": [f"{(learner_hosts or {}).get(learner.id, host)}:{learner.metrics_port}"],
                 "labels": {"component": "learner", "run": cfg.run.name, "learner": learner.id,
                            "region": learner.region}}
                for learner in cfg.learners if learner.metrics_port]
     return groups
 
 
-def write_file_sd(cfg: Config, path: str | os.PathLike) -> None:
+def write_file_sd(cfg: Config, path: str | os.PathLike, learner_hosts: Mapping[str, str] | None = None) -> None:
     """Writes the target groups atomically: Prometheus may read the file at any moment."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, json.dumps(file_sd_target_groups(cfg), indent=1).encode())
+    atomic_write(path, json.dumps(file_sd_target_groups(cfg, learner_hosts=learner_hosts), indent=1).encode())
