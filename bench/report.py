@@ -740,6 +740,13 @@ def summary_rows(results: dict) -> list[list[str]]:
                      f"{max(r['steps_to_heal'] or 0 for r in s['runs'] if r['poison'] in POISONS)} steps",
                      f"within {pct(s['loss_target'])}; healthy goodput within 2 points; healed within one sync period, "
                      f"H = {s['interval_steps']} steps (issue 55)", verdict(s["met"])])
+    if "kernel_links" in results:
+        k = results["kernel_links"]
+        rows.append(["13. kernel links", "goodput, kernel-shaped less paced: " + ", ".join(
+            f"{100 * d:+.1f}" for d in k["goodput_kernel_minus_paced"]) + " points; blocked share " + ", ".join(
+            f"{100 * d:+.1f}" for d in k["blocked_kernel_minus_paced"]) + " points",
+                     f"within {100 * k['goodput_points']:.0f} points, or the difference explained (issue 56)",
+                     verdict(k["met"])])
     return rows
 
 
@@ -770,16 +777,40 @@ def sick_learner(section: dict, out: pathlib.Path) -> list[str]:
     return lines
 
 
+def kernel_links(section: dict, out: pathlib.Path) -> list[str]:
+    lines = [f"The demo's cluster (4 learners, 2 shards, H = 50, P = 4, int4), {section['steps']} steps per learner, "
+             f"on mixed links each way per region ({section['links']} Mbit/s), once paced by the learners "
+             "themselves (localcluster/wan.py) and once shaped by the kernel: each learner in a network namespace "
+             "on a bridge the shards listen on, a tbf qdisc each way on its veth (`--kernel-links`, "
+             "localcluster/kernel_links.py); this machine's kernel has no netem, so no latency either way. "
+             "Achieved: each learner's sync bytes over their time on the wire (waits for a round's result "
+             "included), the slowest learner's. Kernel bytes: what the qdiscs let through, up / down, summed over "
+             f"the learners (TLS, HTTP/2 and heartbeats included). {code(section['command'])} runs them all.", ""]
+    body = []
+    for r in section["runs"]:
+        links = r["learner_links"].values()
+        kernel = (f"{sum(l['kernel_bytes_up'] for l in links) / 1e6:.1f} / {sum(l['kernel_bytes_down'] for l in links) / 1e6:.1f}"
+                  if r["shaping"] == "kernel" else "-")
+        body.append([str(r["seed"]), r["shaping"],
+                     pct(r["goodput"]), pct(r["blocked_share"]), f"{r['blocked_seconds']:.1f}", _loss(r["final_eval_loss"]),
+                     f"{min(l['bytes_per_second'] for l in links) * 8 / 1e6:.2f}", kernel,
+                     str(r["state_hashes_agree"]).lower(), code(r["command"])])
+    return lines + table(["seed", "links", "goodput", "blocked share", "learners blocked s", "global loss",
+                          "slowest learner's achieved Mbit/s", "kernel MB up / down", "hashes agree", "command"], body)
+
+
 TITLES = {"quality": "1. Quality at equal tokens", "bandwidth": "2. Bandwidth", "goodput": "3. Goodput under failures",
           "overlap": "4. Overlap", "transport": "5. Transport and syncer", "recovery": "6. Recovery",
           "user_loop": "7. The API in a user's loop", "hf": "8. Hugging Face Llama on the API (CPU)",
           "plan": "9. Planning at datacenter scale (`diloco plan`)",
           "calibration": "10. The planner against the local cluster (`diloco plan --calibrate-from`)",
           "island": "11. Elastic islands: losing replica groups (local)",
-          "sick_learner": "12. A diverged learner (`diloco sim --chaos-poison`)"}
+          "sick_learner": "12. A diverged learner (`diloco sim --chaos-poison`)",
+          "kernel_links": "13. Kernel-shaped links against paced ones (`diloco sim --kernel-links`)"}
 RENDERERS = {"quality": quality, "bandwidth": bandwidth, "goodput": goodput, "overlap": overlap,
              "transport": transport, "recovery": recovery, "user_loop": user_loop, "hf": hf, "plan": plan,
-             "calibration": calibration, "island": island, "sick_learner": sick_learner}
+             "calibration": calibration, "island": island, "sick_learner": sick_learner,
+             "kernel_links": kernel_links}
 
 
 def later_run(run: dict) -> str:

@@ -21,7 +21,9 @@ half an hour, never in CI) and its own speed on one day of 2.4M chips; 10. calib
 runs of the demo's cluster at three failure rates, with shard kills and with mixed links, each
 beside `diloco plan --calibrate-from` its report; 11. islands: bench/island.py (learner islands of
 torchft replica groups losing groups, their leaders too, against the same run without kills);
-12. sick_learner: bench/sick_learner.py (one learner's model scaled x1000, NaN or bit-flipped).
+12. sick_learner: bench/sick_learner.py (one learner's model scaled x1000, NaN or bit-flipped);
+13. kernel_links: bench/kernel_links.py (the demo on mixed links, paced by the learners and shaped
+by the kernel in network namespaces; needs root).
 Commands run one after another, never two at once, so timings do not compete with each other
 (other tenants of the machine still may: timings are medians of repeats). Every row of
 BENCHMARKS.md names its command; the runner only adds where the output goes (--run-dir,
@@ -53,7 +55,7 @@ from diloco.services.contract.config import load_config  # noqa: E402
 from diloco.localcluster.chaos import Chaos  # noqa: E402
 
 SECTIONS = ("quality", "bandwidth", "goodput", "overlap", "transport", "recovery", "user_loop", "hf", "plan",
-            "calibration", "island", "sick_learner")
+            "calibration", "island", "sick_learner", "kernel_links")
 # The global model within this of data parallel at equal tokens, by M, for H <= 50 (issue 28).
 QUALITY_TARGETS = {4: 0.03, 8: 0.05}
 QUALITY_TARGET_MAX_H = 50
@@ -120,6 +122,7 @@ class Profile:
     calibration_dp_steps: int  # data parallel's steps over the 20 Mbit/s links (half as many over mixed links)
     island: tuple[str, ...]  # of bench/island.py
     sick_learner: tuple[str, ...]  # of bench/sick_learner.py
+    kernel_links: tuple[str, ...]  # of bench/kernel_links.py
 
 
 SEEDS = (1, 2, 3)  # of the headline rows
@@ -144,7 +147,8 @@ FULL = Profile("full", steps=3000, quality=(
                calibration_seconds=120, calibration_mtbfs=(200, 90, 40), calibration_shard_mtbf=40,
                calibration_dp_steps=20,
                island=("--steps", "600", "--chaos-replicas", "30", "--chaos-islands", "1"),
-               sick_learner=("--steps", "600", "--seeds", "1", "2"))
+               sick_learner=("--steps", "600", "--seeds", "1", "2"),
+               kernel_links=("--steps", "300", "--seeds", "1", "2"))
 QUICK = Profile("quick", steps=60, quality=(QualityRun("gpt", 2, 10, "int4"), QualityRun("gpt", 2, 25, "int4", (1, 2)),
                                              QualityRun("gpt", 2, 25, "int4", (1, 2), learner_script=PLAIN_LOOP)),
                 goodput_learners=2, goodput_seconds=20, down_shares=(0.25,), restart_delay=4.0,
@@ -159,7 +163,8 @@ QUICK = Profile("quick", steps=60, quality=(QualityRun("gpt", 2, 10, "int4"), Qu
                 plan_speed=("--chips", "153600", "--learners", "4", "--hours", "0.1"),
                 calibration_seconds=30, calibration_mtbfs=(20,), calibration_shard_mtbf=15, calibration_dp_steps=4,
                 island=("--steps", "100", "--chaos-replicas", "5", "--chaos-islands", "1"),
-                sick_learner=("--steps", "80", "--seeds", "1"))
+                sick_learner=("--steps", "80", "--seeds", "1"),
+                kernel_links=("--steps", "60", "--seeds", "1"))
 
 
 class Runner:
@@ -577,6 +582,8 @@ def main() -> int:
         results["island"] = runner.script("island", "bench/island.py", profile.island)
     if "sick_learner" in wanted:
         results["sick_learner"] = runner.script("sick_learner", "bench/sick_learner.py", profile.sick_learner)
+    if "kernel_links" in wanted:
+        results["kernel_links"] = runner.script("kernel_links", "bench/kernel_links.py", profile.kernel_links)
     results["runner"] = {"command": shlex.join(["python", "bench/run_all.py", *sys.argv[1:]]),
                          "wall_seconds": time.monotonic() - started}
     out = pathlib.Path(args.out)

@@ -89,6 +89,10 @@ def test_committed_results_hold_every_section_with_dp_beside_diloco():
     for run in dp_runs:
         assert [row["figure"] for row in run["rows"]] == ["step seconds", "blocked", "steps"]
         assert all(is_number(row["predicted"]) and is_number(row["measured"]) for row in run["rows"])
+    kernel = results["kernel_links"]  # issue 56: the same links paced and shaped by the kernel
+    assert {(run["seed"], run["shaping"]) for run in kernel["runs"]} == {
+        (seed, shaping) for seed in kernel["seeds"] for shaping in ("paced", "kernel")}
+    assert all(is_number(run["goodput"]) and run["state_hashes_agree"] for run in kernel["runs"])
     island = results["island"]  # issue 35: groups killed, the leading ones too, against no kills
     assert island["groups_killed"]["kills"] > 0 and island["groups_killed"]["leader_kills"] > 0
     assert island["groups_killed"]["learner_restarts"] == 0 and island["without_failures"]["kills"] == 0

@@ -1,0 +1,83 @@
+"""The same links two ways: paced by the learners (localcluster/wan.py) and shaped by the kernel
+(`diloco sim --kernel-links`: network namespaces, tc tbf).
+
+    python bench/kernel_links.py [--steps 300] [--seeds 1 2] [--json PATH]      (root)
+
+`diloco sim` runs of the demo's cluster (examples/local-4-regions.yaml: 4 learners, 2 shards,
+H=50, P=4, int4) on mixed links, each way per region (us-east 50/100, us-west 5/20, us-central
+20/20, us-south 2/10 Mbit/s), once per seed with each kind of link. Per run: goodput, the
+learners' blocked seconds, the global model's loss, and per learner the rate its pushes and
+pulls achieved (bytes over their time on the wire) and, with kernel links, the bytes the
+kernel let through each way. Target (issue 56): goodput and blocked time within a few points
+of each other, or the difference explained. This kernel has no netem: no latency either way.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CONFIG = "examples/local-4-regions.yaml"
+LINKS = "us-east=50/100,us-west=5/20,us-central=20,us-south=2/10"
+GOODPUT_POINTS = 0.03  # "within a few points"
+
+
+def sim(run_dir: pathlib.Path, flags: list[str]) -> tuple[str, dict]:
+    command = ["diloco", "sim", "--config", CONFIG, *flags]
+    subprocess.run([sys.executable, "-m", "diloco", *command[1:], "--quiet", "--run-dir", str(run_dir)],
+                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    return " ".join(command), json.loads((run_dir / "report.json").read_text())
+
+
+def figures(command: str, report: dict) -> dict:
+    provisioned = report["provisioned_seconds"]
+    return {
+        "command": command,
+        "goodput": report["goodput"],
+        "blocked_share": report["badput_seconds"]["blocked"] / provisioned,
+        "blocked_seconds": sum(l["blocked_seconds"] for l in report["per_learner"].values()),
+        "final_eval_loss": report["final_eval_loss"],
+        "state_hashes_agree": report["state_hashes_agree"],
+        "learner_links": {learner_id: {key: link.get(key) for key in ("up_mbps", "down_mbps", "bytes", "bytes_per_second",
+                                                              "kernel_bytes_up", "kernel_bytes_down")}
+                  for learner_id, link in report["links"].items()},
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    runs = []
+    with tempfile.TemporaryDirectory() as work:
+        for seed in args.seeds:
+            for kind, flags in (("paced", []), ("kernel", ["--kernel-links"])):
+                command, report = sim(pathlib.Path(work) / f"{seed}-{kind}",
+                                      ["--steps", str(args.steps), "--seed", str(seed), "--wan-mbps", LINKS, *flags])
+                runs.append({"seed": seed, "shaping": kind, **figures(command, report)})
+                print(json.dumps({k: runs[-1][k] for k in ("seed", "shaping", "goodput", "blocked_share",
+                                                           "final_eval_loss")}), flush=True)
+    by = {(run["seed"], run["shaping"]): run for run in runs}
+    differences = [by[seed, "kernel"]["goodput"] - by[seed, "paced"]["goodput"] for seed in args.seeds]
+    blocked = [by[seed, "kernel"]["blocked_share"] - by[seed, "paced"]["blocked_share"] for seed in args.seeds]
+    result = {"steps": args.steps, "seeds": args.seeds, "links": LINKS, "runs": runs,
+              "command": f"python bench/kernel_links.py --steps {args.steps} --seeds {' '.join(map(str, args.seeds))}",
+              "goodput_kernel_minus_paced": differences, "blocked_kernel_minus_paced": blocked,
+              "median_goodput_difference": statistics.median(differences), "goodput_points": GOODPUT_POINTS}
+    result["met"] = all(abs(d) <= GOODPUT_POINTS for d in differences + blocked)
+    print(f"goodput, kernel less paced: {', '.join(f'{d * 100:+.1f}' for d in differences)} points; blocked share "
+          f"{', '.join(f'{d * 100:+.1f}' for d in blocked)} points (within {GOODPUT_POINTS:.0%}: {result['met']})")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
