@@ -33,6 +33,8 @@ from diloco.planner.inputs import FLAT_KEYS, WAN_KEYS, PlanError, PlanInputs, lo
 from diloco.planner.outcome import PlanResult
 from diloco.planner.report import Speed, plot, speed_table, table, time_to_train, write_json
 from diloco.planner.simulate import MODES, simulate
+from diloco.planner.suggest import suggest
+from diloco.planner.suggest import table as suggestion_table
 
 SWEPT = ("chips", "learners", "chips_per_learner", "slices_per_learner")  # keys that take a list of values to sweep
 # Keys whose flags (--fail, --links, --interval-steps ...) are not a list of values, or that
@@ -66,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibrate-from", metavar="REPORT",
                         help="plan the run of this `diloco sim` report (its cluster, measured step and start-up "
                              "times, links, kills) and print the prediction beside what it measured; with --json")
+    parser.add_argument("--suggest", action="store_true",
+                        help="propose H, P, tau and codec for the plan's model, step time and links: every "
+                             "learner's round trip within tau steps, ranked by the goodput planned (planner/suggest.py)")
     parser.add_argument("--json", metavar="PATH", help="write every result as JSON here ('-': stdout)")
     parser.add_argument("--plot", metavar="PNG", help="plot goodput against chips, one line per mode and M")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -158,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
     except (PlanError, OSError, yaml.YAMLError) as error:
         print(f"invalid: {error}", file=sys.stderr)
         return 2
+    if args.suggest:
+        return run_suggestions(points)
     results: list[PlanResult] = []
     speeds: list[Speed] = []
     for inputs, mode in itertools.product(points, modes):
@@ -179,6 +186,23 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(results, pathlib.Path(args.plot))
         print(f"plot: {args.plot}")
+    return 0
+
+
+def run_suggestions(points: list[PlanInputs]) -> int:
+    for inputs in points:
+        found = suggest(inputs)
+        print(f"{inputs.model_parameters:.3g} parameters, {max(inputs.step_seconds):g} s steps, M={inputs.num_learners}, "
+              f"links (Mbit/s up/down, ms): " + ", ".join(
+                  f"{region} {link.up_mbps:g}/{link.down_mbps:g} {link.latency_ms:g}"
+                  for region, link in {inputs.region(i): inputs.link(i) for i in range(inputs.num_learners)}.items()))
+        if not found:
+            print("no H, P, tau and codec fit these links: a fragment's round trip outlasts every H tried")
+            continue
+        print(suggestion_table(found, max(inputs.step_seconds)))
+        best = found[0]
+        print(f"suggested: sync: {{interval_steps: {best.interval_steps}, fragments: {best.fragments}, "
+              f"overlap_steps: {best.overlap_steps}, codec: {best.codec}}}\n")
     return 0
 
 

@@ -3,6 +3,7 @@ and LearnerSchedule. Small fleets and short runs, no sockets: the file runs in s
 import itertools
 import json
 import pathlib
+import re
 from collections import defaultdict
 
 import pytest
@@ -348,3 +349,38 @@ def test_the_plans_sync_and_syncer_are_the_cluster_configs_own_sections_whicheve
         load_inputs({"interval_steps": 0})
     with pytest.raises(PlanError, match=r"syncer\.qorum: unknown key \(did you mean syncer\.quorum\?\)"):
         load_inputs({"syncer": {"qorum": 2}})
+
+
+def test_suggested_settings_fit_every_learners_round_trip_and_the_best_is_first(capsys):
+    from diloco.planner.suggest import MARGIN, round_trip_seconds, suggest
+    inputs = load_inputs({"chips": 4, "learners": 4, "model_parameters": 20_000_000, "step_seconds": [0.5],
+                          "wan_gbps": [0.05, 0.2], "wan_latency_ms": [20.0], "hours": 0.05, "chip_mtbf_hours": None})
+    found = suggest(inputs)
+    assert found
+    for s in found:
+        assert s.overlap_steps < s.interval_steps
+        assert s.overlap_steps * 0.5 >= MARGIN * round_trip_seconds(inputs, s.fragments, s.codec)
+        assert s.round_trip_seconds == pytest.approx(round_trip_seconds(inputs, s.fragments, s.codec))
+    best = found[0]
+    assert best.result.goodput.share >= max(s.result.goodput.share for s in found) - 0.005
+    assert best.result.goodput.share > 0.9
+    assert main(["plan", "--chips", "4", "--learners", "4", "--model-parameters", "20000000", "--step-seconds", "0.5",
+                 "--wan-gbps", "0.05,0.2", "--hours", "0.05", "--chip-mtbf-hours", "null", "--suggest"]) == 0
+    out = capsys.readouterr().out
+    assert (f"suggested: sync: {{interval_steps: {best.interval_steps}, fragments: {best.fragments}, "
+            f"overlap_steps: {best.overlap_steps}, codec: {best.codec}}}") in out
+
+
+def test_links_too_slow_for_any_setting_are_said_so(capsys):
+    assert main(["plan", "--chips", "4", "--learners", "4", "--model-parameters", "12000000000", "--step-seconds",
+                 "0.1", "--wan-gbps", "0.01", "--hours", "0.01", "--chip-mtbf-hours", "null", "--suggest"]) == 0
+    assert "no H, P, tau and codec fit these links" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_suggestion_docs_planning_shows_for_the_seeds_point_is_what_the_planner_suggests(capsys):
+    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "planning.md").read_text()
+    documented = re.search(r"^suggested: sync: .*$", text, re.M)[0]
+    assert main(["plan", "--config", "examples/plan/datacenter.yaml", "--chips", "16384", "--learners", "4",
+                 "--chip-mtbf-hours", "null", "--hours", "0.25", "--wan-gbps", "2,5,2,5", "--suggest", "--quiet"]) == 0
+    assert documented in capsys.readouterr().out
