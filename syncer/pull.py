@@ -5,6 +5,7 @@ version, or the value whole when the history does not reach back that far.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -36,13 +37,19 @@ def ahead(fragment_id: int, version: int, base_version: int) -> Refusal:
 
 
 class Pulls:
-    """One fragment's pulls: the anchors it served (ServedAnchors), and the fp32 payload of the
-    last value pulled whole, as sent."""
+    """One fragment's pulls: the anchors it served (ServedAnchors), the fp32 payload of the
+    last value pulled whole, as sent, and the deltas to the committed value from the anchors
+    pulled since it was committed: learners that hold the same bits (the same anchor hash) get
+    the same delta, encoded once, and then hold the same anchor tensor."""
 
     def __init__(self, fragment: Fragment, codec: Codec, block_size: int, served: ServedAnchors):
         self.fragment, self.codec, self.block_size = fragment, codec, block_size
         self.served = served
         self._whole: tuple[torch.Tensor, Encoded] | None = None
+        self._deltas: dict[str, tuple[Encoded, Anchor]] = {}  # by anchor hash, to `_deltas_to`
+        self._deltas_to: torch.Tensor | None = None  # the committed value they lead to
+        self._deltas_lock = threading.Lock()
+        self.deltas_encoded = 0  # deltas encoded since the shard started (a pull that reused one: none)
 
     def plan(self, committed: FragmentSnapshot | None, base_version: int | None, learner_id: str = "",
              anchor_hash: str = "") -> PullPlan:
@@ -67,9 +74,20 @@ class Pulls:
                 and committed.history[-1].version == committed.version:
             self.served.record(learner_id, _lineage(committed))  # the shared update: the shards' bits
             return PullPlan(False, (committed.history[-1],), committed.state_hash)
-        item, received = self._delta(committed, anchor)
+        item, received = self._shared_delta(committed, anchor)
         self.served.record(learner_id, received)
         return PullPlan(False, (item,), received.state_hash)
+
+    def _shared_delta(self, committed: FragmentSnapshot, anchor: Anchor) -> tuple[Encoded, Anchor]:
+        """The delta from `anchor` to the committed value, encoded by the first pull that asks
+        for it since the value was committed (pulls of the same pair wait for it)."""
+        with self._deltas_lock:
+            if self._deltas_to is not committed.value:
+                self._deltas, self._deltas_to = {}, committed.value
+            if anchor.state_hash not in self._deltas:
+                self._deltas[anchor.state_hash] = self._delta(committed, anchor)
+                self.deltas_encoded += 1
+            return self._deltas[anchor.state_hash]
 
     def _delta(self, committed: FragmentSnapshot, anchor: Anchor) -> tuple[Encoded, Anchor]:
         """One encoded delta from `anchor` to the committed value, and what the learner holds

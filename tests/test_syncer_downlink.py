@@ -152,3 +152,24 @@ def test_a_learner_that_never_took_its_last_pull_still_gets_a_delta_from_the_anc
     rounds(shard, 2)
     plan = learner.pull()  # from the anchor it still holds
     assert not plan.snapshot and len(plan.items) == 1
+
+
+def test_sixteen_learners_holding_the_same_bits_cost_one_encode_and_then_share_one_anchor():
+    from diloco.services.contract.config import parse_config
+    pullers = [f"p{i}" for i in range(16)]
+    cfg = parse_config({"shards": [{"address": "127.0.0.1:1"}],
+                        "learners": [{"id": learner, "region": "r"} for learner in ("a", *pullers)],
+                        "sync": {"fragments": 2, "interval_steps": 4, "overlap_steps": 1, "codec": "int4"},
+                        "syncer": {"grace": {"mode": "fixed", "seconds": 1.0}}})
+    shard = Shard(cfg, joined=("a",))
+    learners = [Puller(shard, learner_id) for learner_id in pullers]
+    pulls = shard.core.fragments[0].pulls
+    for expected in (1, 2):
+        rounds(shard, 3)  # several rounds: a delta from each one's anchor, not the lineage's last update
+        for learner in learners:
+            learner.pull()
+        assert pulls.deltas_encoded == expected  # one per (anchor, value) pair, whoever asks
+        held = {state_hash(learner.value) for learner in learners}
+        assert len(held) == 1
+        anchors = {id(anchor.value) for anchor in pulls.served.records().values() if not anchor.on_lineage}
+        assert len(anchors) == 1  # one tensor for the sixteen, not sixteen copies
