@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 
 # How long the last pull after training keeps retrying a shard that is down.
 FINAL_PULL_SECONDS = 60.0
+# How often a learner that finished asks the shards whether the run is still changing.
+CATCH_UP_POLL_SECONDS = 0.2
 
 
 class RunEnd:
@@ -77,18 +79,20 @@ class RunEnd:
         return undelivered
 
     def catch_up(self, quiet_seconds: float, should_stop: Callable[[], bool] = lambda: False) -> None:
-        """After training: keep pulling until no fragment changed for `quiet_seconds` or
-        until stopped, then pull once more, reaching every shard (one that is restarting is
-        retried for up to FINAL_PULL_SECONDS), so this learner ends holding the run's final
-        global values."""
-        quiet_since = time.monotonic()
+        """After training: follow the run until no fragment changed for `quiet_seconds` or until
+        stopped, then pull once, reaching every shard (one that is restarting is retried for up
+        to FINAL_PULL_SECONDS), so this learner ends holding the run's final global values. It
+        follows the shards' Status, not their values: one pull per fragment at the end, however
+        many rounds the others close meanwhile."""
+        quiet_since, seen = time.monotonic(), None
         while not should_stop() and time.monotonic() - quiet_since < quiet_seconds:
-            changed, reached_all = self._pull_newer_versions(wait_seconds=0.2)
-            if changed or not reached_all:  # a shard that is down is not quiet
-                quiet_since = time.monotonic()
+            versions = self._shard_versions()
+            if versions is None or versions != seen:  # a shard that is down is not quiet
+                quiet_since, seen = time.monotonic(), versions
+            self.stop.wait(CATCH_UP_POLL_SECONDS)
         deadline = time.monotonic() + FINAL_PULL_SECONDS
         past_deadline = lambda: time.monotonic() >= deadline  # noqa: E731
-        while not self._pull_newer_versions(wait_seconds=0.0, give_up=past_deadline)[1] and not past_deadline():
+        while not self._pull_newer_versions(give_up=past_deadline) and not past_deadline():
             self.stop.wait(RETRY_INITIAL_SECONDS)
         self._take_the_shards_bits()
 
@@ -109,16 +113,26 @@ class RunEnd:
             except (grpc.RpcError, StateHashMismatch) as error:  # the shard left: keep what was served
                 log.warning("shard %d: not taking its exact final values: %s", session.index, error)
 
-    def _pull_newer_versions(self, wait_seconds: float,
-                             give_up: Callable[[], bool] = lambda: True) -> tuple[bool, bool]:
+    def _shard_versions(self) -> dict[int, int] | None:
+        """Every fragment's version as its shard reports it now; None if a shard did not answer."""
+        versions = {}
+        for session in self.sessions:
+            try:
+                status = session.client.status(timeout=self.cfg.rpc.deadline_seconds)
+            except grpc.RpcError:
+                return None
+            versions.update({f.fragment_id: f.version for f in status.fragments})
+        return versions
+
+    def _pull_newer_versions(self, give_up: Callable[[], bool]) -> bool:
         """Pulls every fragment's newer versions, retrying a shard that is down until
-        `give_up()`: (whether any fragment changed, whether every shard answered)."""
-        changed, reached_all = False, True
+        `give_up()`; whether every shard answered."""
+        reached_all = True
         for pipeline in self.fragments.values():
             session = pipeline.session
             try:
                 result, value = self.stats.counted_pull(
-                    lambda: session.retry(lambda: pull_newer(pipeline, wait_seconds), give_up))
+                    lambda: session.retry(lambda: pull_newer(pipeline), give_up))
             except grpc.RpcError as error:
                 if remedy(error) is not Remedy.RETRY_LATER:
                     raise
@@ -130,17 +144,15 @@ class RunEnd:
                 continue
             if result.items:
                 pipeline.adopt(value, result.version)
-                changed = True
-        return changed, reached_all
+        return reached_all
 
 
-def pull_newer(pipeline: FragmentPipeline, wait_seconds: float) -> tuple[PullResult, torch.Tensor | None]:
+def pull_newer(pipeline: FragmentPipeline) -> tuple[PullResult, torch.Tensor | None]:
     """The fragment's versions after the pipeline's, or the shard's value where it serves the
     fragment below that version (re-anchored; an unseeded one: the pipeline keeps its own)."""
     session, fid, version = pipeline.session, pipeline.fragment.id, pipeline.version
     try:
-        return session.pull_checked(fid, version, pipeline.anchor, min_version=version + 1,
-                                    max_wait_seconds=wait_seconds)
+        return session.pull_checked(fid, version, pipeline.anchor, min_version=version + 1, max_wait_seconds=0.0)
     except grpc.RpcError as error:
         if remedy(error) is not Remedy.REJOIN:
             raise
