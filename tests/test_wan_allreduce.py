@@ -1,6 +1,7 @@
 """Data parallel behind emulated WAN links (learner/trainer/wan_allreduce.py): real DDP in a
 one-rank gloo group, its gradient buckets held back as a ring over the links would carry them."""
 import socket
+import time
 
 import pytest
 import torch
@@ -43,10 +44,13 @@ def test_a_bucket_is_held_until_the_slowest_link_of_the_ring_has_carried_it(gloo
     paced = PacedAllReduce(ring, regions=2)
     ddp.register_comm_hook(None, paced.hook)
     x = torch.randn(4, PARAMETERS // 10)
+    started = time.monotonic()
     ddp_step(ddp, x)
+    elapsed = time.monotonic() - started
     waited, overlap = paced.take_step()
-    assert waited == pytest.approx(0.5, abs=0.15)
-    assert overlap == pytest.approx(0.0, abs=0.05)  # one bucket: nothing goes out before the backward pass ends
+    assert elapsed >= 0.5 - 0.01  # not released before the slowest link carried it (load only delays it more)
+    assert 0.0 <= waited <= elapsed  # of which the wait beyond the real all-reduce
+    assert overlap == 0.0  # one bucket: nothing goes out before the backward pass ends
     plain(x).square().sum().backward()
     assert torch.equal(model.weight.grad, plain.weight.grad)  # the gradients the all-reduce gave, untouched
     assert paced.take_step() == (0.0, 0.0)  # taken: the next step starts from nothing
