@@ -47,7 +47,7 @@ def test_the_planner_predicts_a_short_chaos_run_of_the_local_cluster(tmp_path, c
 
 @pytest.mark.slow
 def test_the_planner_predicts_a_data_parallel_job_whose_all_reduce_crosses_capped_links(tmp_path):
-    report = run_sim(tmp_path, "--mode", "dp", "--learners", "2", "--regions", "us-east,us-west", "--steps", "15",
+    report = run_sim(tmp_path, "--mode", "dp", "--learners", "2", "--regions", "us-east,us-west", "--steps", "8",
                      "--wan-mbps", "us-east=20,us-west=2/4", "--wan-latency-ms", "us-west=30")
     (job,) = report["per_learner"].values()
     assert job["wan_seconds"] > 0 and report["badput_seconds"]["blocked"] == pytest.approx(2 * job["wan_seconds"])

@@ -185,7 +185,7 @@ def probe_rate(namespaces: Namespaces, region: str, upload: bool) -> float:
 
 
 def test_the_guides_commands_run_a_cluster_across_kernel_shaped_namespaces(namespaces, tmp_path):
-    data = tiny_cluster(pathlib.Path("state"), steps=300, trainer={"checkpoint_every": 10, "eval_every": 1000},
+    data = tiny_cluster(pathlib.Path("state"), steps=150, trainer={"checkpoint_every": 10, "eval_every": 1000},
                         ).model_dump(mode="json", exclude_unset=True)
     data["shards"] = [{"address": f"{address}:50051", "metrics_port": 0} for address in SHARDS]
     data["learners"] = [{"id": f"{region}-0", "region": region, "metrics_port": 0,

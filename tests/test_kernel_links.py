@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 def test_a_sim_with_kernel_links_trains_through_the_shaped_links_and_ends_with_the_shards_bits(tmp_path):
     if not can_make_namespaces():
         pytest.skip("needs root, ip and tc, and network namespaces")
-    report = run_sim(tmp_path, "--learners", "2", "--regions", "us-east,us-west", "--steps", "120", "--kernel-links",
+    report = run_sim(tmp_path, "--learners", "2", "--regions", "us-east,us-west", "--steps", "60", "--kernel-links",
                      "--wan-mbps", "us-east=20,us-west=4/8")
     assert report["state_hashes_agree"] is True and "kernel_links" in report
     for learner_id, link in report["links"].items():

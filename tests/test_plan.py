@@ -354,7 +354,7 @@ def test_the_plans_sync_and_syncer_are_the_cluster_configs_own_sections_whicheve
 def test_suggested_settings_fit_every_learners_round_trip_and_the_best_is_first(capsys):
     from diloco.planner.suggest import MARGIN, round_trip_seconds, suggest
     inputs = load_inputs({"chips": 4, "learners": 4, "model_parameters": 20_000_000, "step_seconds": [0.5],
-                          "wan_gbps": [0.05, 0.2], "wan_latency_ms": [20.0], "hours": 0.05, "chip_mtbf_hours": None})
+                          "wan_gbps": [0.05, 0.2], "wan_latency_ms": [20.0], "hours": 0.02, "chip_mtbf_hours": None})
     found = suggest(inputs)
     assert found
     for s in found:
@@ -365,7 +365,7 @@ def test_suggested_settings_fit_every_learners_round_trip_and_the_best_is_first(
     assert best.result.goodput.share >= max(s.result.goodput.share for s in found) - 0.005
     assert best.result.goodput.share > 0.9
     assert main(["plan", "--chips", "4", "--learners", "4", "--model-parameters", "20000000", "--step-seconds", "0.5",
-                 "--wan-gbps", "0.05,0.2", "--hours", "0.05", "--chip-mtbf-hours", "null", "--suggest"]) == 0
+                 "--wan-gbps", "0.05,0.2", "--hours", "0.02", "--chip-mtbf-hours", "null", "--suggest"]) == 0
     out = capsys.readouterr().out
     assert (f"suggested: sync: {{interval_steps: {best.interval_steps}, fragments: {best.fragments}, "
             f"overlap_steps: {best.overlap_steps}, codec: {best.codec}}}") in out
@@ -382,5 +382,5 @@ def test_the_suggestion_docs_planning_shows_for_the_seeds_point_is_what_the_plan
     text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "planning.md").read_text()
     documented = re.search(r"^suggested: sync: .*$", text, re.M)[0]
     assert main(["plan", "--config", "examples/plan/datacenter.yaml", "--chips", "16384", "--learners", "4",
-                 "--chip-mtbf-hours", "null", "--hours", "0.25", "--wan-gbps", "2,5,2,5", "--suggest", "--quiet"]) == 0
+                 "--chip-mtbf-hours", "null", "--hours", "0.1", "--wan-gbps", "2,5,2,5", "--suggest", "--quiet"]) == 0
     assert documented in capsys.readouterr().out
