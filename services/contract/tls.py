@@ -23,7 +23,7 @@ import datetime
 import logging
 import os
 import pathlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from cryptography import x509
@@ -79,6 +79,8 @@ class Identity:
     cert: bytes
     key: bytes
     folder: pathlib.Path | None = None
+    # The folder's files as they were when read (files_stamp): unchanged, they are not read again.
+    stamp: tuple = field(default=(), compare=False)
 
     @property
     def certificate(self) -> x509.Certificate:
@@ -113,8 +115,8 @@ class Identity:
         not, if there is no folder, or if the folder is half-written (a key that does not
         match its certificate, a file missing) or holds an expired certificate: this one stays
         until the next look."""
-        if self.folder is None:
-            return None
+        if self.folder is None or files_stamp(self.folder) == self.stamp:
+            return None  # a client asks before every call: a stat of three files, no read
         try:
             now = read_identity(self.folder, "tls")
         except ConfigError as error:
@@ -145,6 +147,7 @@ def load_identity(cfg: Config, name: str, folder: str | os.PathLike | None = Non
 def read_identity(folder: pathlib.Path, source: str) -> Identity:
     """ca.crt, tls.crt and tls.key of `folder`; one missing is a ConfigError naming `source`,
     the key or flag that chose the folder."""
+    stamp = files_stamp(folder)  # before reading: a write in between shows at the next look
     parts = []
     for file in (CA_FILE, CERT_FILE, KEY_FILE):
         try:
@@ -153,7 +156,7 @@ def read_identity(folder: pathlib.Path, source: str) -> Identity:
             raise ConfigError(f"{source}: cannot read {folder / file} ({error.strerror}); tls.mode is "
                               "mtls: make certificates with `diloco certs`, or write "
                               "`tls: {mode: plaintext}` to run without") from None
-    identity = Identity(*parts, folder=folder)
+    identity = Identity(*parts, folder=folder, stamp=stamp)
     try:
         expires = identity.certificate.not_valid_after_utc
     except ValueError as error:
@@ -162,6 +165,18 @@ def read_identity(folder: pathlib.Path, source: str) -> Identity:
         raise ConfigError(f"{source}: the certificate {folder / CERT_FILE} expired on {expires:%Y-%m-%d %H:%M} UTC; "
                           f"issue it again with `diloco certs renew --config CONFIG {folder.name}`")
     return identity
+
+
+def files_stamp(folder: pathlib.Path) -> tuple:
+    """What changes when one of the folder's three files is written (atomically: a new inode)."""
+    stamp = []
+    for file in (CA_FILE, CERT_FILE, KEY_FILE):
+        try:
+            stat = os.stat(folder / file)
+            stamp.append((stat.st_ino, stat.st_mtime_ns, stat.st_size))
+        except OSError:
+            stamp.append(None)
+    return tuple(stamp)
 
 
 def _private_key(pem: bytes):
