@@ -17,21 +17,17 @@ import argparse
 import json
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from bench.demo_sim import sim  # noqa: E402
+
 CONFIG = "examples/local-4-regions.yaml"
 LINKS = "us-east=50/100,us-west=5/20,us-central=20,us-south=2/10"
 GOODPUT_POINTS = 0.03  # "within a few points"
-
-
-def sim(run_dir: pathlib.Path, flags: list[str]) -> tuple[str, dict]:
-    command = ["diloco", "sim", "--config", CONFIG, *flags]
-    subprocess.run([sys.executable, "-m", "diloco", *command[1:], "--quiet", "--run-dir", str(run_dir)],
-                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    return " ".join(command), json.loads((run_dir / "report.json").read_text())
 
 
 def figures(command: str, report: dict) -> dict:
@@ -59,9 +55,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as work:
         for seed in args.seeds:
             for kind, flags in (("paced", []), ("kernel", ["--kernel-links"])):
-                command, report = sim(pathlib.Path(work) / f"{seed}-{kind}",
+                command, report = sim(CONFIG, pathlib.Path(work) / f"{seed}-{kind}",
                                       ["--steps", str(args.steps), "--seed", str(seed), "--wan-mbps", LINKS, *flags])
-                runs.append({"seed": seed, "shaping": kind, **figures(command, report)})
+                runs.append({"seed": seed, "shaping": kind, **figures(" ".join(command), report)})
                 print(json.dumps({k: runs[-1][k] for k in ("seed", "shaping", "goodput", "blocked_share",
                                                            "final_eval_loss")}), flush=True)
     by = {(run["seed"], run["shaping"]): run for run in runs}

@@ -22,13 +22,13 @@ import json
 import pathlib
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+from bench.demo_sim import sim  # noqa: E402
 from diloco.services.contract.config import load_config  # noqa: E402
 
 CONFIG = "examples/local-4-regions.yaml"
@@ -37,13 +37,6 @@ KINDS = ("scale", "nan", "bitflip")
 LOSS_TARGET = 0.02  # the global model within this of the run without poison
 GOODPUT_TARGET = 0.02  # the healthy learners lose at most this much goodput (points)
 HEALED = re.compile(r"learner \S+ healed at step (\d+)")
-
-
-def sim(run_dir: pathlib.Path, flags: list[str]) -> tuple[list[str], dict]:
-    command = ["diloco", "sim", "--config", CONFIG, *flags]
-    subprocess.run([sys.executable, "-m", "diloco", *command[1:], "--quiet", "--run-dir", str(run_dir)],
-                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    return command, json.loads((run_dir / "report.json").read_text())
 
 
 def figures(command: list[str], report: dict, run_dir: pathlib.Path, poisoned_at: int | None) -> dict:
@@ -84,7 +77,7 @@ def main() -> int:
                                                   "--set", "syncer.outlier_norm_factor=null"]))
             for poison, flags in cases:
                 run_dir = pathlib.Path(work) / f"{seed}-{poison.replace(', ', '-').replace(' ', '-')}"
-                command, report = sim(run_dir, common + flags)
+                command, report = sim(CONFIG, run_dir, common + flags)
                 run = {"seed": seed, "poison": poison,
                        **figures(command, report, run_dir, None if poison == "none" else poisoned_at)}
                 runs.append(run)
