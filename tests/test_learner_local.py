@@ -20,7 +20,7 @@ import diloco.learner.sync.known_hashes as known_hashes
 import diloco.learner.trainer.train
 from diloco.learner.trainer.train import Trainer, lr_at
 from diloco.learner.sync.synced_parameters import manifest, named_parameters
-from diloco.services.contract.config import GPTConfig, InnerOptimizerConfig, parse_config
+from diloco.services.contract.config import ConfigError, GPTConfig, InnerOptimizerConfig, parse_config
 from diloco.services.contract.state import state_hash
 from tests import user_plugins
 
@@ -117,7 +117,7 @@ def test_learners_read_their_own_shards(state_dir):
 def test_validation_is_fixed_shared_and_held_out_by_file(state_dir):
     corpus_cfg = make_config(state_dir).data
     train, validation = load_corpus(corpus_cfg, state_dir / "cache")
-    files = read_corpus(corpus_cfg.max_bytes)
+    files = read_corpus(corpus_cfg)
     held_out = [path for path, _ in files if is_validation(path, corpus_cfg.validation_fraction)]
     assert 0 < len(held_out) < len(files) // 5
     # Each side is exactly its own files: no file contributes to both.
@@ -132,6 +132,28 @@ def test_validation_is_fixed_shared_and_held_out_by_file(state_dir):
     # Evenly spaced over the whole validation set: the first window at its start, the last at its end.
     assert batches[0][0][0].tolist() == validation[:64].tolist()
     assert batches[-1][1][-1].tolist() == validation[-64:].tolist()
+
+
+def test_a_files_corpus_reads_the_files_its_patterns_match_in_sorted_order(tmp_path):
+    for name, text in (("b/two.md", "second"), ("a.md", "first"), ("b/three.txt", "third"), ("c/skip.md", "x")):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    corpus_cfg = parse_config({
+        "shards": [{"address": "127.0.0.1:1"}], "learners": [{"id": "a", "region": "r"}],
+        "data": {"corpus": "files", "files": [f"{tmp_path}/*.md", f"{tmp_path}/b/**/*", f"{tmp_path}/a.md"]},
+    }).data
+    # Paths relative to each pattern's fixed part (what the validation split hashes); no repeats.
+    assert read_corpus(corpus_cfg) == [("a.md", b"first"), ("three.txt", b"third"), ("two.md", b"second")]
+    with pytest.raises(ValueError, match="nothing.md.*matches no file"):
+        read_corpus(corpus_cfg.model_copy(update={"files": [f"{tmp_path}/nothing.md"]}))
+
+
+@pytest.mark.parametrize("data, says", [({"corpus": "files"}, "data.files"),
+                                        ({"corpus": "python-stdlib", "files": ["*.md"]}, "data.files")])
+def test_files_go_with_the_files_corpus_and_only_with_it(data, says):
+    with pytest.raises(ConfigError, match=says):
+        parse_config({"shards": [{"address": "127.0.0.1:1"}], "learners": [{"id": "a", "region": "r"}],
+                      "data": data})
 
 
 def test_data_state_round_trip(state_dir):

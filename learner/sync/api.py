@@ -328,6 +328,14 @@ class DecoupledDiLoCo:
         if self.records is not None:
             self.records.spent(category, seconds, report_key)
 
+    def record_evaluation(self, loss: float, global_loss: float | None = None) -> None:
+        """Records your validation loss of the model at this step (and, given, of the global
+        model it holds: global_state_dict()) in this learner's report, where `diloco sim` draws
+        the learners' losses and the global model against them. Rank 0 records; others ignore it."""
+        _check_inside(self._inside, "record_evaluation")
+        if self.report is not None and self.island.leader:
+            self.report.evaluation(self.steps, self.tokens, loss, global_loss)
+
     # ---- the run's product ------------------------------------------------------------
 
     def global_state_dict(self) -> dict[str, torch.Tensor]:

@@ -17,7 +17,9 @@ the DataSource interface below.
 
 from __future__ import annotations
 
+import glob
 import hashlib
+import itertools
 import os
 import pathlib
 import sys
@@ -82,12 +84,33 @@ def is_validation(relative_path: str, validation_fraction: float) -> bool:
     return zlib.crc32(relative_path.encode()) / 2**32 < validation_fraction
 
 
-def read_corpus(max_bytes: int | None = None) -> list[tuple[str, bytes]]:
+def matching_files(patterns: list[str]) -> list[tuple[str, pathlib.Path]]:
+    """(path relative to its pattern's fixed prefix, path) of every file the glob patterns
+    match ("**" recursing), sorted and without repeats. ValueError naming a pattern that
+    matches no file."""
+    files = {}
+    for pattern in patterns:
+        parts = pathlib.PurePath(pattern).parts
+        fixed = list(itertools.takewhile(lambda part: not glob.has_magic(part), parts))
+        base = pathlib.Path(*fixed) if len(fixed) < len(parts) else pathlib.Path(pattern).parent
+        matched = [pathlib.Path(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
+        if not matched:
+            raise ValueError(f"data.files: {pattern!r} matches no file")
+        for path in matched:
+            files.setdefault(path.resolve(), path.relative_to(base).as_posix())
+    return sorted((relative, path) for path, relative in files.items())
+
+
+def corpus_files(corpus_cfg: CorpusConfig) -> list[tuple[str, pathlib.Path]]:
+    return matching_files(corpus_cfg.files) if corpus_cfg.corpus == "files" else stdlib_files()
+
+
+def read_corpus(corpus_cfg: CorpusConfig) -> list[tuple[str, bytes]]:
     """(relative path, contents) of the corpus files in order, at most `max_bytes` of
     contents in all (the last file cut short). Empty files are left out: they only add
     separators."""
-    files, total = [], 0
-    for relative_path, path in stdlib_files():
+    files, total, max_bytes = [], 0, corpus_cfg.max_bytes
+    for relative_path, path in corpus_files(corpus_cfg):
         if max_bytes is not None and total >= max_bytes:
             break
         contents = path.read_bytes()
@@ -102,7 +125,7 @@ def read_corpus(max_bytes: int | None = None) -> list[tuple[str, bytes]]:
 def build_corpus(corpus_cfg: CorpusConfig) -> tuple[np.ndarray, np.ndarray]:
     """(train, validation) uint8 arrays: each the files of its side joined by FILE_SEPARATOR."""
     train, validation = [], []
-    for relative_path, contents in read_corpus(corpus_cfg.max_bytes):
+    for relative_path, contents in read_corpus(corpus_cfg):
         side = validation if is_validation(relative_path, corpus_cfg.validation_fraction) else train
         side.append(contents)
     return (np.frombuffer(FILE_SEPARATOR.join(train), dtype=np.uint8),
@@ -112,9 +135,12 @@ def build_corpus(corpus_cfg: CorpusConfig) -> tuple[np.ndarray, np.ndarray]:
 def load_corpus(corpus_cfg: CorpusConfig, cache_dir: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
     """build_corpus's (train, validation), memory-mapped from .npy files under cache_dir.
     The first process to need them builds and writes them; the others map the same files."""
-    version = ".".join(map(str, sys.version_info[:3]))
-    stem = (f"corpus-{sys.implementation.name}{version}-max{corpus_cfg.max_bytes or 'all'}"
-            f"-val{corpus_cfg.validation_fraction}")
+    if corpus_cfg.corpus == "files":  # the files' names, sizes and times: edited files are read again
+        listing = [(relative, path.stat().st_size, path.stat().st_mtime_ns) for relative, path in corpus_files(corpus_cfg)]
+        source = "files-" + hashlib.sha256(repr(listing).encode()).hexdigest()[:16]
+    else:
+        source = sys.implementation.name + ".".join(map(str, sys.version_info[:3]))
+    stem = f"corpus-{source}-max{corpus_cfg.max_bytes or 'all'}-val{corpus_cfg.validation_fraction}"
     cache_dir = pathlib.Path(cache_dir)
     paths = cache_dir / f"{stem}-train.npy", cache_dir / f"{stem}-validation.npy"
     if not all(path.exists() for path in paths):

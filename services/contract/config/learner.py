@@ -107,8 +107,11 @@ ModelSpec = Annotated[Union[Annotated[Factory, Tag("Factory")],
 
 
 class CorpusConfig(Section):
-    """The built-in corpus: the Python standard library's own .py sources."""
-    corpus: Literal["python-stdlib"] = "python-stdlib"
+    """A byte-level corpus: the Python standard library's own .py sources (python-stdlib), or
+    your own text files (files: glob patterns, "**" recursing, relative to the directory the
+    learner starts in), read in sorted order."""
+    corpus: Literal["python-stdlib", "files"] = "python-stdlib"
+    files: list[str] = []
     validation_fraction: Annotated[float, Field(gt=0.0, lt=0.5)] = 0.05
     max_bytes: PositiveInt | None = None  # read at most this much of the corpus
 

@@ -123,6 +123,9 @@ def _check_relations(cfg: Config) -> None:
     if cfg.trainer.heartbeat_seconds * 2 > syncer.lease_seconds:
         raise ConfigError(f"syncer.lease_seconds: {syncer.lease_seconds} must be at least twice "
                           f"trainer.heartbeat_seconds ({cfg.trainer.heartbeat_seconds})")
+    if isinstance(cfg.data, CorpusConfig) and (cfg.data.corpus == "files") != bool(cfg.data.files):
+        raise ConfigError("data.files: glob patterns are needed with corpus 'files', and read only with it "
+                          f"(corpus {cfg.data.corpus!r}, {len(cfg.data.files)} pattern(s))")
     for key, items, field in (("learners", cfg.learners, "id"), ("shards", cfg.shards, "address")):
         seen = set()
         for i, item in enumerate(items):
