@@ -172,9 +172,10 @@ class ShardClient:
     def push(self, fragment_id: int, values: torch.Tensor | bytes, *, codec: Codec | str,
              block_size: int, kind: int = pb.PUSH_KIND_OUTER_GRADIENT, base_version: int = 0,
              c_steps: int = 0, c_tokens: int = 0, step_seconds: float = 0.0,
-             numel: int | None = None, state_hash: str = "") -> pb.PushResponse:
+             numel: int | None = None, state_hash: str = "", final: bool = False) -> pb.PushResponse:
         """Pushes a tensor (encoded here) or an already-encoded payload (then give numel).
-        `state_hash`: a RESTORE's, of the value pushed."""
+        `state_hash`: a RESTORE's, of the value pushed. `final`: the learner's last outer
+        gradient of the fragment."""
         codec = get_codec(codec) if isinstance(codec, (str, int)) else codec
         if isinstance(values, torch.Tensor):
             numel = values.numel()
@@ -186,7 +187,8 @@ class ShardClient:
         header = pb.PushHeader(
             learner_id=self.learner_id, incarnation=self.incarnation, fragment_id=fragment_id,
             kind=kind, base_version=base_version, c_steps=c_steps, c_tokens=c_tokens,
-            step_seconds=step_seconds, payload=describe(codec, numel, payload, block_size), state_hash=state_hash)
+            step_seconds=step_seconds, payload=describe(codec, numel, payload, block_size), state_hash=state_hash,
+            final=final)
 
         def requests() -> Iterator[pb.PushRequest]:
             if self.wan:  # the chunks follow the header on the way out: one latency for them all

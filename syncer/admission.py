@@ -113,7 +113,7 @@ class Admission:
             state.grace.step_seconds.observe(header.step_seconds)
         tokens = min(header.c_tokens, self.claims.max_contribution_tokens)
         state.admit(contribution_key(header), header.payload, chunks, weight, tokens, self.clock(), transfer_seconds,
-                    header.step_seconds)
+                    header.step_seconds, final=header.final)
 
     def refuse_stale(self, state: FragmentState, staleness: int) -> PushOutcome:
         self.counters.add("contributions.refused_stale")

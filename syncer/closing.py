@@ -64,7 +64,8 @@ class RoundCloser:
         if reason is None:
             return False
         round_ = state.round
-        closed = round_.closing(reason, live_ids, started, self.wall_clock())
+        run_ids = self.membership.member_ids() | self.membership.departed_ids()
+        closed = round_.closing(reason, live_ids, run_ids, started, self.wall_clock())
         try:
             self.journal.close_round(state.id, LoggedClose(closed, state.committed.state_hash))
         except Refusal:  # a disk that cannot take it (logged once): the round stays open, the next push or tick retries

@@ -107,10 +107,11 @@ class FragmentState:
     # ---- the open round ------------------------------------------------------------------
 
     def admit(self, key: ContributionKey, header: pb.PayloadHeader, chunks: tuple[bytes, ...], weight: float,
-              tokens: int, now: float, transfer_seconds: float, step_seconds: float) -> None:
-        """Adds a checked outer gradient (finite, within the norm bound) to the open round."""
+              tokens: int, now: float, transfer_seconds: float, step_seconds: float, final: bool = False) -> None:
+        """Adds a checked outer gradient (finite, within the norm bound) to the open round;
+        `final`: its learner's last."""
         self.restorable = False
-        self.round.admit(key, PendingContribution(header, chunks, weight, tokens), now, transfer_seconds,
+        self.round.admit(key, PendingContribution(header, chunks, weight, tokens, final), now, transfer_seconds,
                          self.grace.close_by(now, step_seconds, transfer_seconds))
         self.logged_bytes += sum(len(chunk) for chunk in chunks)
 
@@ -137,6 +138,13 @@ class FragmentState:
         learners present, the rounds of one period add up to one step on the merged outer
         gradient.
 
+        A learner's last contribution (its budget spent) counts plainly for its share: the
+        weighted mean of a round's last contributions, lr 1, no momentum, added to the
+        ordinary ones' outer step. The outer step's extrapolation (momentum, RDA's norm) is
+        corrected by the inner steps that follow it; after a learner's last contribution none
+        of its steps follow, and a round of only last contributions is the learners' final
+        models averaged: what the run ends with.
+
         Momentum is delayed the same way (Liu et al. 2024, "Asynchronous Local-SGD", delayed
         Nesterov): a partial round is a plain step -lr*g; when the shares add up to a whole
         period, the momentum buffer takes the period's sum and the round applies the rest
@@ -147,21 +155,27 @@ class FragmentState:
         if closed.round != round_.number:
             raise ValueError(f"fragment {self.id}: a close of round {closed.round}, but round {round_.number} is open")
         self.failure = f"fragment {self.id}: applying round {round_.number} failed part way"
+        period_sum, period_share = committed.period_sum, committed.period_share
         with arithmetic:  # the part with fragment-sized temporaries; the hash below needs none
-            step = round_.merged()
-            if closed.share != 1.0:  # times 1.0 changes no bit: a pass saved on every full round
-                step.mul_(closed.share)
-            period_sum = committed.period_sum.add_(step)
-            period_share = committed.period_share + closed.share
-            if period_share >= 1.0 - 1e-9:
-                update = self.optimizer.end_period(committed.momentum, period_sum, step)
-                period_sum.zero_()
-                period_share = 0.0
-            else:
-                update = step.mul_(-self.optimizer.lr)
+            update = None
+            if closed.share > 0:
+                step = round_.merged()
+                if closed.share != 1.0:  # times 1.0 changes no bit: a pass saved on every full round
+                    step.mul_(closed.share)
+                period_sum.add_(step)
+                period_share += closed.share
+                if period_share >= 1.0 - 1e-9:
+                    update = self.optimizer.end_period(committed.momentum, period_sum, step)
+                    period_sum.zero_()
+                    period_share = 0.0
+                else:
+                    update = step.mul_(-self.optimizer.lr)
+            if closed.final_share > 0:
+                last = round_.merged(final=True).mul_(-closed.final_share)
+                update = last if update is None else update.add_(last)
             self._feedback.residual = committed.residual
             payload, decoded = self._feedback.compress(update, in_place=True)
-            del update, step
+            del update
             # Into a new tensor: pulls read the old one without a lock. The same call learners
             # use: same bits on both sides.
             value = apply_update(committed.value, decoded, out=torch.empty_like(committed.value))

@@ -22,6 +22,7 @@ class PendingContribution:
     chunks: tuple[bytes, ...]  # the payload as received
     weight: float
     tokens: int  # c_tokens
+    final: bool = False  # the learner's last contribution of the fragment
 
 
 class OpenRound:
@@ -95,22 +96,32 @@ class OpenRound:
             return "all"
         return None
 
-    def closing(self, reason: str, live_ids: frozenset[str], now: float, unix_now: float) -> ClosedRound:
+    def closing(self, reason: str, live_ids: frozenset[str], run_ids: frozenset[str], now: float,
+                unix_now: float) -> ClosedRound:
         """The decision to close this round for `reason`: with the round's logged
-        contributions, all FragmentState.close needs. Changes nothing."""
+        contributions, all FragmentState.close needs. Changes nothing. An ordinary
+        contribution's share is of the live learners; a last one's of every learner of the
+        run (`run_ids`, with those that left), so that the last contributions add up to the
+        average of the learners' final models however their learners' ends are spread."""
+        finishing = {key.learner_id for key, c in self.contributions.items() if c.final}
+        ordinary = self.contributors - finishing
         return ClosedRound(self.number, reason, len(self.contributors), unix_now, now - self.first_at,
-                           share=len(self.contributors) / len(live_ids | self.contributors))
+                           share=len(ordinary) / len(live_ids | ordinary) if ordinary else 0.0,
+                           final_share=len(finishing) / len(run_ids | self.contributors))
 
-    def merged(self) -> torch.Tensor:
-        """The merged outer gradient. Contributions are folded in key order, not arrival
-        order, so a round rebuilt from the journal after a restart merges to the same bits."""
-        accumulator = RoundAccumulator(self.numel, self.merge)
-        total = math.fsum(c.weight for c in self.contributions.values())
+    def merged(self, final: bool = False) -> torch.Tensor:
+        """The merged outer gradient of the round's ordinary contributions (syncer.merge), or
+        (`final`) the weighted mean of its learners' last ones. Contributions are folded in key
+        order, not arrival order, so a round rebuilt from the journal after a restart merges
+        to the same bits."""
+        accumulator = RoundAccumulator(self.numel, "mean" if final else self.merge)
+        chosen = {key: c for key, c in self.contributions.items() if c.final == final}
+        total = math.fsum(c.weight for c in chosen.values())
         if total == 0:  # every weight decayed to nothing
             return torch.zeros(self.numel)
         delta = torch.empty(self.numel)  # every contribution is decoded into this one buffer
-        for key in sorted(self.contributions):
-            contribution = self.contributions[key]
+        for key in sorted(chosen):
+            contribution = chosen[key]
             decode_payload(contribution.header, b"".join(contribution.chunks), out=delta)
             accumulator.add(delta, contribution.weight / total, float(torch.linalg.vector_norm(delta)))
         return accumulator.merged()

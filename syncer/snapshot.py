@@ -37,7 +37,8 @@ class ClosedRound:
     contributors: int  # distinct learners
     closed_unix_seconds: float
     duration_seconds: float  # from the round's first contribution to its close
-    share: float  # of the live learners the round held (see FragmentState.close)
+    share: float  # of the live learners the round held, with an ordinary contribution (see FragmentState.close)
+    final_share: float = 0.0  # of the live learners, with their last contribution
 
 
 @dataclass(frozen=True)

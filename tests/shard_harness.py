@@ -56,14 +56,14 @@ class Shard:
         return self.core.push(*self.push_parts(learner, fid, values, **push))
 
     def push_parts(self, learner, fid, values, *, base=0, c_steps=10, c_tokens=1000, step_seconds=0.5,
-                   kind=pb.PUSH_KIND_OUTER_GRADIENT, incarnation=1, chunk_bytes=1 << 20):
+                   kind=pb.PUSH_KIND_OUTER_GRADIENT, incarnation=1, chunk_bytes=1 << 20, final=False):
         """The header and chunks of the push a learner sends."""
         codec = get_codec("fp32" if kind == pb.PUSH_KIND_SEED else self.cfg.sync.codec)
         block = self.cfg.sync.codec_block_size
         payload = codec.encode(values, block)
         header = pb.PushHeader(learner_id=learner, incarnation=incarnation, fragment_id=fid, kind=kind,
                                base_version=base, c_steps=c_steps, c_tokens=c_tokens,
-                               step_seconds=step_seconds,
+                               step_seconds=step_seconds, final=final,
                                payload=describe(codec, values.numel(), payload, block, chunk_bytes))
         return header, iter_chunks(payload, chunk_bytes)
 

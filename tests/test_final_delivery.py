@@ -92,6 +92,8 @@ def test_every_fragment_gets_the_steps_trained_since_its_last_sync_when_the_budg
         ended = report(cfg)["incarnations"][-1]["training_ended_at"]
         fragments = handle.core.status().fragments
         assert [f.last_round.closed_unix_seconds > ended for f in fragments] == [True, True], out
+        # Marked as the learner's last: its round took it plainly (the learner's final model).
+        assert [f.committed.last_round.final_share for f in handle.core.fragments.values()] == [1.0, 1.0]
     finally:
         process.kill()
         handle.stop()

@@ -22,13 +22,13 @@ class FakeClock:
 
 
 def make_schedule(fragments=2, interval_steps=4, overlap_steps=1, max_block_seconds=2.0, max_run_tokens=None,
-                  wait_for_own_link=True):
+                  wait_for_own_link=True, max_steps=1000):
     cfg = parse_config({
         "shards": [{"address": "127.0.0.1:1"}],
         "learners": [{"id": "a", "region": "r"}],
         "sync": {"fragments": fragments, "interval_steps": interval_steps, "overlap_steps": overlap_steps,
                  "max_block_seconds": max_block_seconds, "wait_for_own_link": wait_for_own_link},
-        "trainer": {"max_run_tokens": max_run_tokens},
+        "trainer": {"max_run_tokens": max_run_tokens, "max_steps": max_steps},
     })
     clock = FakeClock()
     return LearnerSchedule(cfg, plan_for_config(cfg, MANIFEST), clock=clock), clock
@@ -86,6 +86,15 @@ def test_a_fragment_whose_sync_is_in_flight_does_not_start_another():
     first = start_one(schedule)
     later = [ids(schedule.step_done(step, TOKENS).start) for step in range(first + 1, first + 9)]
     assert later == [()] * 8  # its result never arrived
+
+
+def test_no_sync_starts_whose_result_the_step_budget_would_end_before_or_at():
+    # Those fragments' progress goes out as the learner's last contribution instead.
+    for tau in (0, 1, 2):
+        schedule, _ = make_schedule(fragments=1, overlap_steps=tau, max_steps=12)
+        offset = offsets(schedule)[0]
+        # Steps are 0-based: a sync started after step s is applied after step s + tau.
+        assert sorted(starts(schedule, 12)) == [s for s in range(12) if s % 4 == offset and s + tau < 11]
 
 
 # --- when a result is applied -------------------------------------------------------------

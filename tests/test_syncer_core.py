@@ -259,6 +259,52 @@ def test_a_round_with_some_of_the_live_learners_counts_for_their_share():
     assert torch.allclose(shard.value(), expected, atol=1e-6)
 
 
+def test_a_round_of_last_contributions_ends_at_their_plain_average_and_leaves_momentum_alone():
+    nesterov = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    shard = Shard(make_config(merge="rda", outer_optimizer=nesterov))
+    n = shard.numel()
+    for learner in LEARNERS:  # one ordinary round: momentum is not zero
+        shard.push(learner, 0, delta(LEARNERS.index(learner), n, scale=0.1), base=0)
+    momentum, value = shard.core.fragments[0].committed.momentum.clone(), shard.value()
+    last = [delta(10 + i, n, scale=0.05) for i in range(len(LEARNERS))]
+    for learner, d in zip(LEARNERS, last):
+        shard.push(learner, 0, d, base=1, final=True)
+    assert shard.version() == 2
+    # Not rda's norm, no lr 0.7, no momentum: the learners' final models averaged.
+    assert torch.allclose(shard.value(), value - sum(last) / len(last), atol=1e-6)
+    assert torch.equal(shard.core.fragments[0].committed.momentum, momentum)
+
+
+def test_last_contributions_in_rounds_of_their_own_add_up_to_the_average_of_the_final_models():
+    # Learners whose budgets end apart: each last contribution closes a round after the others left.
+    shard = Shard(make_config(quorum=1, merge="mean", grace={"mode": "fixed", "seconds": 0.5}))
+    n, start = shard.numel(), shard.seeds[0].clone()
+    last = [delta(i, n, scale=0.1) for i in range(len(LEARNERS))]
+    for version, (learner, d) in enumerate(zip(LEARNERS, last)):
+        shard.push(learner, 0, d, base=version, final=True)
+        shard.clock.advance(0.5)
+        shard.core.tick()
+        assert shard.version() == version + 1
+        shard.core.leave(learner, 1)
+    # Each counts for its share of every learner of the run, not of those still in it.
+    assert torch.allclose(shard.value(), start - sum(last) / len(last), atol=1e-6)
+
+
+def test_a_round_with_ordinary_and_last_contributions_steps_on_each_by_its_share():
+    sgd = {"lr": 0.5, "momentum": 0.0, "nesterov": False}
+    shard = Shard(make_config(merge="mean", outer_optimizer=sgd))
+    n, start = shard.numel(), shard.seeds[0].clone()
+    ordinary, last = delta(0, n, scale=0.1), delta(1, n, scale=0.1)
+    shard.core.leave(LEARNERS[2], 1)
+    shard.push(LEARNERS[0], 0, ordinary, base=0)
+    shard.push(LEARNERS[1], 0, last, base=0, final=True)
+    assert shard.version() == 1
+    # The ordinary one: the outer step for its share of the live learners (one of two, the
+    # last one's learner still in); the last one: plainly, for its share of the run's three.
+    expected = start - 0.5 * ordinary / 2 - last / 3
+    assert torch.allclose(shard.value(), expected, atol=1e-6)
+
+
 def test_wait_for_all_waits_for_a_learner_that_is_down_but_not_for_one_that_left():
     shard = Shard(make_config(quorum=3, wait_for_all=True, lease_seconds=2.0,
                               grace={"mode": "fixed", "seconds": 0.0}))

@@ -49,8 +49,8 @@ def test_restart_restores_committed_state_and_open_round_bit_for_bit(tmp_path):
         for i, learner in enumerate(LEARNERS):
             for s in (shard, twin):
                 s.push(learner, 0, delta(10 * version + i, n), base=version)
-    for s in (shard, twin):  # two of three, one of them stale: the round stays open
-        s.push("a", 0, delta(100, n), base=3)
+    for s in (shard, twin):  # two of three, one of them stale, one a learner's last: the round stays open
+        s.push("a", 0, delta(100, n), base=3, final=True)
         s.core.join("b", 2, "r", MANIFEST)  # b restarted and still holds version 2
         s.push("b", 0, delta(101, n), base=2, incarnation=2, c_tokens=7)
     before = views(shard.core)
@@ -60,6 +60,7 @@ def test_restart_restores_committed_state_and_open_round_bit_for_bit(tmp_path):
     original = shard.core.fragments[0].committed
     core = restarted(shard, tmp_path, rejoin=LEARNERS)  # the old process is simply gone: no close, no flush
     assert views(core) == before
+    assert sorted(c.final for c in core.fragments[0].round.contributions.values()) == [False, True]
     # The rejoined learners have not reported their tokens yet: the run's count is the merged one.
     assert core.run_tokens() == (9 * 1000, 0.0)
     restored = core.fragments[0].committed

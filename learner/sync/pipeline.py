@@ -47,6 +47,7 @@ class PushMeta:
     c_steps: int
     c_tokens: int
     step_seconds: float
+    final: bool = False  # the learner's last contribution of the fragment (RunEnd.deliver)
 
 
 @dataclass(frozen=True)
@@ -237,7 +238,7 @@ class FragmentPipeline:
         contribution to it, on the fragment's sync thread; the snapshot is taken here. The
         future says whether it got through (`undelivered` says why not)."""
         outer = self._outer_gradient()
-        meta = PushMeta(self.version, counters.c_steps, counters.c_tokens, step_seconds)
+        meta = PushMeta(self.version, counters.c_steps, counters.c_tokens, step_seconds, final=True)
         return self.context.pool.submit(lambda: self._push(outer, meta) is not None)
 
     def _push(self, outer: OuterGradient, meta: PushMeta) -> tuple[int, int, int] | None:
@@ -289,7 +290,7 @@ class FragmentPipeline:
             reply = self.session.client.push(
                 self.fragment.id, payload, codec=self.feedback.codec, block_size=cfg.sync.codec_block_size,
                 base_version=meta.base_version, c_steps=meta.c_steps, c_tokens=meta.c_tokens,
-                step_seconds=meta.step_seconds, numel=self.fragment.numel)
+                step_seconds=meta.step_seconds, numel=self.fragment.numel, final=meta.final)
         except grpc.RpcError as error:
             if remedy(error) is not Remedy.ALREADY_DELIVERED:
                 raise

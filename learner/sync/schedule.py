@@ -197,6 +197,7 @@ class LearnerSchedule:
         self._interval_steps = cfg.sync.interval_steps
         self._max_hold = cfg.sync.interval_steps // (2 * cfg.sync.fragments)
         self._max_run_tokens = cfg.trainer.max_run_tokens
+        self._max_steps = cfg.trainer.max_steps
         self.fragments = {f.id: FragmentSchedule(cfg.sync) for f in plan.fragments}
         self.sync_offset = 0  # the schedule runs at step + sync_offset
         # (when, the others' step time, their position then): joined, not yet stepped
@@ -234,11 +235,14 @@ class LearnerSchedule:
                 fragment.held()
         else:
             # Never two syncs of one fragment in flight (only possible if tau >= H, which the
-            # config refuses).
+            # config refuses). None whose result the step budget ends before or at: the
+            # fragment's progress goes out as the learner's last contribution instead
+            # (learner/sync/run_end.py), which the shards average plainly.
+            applied_before_budget_end = step + self._tau + 1 < self._max_steps
             starting = tuple(SyncStart(f.id, self.fragments[f.id].steps_since_sync,
                                        self.fragments[f.id].tokens_since_sync)
                              for f in self.plan.due_at(step + self.sync_offset)
-                             if not self.fragments[f.id].in_flight)
+                             if not self.fragments[f.id].in_flight and applied_before_budget_end)
             for sync in starting:
                 self.fragments[sync.fragment_id].start(step)
         due = tuple(DueResult(fid, self.wait_limit(fid)) for fid, f in self.fragments.items() if f.due_for_apply(step))

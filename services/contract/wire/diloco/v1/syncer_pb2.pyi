@@ -216,7 +216,7 @@ class AttendResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("learner_id", "incarnation", "fragment_id", "kind", "base_version", "c_steps", "c_tokens", "step_seconds", "payload", "state_hash")
+    __slots__ = ("learner_id", "incarnation", "fragment_id", "kind", "base_version", "c_steps", "c_tokens", "step_seconds", "payload", "state_hash", "final")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +227,7 @@ class PushHeader(_message.Message):
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     incarnation: int
     fragment_id: int
@@ -237,7 +238,8 @@ class PushHeader(_message.Message):
     step_seconds: float
     payload: PayloadHeader
     state_hash: str
-    def __init__(self, learner_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., fragment_id: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., base_version: _Optional[int] = ..., c_steps: _Optional[int] = ..., c_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., payload: _Optional[_Union[PayloadHeader, _Mapping]] = ..., state_hash: _Optional[str] = ...) -> None: ...
+    final: bool
+    def __init__(self, learner_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., fragment_id: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., base_version: _Optional[int] = ..., c_steps: _Optional[int] = ..., c_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., payload: _Optional[_Union[PayloadHeader, _Mapping]] = ..., state_hash: _Optional[str] = ..., final: _Optional[bool] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("index", "data")
