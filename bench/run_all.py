@@ -54,7 +54,7 @@ from bench.report import render  # noqa: E402
 from diloco.services.contract.config import load_config  # noqa: E402
 from diloco.localcluster.chaos import Chaos  # noqa: E402
 
-SECTIONS = ("quality", "bandwidth", "goodput", "overlap", "transport", "recovery", "user_loop", "hf", "plan",
+SECTIONS = ("quality", "user_quality", "bandwidth", "goodput", "overlap", "transport", "recovery", "user_loop", "hf", "plan",
             "calibration", "island", "sick_learner", "kernel_links")
 # The global model within this of data parallel at equal tokens, by M, for H <= 50 (issue 28).
 QUALITY_TARGETS = {4: 0.03, 8: 0.05}
@@ -123,6 +123,7 @@ class Profile:
     island: tuple[str, ...]  # of bench/island.py
     sick_learner: tuple[str, ...]  # of bench/sick_learner.py
     kernel_links: tuple[str, ...]  # of bench/kernel_links.py
+    user_quality: tuple[tuple[str, ...], ...]  # of each run of bench/user_quality.py
 
 
 SEEDS = (1, 2, 3)  # of the headline rows
@@ -148,7 +149,10 @@ FULL = Profile("full", steps=3000, quality=(
                calibration_dp_steps=20,
                island=("--steps", "600", "--chaos-replicas", "30", "--chaos-islands", "1"),
                sick_learner=("--steps", "600", "--seeds", "1", "2"),
-               kernel_links=("--steps", "300", "--seeds", "1", "2"))
+               kernel_links=("--steps", "300", "--seeds", "1", "2"),
+               user_quality=(("--steps", "600"),
+                             ("--steps", "3000", "--intervals", "25", "--seeds", "1", "--lr-multipliers", "1", "2",
+                              "--no-no-wait-row")))
 QUICK = Profile("quick", steps=60, quality=(QualityRun("gpt", 2, 10, "int4"), QualityRun("gpt", 2, 25, "int4", (1, 2)),
                                              QualityRun("gpt", 2, 25, "int4", (1, 2), learner_script=PLAIN_LOOP)),
                 goodput_learners=2, goodput_seconds=20, down_shares=(0.25,), restart_delay=4.0,
@@ -164,7 +168,9 @@ QUICK = Profile("quick", steps=60, quality=(QualityRun("gpt", 2, 10, "int4"), Qu
                 calibration_seconds=30, calibration_mtbfs=(20,), calibration_shard_mtbf=15, calibration_dp_steps=4,
                 island=("--steps", "100", "--chaos-replicas", "5", "--chaos-islands", "1"),
                 sick_learner=("--steps", "80", "--seeds", "1"),
-                kernel_links=("--steps", "60", "--seeds", "1"))
+                kernel_links=("--steps", "60", "--seeds", "1"),
+                user_quality=(("--steps", "60", "--intervals", "25", "--seeds", "1", "--lr-multipliers", "1",
+                               "--no-no-wait-row"),))
 
 
 class Runner:
@@ -207,12 +213,12 @@ class Runner:
                                str(self.work / f"{report}.json"), "--json", str(output)])
         return json.loads(output.read_text())
 
-    def script(self, name: str, script: str, args: tuple[str, ...]) -> dict:
+    def script(self, name: str, script: str, args: tuple[str, ...], timeout: float = 1800) -> dict:
         """One bench/ script run with --json; its figures with the command that made them."""
         shown = ["python", script, *args]
         output = self.work / f"{name}.json"
         output.unlink(missing_ok=True)
-        self.run(name, shown, [sys.executable, script, *args, "--json", str(output)])
+        self.run(name, shown, [sys.executable, script, *args, "--json", str(output)], timeout=timeout)
         return {**json.loads(output.read_text()), "command": shlex.join(shown)}
 
 
@@ -559,6 +565,10 @@ def main() -> int:
             results["quality"] = quality_section(runs)
         if "bandwidth" in wanted:
             results["bandwidth"] = bandwidth_section(runs)
+    if "user_quality" in wanted:
+        results["user_quality"] = {"runs": [runner.script(f"user_quality-{i}", "bench/user_quality.py", args,
+                                                          timeout=4 * 3600)
+                                            for i, args in enumerate(profile.user_quality)]}
     if "goodput" in wanted:
         results["goodput"] = goodput_section(runner, profile)
     if "overlap" in wanted:
