@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         handle.core.round_listeners.append(metrics.round_closed)
         serve(metrics.registry, metrics_port, cfg.run.listen_host)
     log.info("shard %d serving on %d", args.shard_index, handle.port)
+    if warning := cfg.momentum_warning():
+        log.warning("shard %d: %s", args.shard_index, warning)
     handle.server.serve_until_signal(args.drain_seconds)
     handle.stop()
     log.info("shard %d stopped", args.shard_index)

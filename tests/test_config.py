@@ -255,6 +255,16 @@ def test_an_outer_momentum_given_is_the_one_used():
     assert cfg.outer_momentum() == 0.8
 
 
+@pytest.mark.parametrize("momentum, warned", [("auto", False), (0.6, False), (0.9, True)])
+def test_an_outer_momentum_well_above_auto_for_the_runs_length_is_warned_about(momentum, warned):
+    data = mutate("syncer.outer_optimizer.momentum", momentum)
+    data["trainer"]["max_steps"], data["sync"]["interval_steps"] = 600, 25  # auto: 0.58
+    warning = parse_config(data).momentum_warning()
+    assert (warning is not None) == warned
+    if warned:
+        assert "syncer.outer_optimizer.momentum: 0.9" in warning and "would choose 0.58" in warning
+
+
 def test_config_check_says_the_model_is_the_default_when_the_config_names_none(tmp_path, capsys):
     data = example()
     del data["model"]

@@ -45,6 +45,7 @@ it left off, make a new one and give it `state_dict()` of the old one (as after 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pathlib
 import signal
@@ -67,6 +68,8 @@ from diloco.services.export import ExportedFragment, GlobalModel, pretrained_con
 from diloco.services.contract.fragments import plan_for_config
 from diloco.learner.sync.metrics import LearnerMetrics
 from diloco.services.contract.tls import learner_name, load_identity
+
+log = logging.getLogger(__name__)
 
 
 class DecoupledDiLoCo:
@@ -205,6 +208,8 @@ class DecoupledDiLoCo:
         if not self.enabled:
             return
         self.records.joining(self.steps, identity)
+        if warning := self.cfg.momentum_warning():
+            log.warning("learner %s: %s", self.learner.id, warning)
         self.sync = StreamingSync(self.cfg, self.learner.id, self.learner.region, self.params, self.plan,
                                   observer=self.metrics, identity=identity, standing_still=self.island.standing_still)
         self.sync.start(self._restored.get("sync"), should_stop=self._stop_signals.received.is_set, step=self.steps,

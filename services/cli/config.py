@@ -45,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  model      {model_summary(cfg)}")
     tls = cfg.tls.mode if cfg.tls.mode == "plaintext" else f"mtls, certificates in {certs_dir(cfg)} (diloco certs)"
     print(f"  transport  {tls}")
+    if warning := cfg.momentum_warning():
+        print(f"warning: {warning}")
     return 0
 
 

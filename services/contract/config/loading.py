@@ -20,7 +20,7 @@ from diloco.services.contract.config.learner import (CorpusConfig, Factory, GPTC
                                                       transformers_config)
 from diloco.services.contract.config.links import LinkConfig
 from diloco.services.contract.config.shared import (MAX_AUTO_MOMENTUM, MIN_AUTO_MOMENTUM, MOMENTUM_MEMORY_SHARE,
-                                                     LearnerConfig, LimitsConfig, RpcConfig, RunConfig, ShardConfig,
+                                                     MOMENTUM_WARNING_MARGIN, LearnerConfig, LimitsConfig, RpcConfig, RunConfig, ShardConfig,
                                                      SyncConfig, SyncerConfig, TlsConfig)
 
 
@@ -95,10 +95,22 @@ class Config(Section):
         """syncer.outer_optimizer.momentum; "auto": 1 - 1 / (a tenth of syncs_per_fragment()),
         within [0.5, 0.7]."""
         momentum = self.syncer.outer_optimizer.momentum
-        if momentum != "auto":
-            return momentum
+        return self.auto_momentum() if momentum == "auto" else momentum
+
+    def auto_momentum(self) -> float:
         memory = MOMENTUM_MEMORY_SHARE * self.syncs_per_fragment()  # in sync periods
         return min(MAX_AUTO_MOMENTUM, max(MIN_AUTO_MOMENTUM, 1.0 - 1.0 / memory))
+
+    def momentum_warning(self) -> str | None:
+        """What an outer momentum set well above `auto` for this run's length is likely to
+        cost (docs/protocol.md, "Outer momentum"); None when it is not."""
+        momentum, auto = self.outer_momentum(), self.auto_momentum()
+        if self.syncer.outer_optimizer.momentum == "auto" or momentum <= auto + MOMENTUM_WARNING_MARGIN:
+            return None
+        return (f"syncer.outer_optimizer.momentum: {momentum:g} remembers about {1 / (1 - momentum):.0f} sync "
+                f"periods, where the run syncs each fragment {self.syncs_per_fragment():.0f} times; `auto` would "
+                f"choose {auto:.2f}. A memory that long carries an earlier stage of training's outer gradients into "
+                f"later ones and overshoots: measured against data parallel in docs/protocol.md, \"Outer momentum\"")
 
     def shard(self, index: int) -> ShardConfig:
         if not 0 <= index < len(self.shards):

@@ -82,6 +82,7 @@ class OuterOptimizerConfig(Section):
 MAX_AUTO_MOMENTUM = 0.7
 MIN_AUTO_MOMENTUM = 0.5
 MOMENTUM_MEMORY_SHARE = 0.1
+MOMENTUM_WARNING_MARGIN = 0.1  # a momentum this far above auto's is warned about
 
 
 class SyncerConfig(Section):
