@@ -67,6 +67,20 @@ def quality_by_setting(results: dict) -> str:
             "parallel's all-reduce.")
 
 
+def user_loop_quality(results: dict) -> str:
+    """The user loop's headline rows (BENCHMARKS.md section 1b) against tuned data parallel."""
+    parts = []
+    for run in results["user_quality"]["runs"]:
+        waiting = [r for r in run["rows"] if r["max_block_seconds"] is None]
+        headline = max(waiting, key=lambda r: len(r["seeds"]))
+        seeds = f", {len(headline['seeds'])} seeds" if len(headline["seeds"]) > 1 else ""
+        parts.append(f"{headline['vs_dp']:+.1%} at {run['steps']} steps (H = {headline['H']}{seeds})")
+    worst = max(r["vs_learners"] for run in results["user_quality"]["runs"] for r in run["rows"])
+    return (f"In a user's own loop (a transformers Llama with torch AdamW, on another text, M = 4) the global "
+            f"model ends {' and '.join(parts)} against the best-tuned data parallel, and at worst "
+            f"{worst:+.1%} against the learners' own models.")
+
+
 def sick_learner(results: dict) -> str:
     section = results["sick_learner"]
     return (f"the global model ends at most {section['worst_vs_clean']:.1%} worse than a run without it "
@@ -115,7 +129,8 @@ def missed_targets(results: dict) -> str:
 
 FIGURES: dict[str, Callable[[dict], str]] = {
     "quality_vs_dp": quality_vs_dp, "quality_by_setting": quality_by_setting, "sick_learner": sick_learner, "paper_point": paper_point,
-    "dp_calibration": dp_calibration, "missed_targets": missed_targets, "syncer_capacity": syncer_capacity}
+    "dp_calibration": dp_calibration, "missed_targets": missed_targets, "syncer_capacity": syncer_capacity,
+    "user_loop_quality": user_loop_quality}
 
 
 def marked(text: str) -> list[tuple[str, str]]:
