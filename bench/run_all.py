@@ -150,7 +150,7 @@ FULL = Profile("full", steps=3000, quality=(
                island=("--steps", "600", "--chaos-replicas", "30", "--chaos-islands", "1"),
                sick_learner=("--steps", "600", "--seeds", "1", "2"),
                kernel_links=("--steps", "300", "--seeds", "1", "2"),
-               user_quality=(("--steps", "600"),
+               user_quality=(("--steps", "600", "--ablations"),
                              ("--steps", "3000", "--intervals", "25", "--seeds", "1", "--lr-multipliers", "1", "2",
                               "--no-no-wait-row")))
 QUICK = Profile("quick", steps=60, quality=(QualityRun("gpt", 2, 10, "int4"), QualityRun("gpt", 2, 25, "int4", (1, 2)),

@@ -8,7 +8,8 @@ Data parallel (`--mode dp`: the 4 learners as one torch.distributed job, gradien
 every step, one AdamW) runs with its lr at each of --lr-multipliers x the learners' (seed 1);
 the best is the baseline, run again for every seed. Each H runs seed 1; the headline H every
 seed, and once more with `sync.max_block_seconds=0` (learners that never wait for a result).
-One learner alone trains one learner's share of the tokens. Per run: the global model's final
+One learner alone trains one learner's share of the tokens. --ablations runs the headline H
+again for seed 1 with one setting changed at a time (ABLATIONS). Per run: the global model's final
 validation loss (what `diloco export` gives), the learners' own models just before they left,
 and the global model they held against their own over the run (`global_vs_local`).
 Targets (issue 52): the global model at most the learners' own; within 5 % of the best data
@@ -33,6 +34,12 @@ from diloco.services.contract.config import load_config  # noqa: E402
 CONFIG = "bench/user_llama.yaml"
 SCRIPT = "bench/plain_loop.py"
 LEARNERS = 4
+# One setting changed at a time from bench/user_llama.yaml: the merge, and the DiLoCo paper's
+# outer momentum with and without waiting for late results.
+ABLATIONS = {"syncer.merge=mean": ["syncer.merge=mean"],
+             "syncer.outer_optimizer.momentum=0.9": ["syncer.outer_optimizer.momentum=0.9"],
+             "momentum 0.9, sync.max_block_seconds=0": ["syncer.outer_optimizer.momentum=0.9",
+                                                        "sync.max_block_seconds=0"]}
 DP_TARGET = {600: 0.05, 3000: 0.03}  # the global model within this of the best data parallel
 ALONE_MARGIN = 0.05
 
@@ -62,6 +69,7 @@ def main() -> int:
                         help="data parallel's lr as these times the learners'; the best is the baseline")
     parser.add_argument("--no-wait-row", action=argparse.BooleanOptionalAction, default=True,
                         help="the headline H again with sync.max_block_seconds=0")
+    parser.add_argument("--ablations", action="store_true", help="the headline H with each of ABLATIONS, seed 1")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     lr = load_config(ROOT / CONFIG).trainer.inner_optimizer.lr
@@ -92,6 +100,11 @@ def main() -> int:
             for seed in args.seeds:
                 run("diloco", seed, [*common, "--learner-script", SCRIPT, "--set", f"sync.interval_steps={args.headline}",
                                      "--set", "sync.max_block_seconds=0"], H=args.headline, max_block_seconds=0.0)
+        if args.ablations:
+            for name, sets in ABLATIONS.items():
+                run("ablation", args.seeds[0], [*common, "--learner-script", SCRIPT, "--set",
+                                                f"sync.interval_steps={args.headline}",
+                                                *(flag for key in sets for flag in ("--set", key))], setting=name)
         alone = run("alone", args.seeds[0], ["--learners", "1", "--shards", "1", "--steps", str(args.steps),
                                              "--mode", "dp"])
 
@@ -116,6 +129,9 @@ def main() -> int:
         "lr": lr, "dp_by_lr": {str(r["lr_multiplier"]): r["final_eval_loss"] for r in dp}, "dp_best_multiplier": best,
         "dp": dp_row, "alone": {"loss": alone["final_eval_loss"], "command": alone["command"]}, "rows": rows,
         "runs": runs, "dp_target": target, "alone_margin": ALONE_MARGIN,
+        "ablations": [{"setting": r["setting"], "loss": r["final_eval_loss"], "learners": r["final_eval_loss_learners"],
+                       "vs_dp": r["final_eval_loss"] / dp_row["loss"] - 1, "command": r["command"]}
+                      for r in runs if r["kind"] == "ablation"],
         "global_at_most_learners": all(r["vs_learners"] is not None and r["vs_learners"] <= 0 for r in rows),
         "monotone": all(a["loss"] <= b["loss"] + spread for a, b in zip(waiting, waiting[1:])),
         "spread": spread,

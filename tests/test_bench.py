@@ -108,7 +108,10 @@ def test_benchmarks_md_numbers_every_section_and_links_the_history(tmp_path):
     assert headings == ["## Summary", *(f"## {TITLES[name]}" for name in SECTIONS), "## History and notes"]
     summary = markdown.split("## Summary")[1].split("\n## ")[0]
     numbered = [line.split(".")[0] for line in summary.splitlines() if line[:3].startswith("| ") and line[2].isdigit()]
-    assert numbered == [f"| {number}" for number in range(1, len(SECTIONS) + 1)]  # a summary row each
+    # A summary row each numbered section; a lettered one (1b) adds its row under its number's.
+    numbers = sorted({int(TITLES[name].split(".")[0].rstrip("b")) for name in SECTIONS})
+    assert numbered == [f"| {number}" for number in numbers] and numbers == list(range(1, len(numbers) + 1))
+    assert "| ↳ 1. user loop" in summary
     assert "[bench/history.md](bench/history.md)" in markdown.split("## History and notes")[1]
     assert HISTORY.read_text().startswith("# Benchmark history and notes")
     assert "python bench/user_loop.py" in markdown and "python bench/hf_overlap.py" in markdown
