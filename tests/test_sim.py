@@ -86,7 +86,9 @@ def test_sim_runs_a_users_own_loop_as_each_learner_and_evaluates_its_global_mode
         assert "plain_loop.py --config" in (tmp_path / "run" / "logs" / f"{learner_id}.log").read_text()
     assert report["inner_steps"] == 2 * 80 and report["state_hashes_agree"] is True
     assert report["contributions"]["accepted"] + report["contributions"]["stale_merged"] > 0
-    assert_the_final_loss_is_the_exported_global_models(tmp_path, report, learners_evaluate=False)
+    # The loop records its own model and the global model it holds (sync.record_evaluation).
+    assert_the_final_loss_is_the_exported_global_models(tmp_path, report, learners_evaluate=True)
+    assert report["global_vs_local"] and report["global_vs_local"][-1][0] == 80
     assert report["final_eval_loss"] < 0.85 * 5.5  # from ln(256) = 5.5 at the start
 
 
