@@ -1,6 +1,9 @@
 """The learner's local half: model, data, inner loop, checkpoint. No syncer involved."""
 
 import gc
+import os
+import subprocess
+import sys
 import logging
 import pathlib
 import math
@@ -9,6 +12,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from diloco.learner.trainer.adamw import AdamW
 from diloco.learner.trainer.checkpoint import (CheckpointError, CheckpointWriter, checkpoint_state, load_checkpoint,
@@ -144,8 +148,17 @@ def test_a_files_corpus_reads_the_files_its_patterns_match_in_sorted_order(tmp_p
     }).data
     # Paths relative to each pattern's fixed part (what the validation split hashes); no repeats.
     assert read_corpus(corpus_cfg) == [("a.md", b"first"), ("three.txt", b"third"), ("two.md", b"second")]
-    with pytest.raises(ValueError, match="nothing.md.*matches no file"):
+    with pytest.raises(ConfigError, match="data.files: .*nothing.md.*matches no file"):
         read_corpus(corpus_cfg.model_copy(update={"files": [f"{tmp_path}/nothing.md"]}))
+    config = tmp_path / "cluster.yaml"
+    config.write_text(yaml.safe_dump({"shards": [{"address": "127.0.0.1:1"}], "learners": [{"id": "a", "region": "r"}],
+                                      "data": {"corpus": "files", "files": [f"{tmp_path}/nothing.md"]}}))
+    (tmp_path / "w.safetensors").write_bytes(b"")
+    result = subprocess.run([sys.executable, "-m", "diloco", "evaluate", "--config", str(config), "--weights",
+                             str(tmp_path / "w.safetensors")], capture_output=True, text=True, timeout=120)
+    # One line naming the key, not a traceback.
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"invalid: data.files: '{tmp_path}/nothing.md' matches no file here (relative patterns start at {os.getcwd()})"]
 
 
 @pytest.mark.parametrize("data, says", [({"corpus": "files"}, "data.files"),

@@ -30,7 +30,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from diloco.services.contract.config import Config, CorpusConfig, resolve_factory
+from diloco.services.contract.config import Config, ConfigError, CorpusConfig, resolve_factory
 from diloco.services.files import atomic_write_with
 
 # Between files, so no window reads one file's end as if it ran on into the next one's start.
@@ -86,7 +86,7 @@ def is_validation(relative_path: str, validation_fraction: float) -> bool:
 
 def matching_files(patterns: list[str]) -> list[tuple[str, pathlib.Path]]:
     """(path relative to its pattern's fixed prefix, path) of every file the glob patterns
-    match ("**" recursing), sorted and without repeats. ValueError naming a pattern that
+    match ("**" recursing), sorted and without repeats. ConfigError naming a pattern that
     matches no file."""
     files = {}
     for pattern in patterns:
@@ -95,7 +95,8 @@ def matching_files(patterns: list[str]) -> list[tuple[str, pathlib.Path]]:
         base = pathlib.Path(*fixed) if len(fixed) < len(parts) else pathlib.Path(pattern).parent
         matched = [pathlib.Path(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
         if not matched:
-            raise ValueError(f"data.files: {pattern!r} matches no file")
+            raise ConfigError(f"data.files: {pattern!r} matches no file here (relative patterns start at "
+                              f"{os.getcwd()})")
         for path in matched:
             files.setdefault(path.resolve(), path.relative_to(base).as_posix())
     return sorted((relative, path) for path, relative in files.items())
@@ -136,7 +137,8 @@ def load_corpus(corpus_cfg: CorpusConfig, cache_dir: str | os.PathLike) -> tuple
     """build_corpus's (train, validation), memory-mapped from .npy files under cache_dir.
     The first process to need them builds and writes them; the others map the same files."""
     if corpus_cfg.corpus == "files":  # the files' names, sizes and times: edited files are read again
-        listing = [(relative, path.stat().st_size, path.stat().st_mtime_ns) for relative, path in corpus_files(corpus_cfg)]
+        listing = [(relative, stat.st_size, stat.st_mtime_ns)
+                   for relative, stat in ((relative, path.stat()) for relative, path in corpus_files(corpus_cfg))]
         source = "files-" + hashlib.sha256(repr(listing).encode()).hexdigest()[:16]
     else:
         source = sys.implementation.name + ".".join(map(str, sys.version_info[:3]))

@@ -48,7 +48,11 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"invalid: {error}", file=sys.stderr)
         return 2
-    trainer = Trainer.from_config(cfg, cfg.learners[0].id)  # every learner has the same validation set
+    try:
+        trainer = Trainer.from_config(cfg, cfg.learners[0].id)  # every learner has the same validation set
+    except ConfigError as error:  # data.files that match nothing on this machine
+        print(f"invalid: {error}", file=sys.stderr)
+        return 2
     try:
         load_weights(trainer.synced_module, load_file(args.weights))
     except (OSError, ValueError, SafetensorError) as error:

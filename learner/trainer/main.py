@@ -126,10 +126,14 @@ def run(args: argparse.Namespace) -> int:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if world_size > 1 else args.replica_group
     cache_dir = pathlib.Path(cfg.run.state_dir) / "cache"
-    if args.data_parallel:  # learner r's data and sampling stream
-        trainer = Trainer.from_config(cfg, cfg.learners[rank].id, cache_dir=cache_dir, device=device)
-    else:
-        trainer = Trainer.from_config(cfg, learner.id, rank=rank, cache_dir=cache_dir, device=device)
+    try:
+        if args.data_parallel:  # learner r's data and sampling stream
+            trainer = Trainer.from_config(cfg, cfg.learners[rank].id, cache_dir=cache_dir, device=device)
+        else:
+            trainer = Trainer.from_config(cfg, learner.id, rank=rank, cache_dir=cache_dir, device=device)
+    except ConfigError as error:  # data.files that match nothing on this machine
+        print(f"invalid: {error}", file=sys.stderr)
+        return 2
     checkpoints = CheckpointWriter(state_dir / "checkpoint.pt")
     island = join_replica_groups(cfg, args, trainer, device, state_dir) if cfg.island.replica_groups > 1 else None
     try:
