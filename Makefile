@@ -12,7 +12,7 @@ install: $(VENV)/.installed
 # torch is pinned to the CPU build this machine type carries (constraints.txt);
 # the package itself accepts a range.
 # helm is not packaged by Debian: scripts/install-helm.sh fetches a pinned binary.
-$(VENV)/.installed: pyproject.toml constraints.txt scripts/install-helm.sh
+$(VENV)/.installed: pyproject.toml constraints.txt scripts/install-helm.sh services/contract/_codec_kernels.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0

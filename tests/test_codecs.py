@@ -1,6 +1,7 @@
 """Codecs: error bounds per codec, exact sizes, the non-finite policy, error feedback."""
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -429,7 +430,10 @@ def test_encoding_on_a_device_gives_the_hosts_bytes_and_decoded_values(device, n
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", CODEC_NAMES)
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
-def test_a_non_finite_value_is_flagged_on_every_device(device, name, bad):
+@pytest.mark.parametrize("kernels", ["compiled where built", "torch operations"])
+def test_a_non_finite_value_is_flagged_on_every_device(device, name, bad, kernels, monkeypatch):
+    if kernels == "torch operations":
+        monkeypatch.setattr(codecs, "_codec_kernels", None)
     values = torch.randn(300)
     values[257] = bad
     codec = get_codec(name)
@@ -460,3 +464,39 @@ def test_decode_refuses_an_out_on_another_device_than_its_payload():
         codec.decode(payload, 10, 4, out=torch.empty(10, device="meta"))
     with pytest.raises(ValueError, match="subtract"):
         codec.decode(payload, 10, 4, subtract=True)
+
+
+# ---- the compiled CPU kernels against torch operations ---------------------------------------
+
+
+def test_the_install_built_the_compiled_kernels_where_a_c_compiler_is():
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler: the codecs use torch operations")
+    assert codecs._codec_kernels is not None, "pip install -e . did not build services/contract/_codec_kernels.c"
+
+
+@pytest.mark.skipif(codecs._codec_kernels is None, reason="the compiled kernels are not built")
+@pytest.mark.parametrize("name", QUANTISED)
+@pytest.mark.parametrize("numel", [1, 2, 255, 1001, 4097, (1 << 20) + 3])
+@pytest.mark.parametrize("block_size", [1, 3, 7, 128, 5000])
+def test_the_compiled_kernels_give_torchs_bytes_and_decoded_values(name, numel, block_size, monkeypatch):
+    codec, values = get_codec(name), awkward_values(numel, block_size)
+    residual = torch.randn(numel, generator=torch.Generator().manual_seed(2))
+    payload = codec.encode(values, block_size)
+    decoded = codec.decode(payload, numel, block_size)
+    kept = codec.decode(payload, numel, block_size, out=residual.clone(), subtract=True)
+    monkeypatch.setattr(codecs, "_codec_kernels", None)
+    assert codec.encode(values, block_size) == payload
+    assert torch.equal(codec.decode(payload, numel, block_size), decoded)
+    assert torch.equal(codec.decode(payload, numel, block_size, out=residual, subtract=True), kept)
+
+
+@pytest.mark.skipif(codecs._codec_kernels is None, reason="the compiled kernels are not built")
+def test_the_compiled_kernels_refuse_a_payload_of_the_wrong_length():
+    kernels = codecs._codec_kernels
+    with pytest.raises(ValueError, match="payload of 9 bytes for 10 values: expected 13"):
+        kernels.encode(kernels.INT4, torch.zeros(10).numpy(), bytearray(9), 7)
+    with pytest.raises(ValueError, match="block_size must be positive"):
+        kernels.decode(kernels.INT8, bytes(14), torch.zeros(10).numpy(), 0, False)
+    with pytest.raises(ValueError, match="unknown codec kind 9"):
+        kernels.decode(9, bytes(14), torch.zeros(10).numpy(), 7, False)

@@ -6,12 +6,14 @@
 
 Decoding always gives fp32: accumulation never happens in a compressed format.
 
-The codecs are torch operations, so they run where the tensor lives. On a GPU a fragment is
+The codecs are torch operations, so they run where the tensor lives; on the CPU the block codecs
+run compiled kernels instead (`_codec_kernels.c`, one pass over the values, without the
+interpreter lock) where the install could build them. On a GPU a fragment is
 encoded there and only its payload crosses to the host: `encode_to_tensor` gives the payload as
 a uint8 tensor on the values' device without waiting for the device, and `decode` takes a
-payload as bytes (decoded on the host) or as a uint8 tensor (decoded on its device). The CPU
-and a GPU give the same payload and the same decoded values, bit for bit
-(tests/test_codecs.py).
+payload as bytes (decoded on the host) or as a uint8 tensor (decoded on its device). The
+kernels, the CPU's torch operations and a GPU's give the same payload and the same decoded
+values, bit for bit (tests/test_codecs.py).
 
 Payload layouts (little-endian; `n` values, `b = ceil(n / block_size)` blocks):
 
@@ -51,6 +53,11 @@ import torch
 import torch.nn.functional as F
 
 from diloco.services.contract.wire import pb
+
+try:  # built by the install where a C compiler is (pyproject.toml); else torch operations
+    from diloco.services.contract import _codec_kernels
+except ImportError:
+    _codec_kernels = None
 
 DEFAULT_BLOCK_SIZE = 128
 
@@ -265,10 +272,18 @@ class BlockCodec(Codec):
         codes pack into whole bytes."""
         return block_size * 2 * max(1, about // (2 * block_size))
 
+    def _kernel(self, device: torch.device) -> int | None:
+        """This codec's kind for the compiled kernels where they do the work on `device`."""
+        return getattr(_codec_kernels, self.name.upper()) if _codec_kernels and device.type == "cpu" else None
+
     def _encode(self, values: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         numel, device = values.numel(), values.device
         blocks = -(-numel // block_size)
         payload = torch.empty(4 * blocks + self._code_bytes(numel), dtype=torch.uint8, device=device)
+        kernel = self._kernel(device)
+        if kernel is not None:
+            finite = _codec_kernels.encode(kernel, values.detach().numpy(), payload.numpy(), block_size)
+            return payload, torch.tensor(finite)
         scales, codes = payload[: 4 * blocks].view(torch.float32), payload[4 * blocks :]
         finite = torch.ones((), dtype=torch.bool, device=device)
         step = self._chunk_values(block_size, _chunk_values(device))
@@ -307,6 +322,11 @@ class BlockCodec(Codec):
         return float(self._from_codes(torch.arange(2**self.bits, dtype=torch.uint8)).abs().max())
 
     def _decode(self, payload: Payload, block_size: int, out: torch.Tensor, subtract: bool) -> torch.Tensor:
+        kernel = self._kernel(out.device)
+        if kernel is not None:
+            data = payload.numpy() if isinstance(payload, torch.Tensor) else payload
+            _codec_kernels.decode(kernel, data, out.detach().numpy(), block_size, subtract)
+            return out
         numel = len(out)
         blocks = -(-numel // block_size)
         scales = _read(payload, torch.float32, count=blocks)

@@ -1,0 +1,256 @@
+/* The block codecs of codecs.py on the CPU in one pass over the values, without the interpreter
+ * lock. The payload and the decoded values are the torch path's, bit for bit
+ * (tests/test_codecs.py): the same fp32 divisions, products and round-half-even, the same
+ * scale rule. codecs.py falls back to its torch operations where this module is not built.
+ *
+ *   encode(kind, values, payload, block_size) -> bool   every value finite
+ *   decode(kind, payload, out, block_size, subtract)     out = decoded, or out -= decoded
+ *
+ * kind: INT8, INT4 or FP4_E3M0. values and out: fp32 buffers; payload: the codec's layout
+ * (block scales, then codes), of exactly the encoded size for len(values) or len(out).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { INT8 = 0, INT4 = 1, FP4_E3M0 = 2 };
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+/* One copy of a hot loop per instruction set, chosen when the module loads. */
+#define VECTORISED __attribute__((target_clones("avx2", "default")))
+#else
+#define VECTORISED
+#endif
+
+static inline uint32_t bits_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float float_of(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+static int bits_of_kind(int kind) { return kind == INT8 ? 8 : 4; }
+static double top_of_kind(int kind) { return kind == INT8 ? 127.0 : kind == INT4 ? 7.0 : 1.0; }
+
+/* codecs._largest_scale: the largest fp32 scale whose top * scale is finite. */
+static float largest_scale(double top) {
+    float scale = (float)((double)FLT_MAX / top);
+    if ((double)scale * top > (double)FLT_MAX) scale = nextafterf(scale, 0.0f);
+    return scale;
+}
+
+/* codecs._block_scales: absmax / top rounded up to fp32, at most largest_scale(top). */
+static float block_scale(float absmax, double top, float largest) {
+    double exact = (double)absmax / top;
+    float scale = (float)exact;
+    if ((double)scale < exact) scale = nextafterf(scale, INFINITY);
+    return scale > largest ? largest : scale;
+}
+
+/* The bits of |x| order as the magnitudes do, NaN above Inf: one integer maximum gives both
+ * the block's absmax and whether any value is not finite. */
+VECTORISED static uint32_t absmax_bits(const float *x, Py_ssize_t count) {
+    uint32_t top = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint32_t magnitude = bits_of(x[i]) & 0x7FFFFFFFu;
+        top = magnitude > top ? magnitude : top;
+    }
+    return top;
+}
+
+/* Round half to even for |r| < 2^22 under the default rounding mode, as torch.round does,
+ * in operations every vector unit has (the module is built without -ffast-math). */
+static inline float round_even(float r) {
+    const float shift = 12582912.0f; /* 1.5 * 2^23 */
+    return (r + shift) - shift;
+}
+
+VECTORISED static void int_codes(const float *x, Py_ssize_t count, float divisor, uint8_t *codes, uint8_t mask) {
+    for (Py_ssize_t i = 0; i < count; i++)
+        codes[i] = (uint8_t)(int8_t)(int32_t)round_even(x[i] / divisor) & mask;
+}
+
+/* codecs.Fp4E3M0Codec._to_codes on the bits of x / divisor. */
+VECTORISED static void fp4_codes(const float *x, Py_ssize_t count, float divisor, uint8_t *codes) {
+    const int32_t one = 127 << 23, half_mantissa = 1 << 22, floor = one - (6 << 23);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int32_t bits = (int32_t)bits_of(x[i] / divisor);
+        int32_t magnitude = bits & 0x7FFFFFFF;
+        int32_t sign = (bits >> 28) & 8;
+        int32_t exponent = (((magnitude > floor ? magnitude : floor) + half_mantissa) >> 23) - (127 - 7);
+        exponent *= magnitude >= one - (7 << 23);
+        codes[i] = (uint8_t)(exponent | sign);
+    }
+}
+
+/* Two codes a byte, the first in the low nibble; an odd count leaves the last high nibble 0. */
+VECTORISED static void pack_nibbles(const uint8_t *codes, Py_ssize_t count, uint8_t *packed) {
+    for (Py_ssize_t j = 0; j < count / 2; j++) packed[j] = codes[2 * j] | (uint8_t)(codes[2 * j + 1] << 4);
+    if (count % 2) packed[count / 2] = codes[count - 1];
+}
+
+enum { CHUNK = 4096 }; /* values worked on together, in the first level of cache */
+
+static int encode_blocks(int kind, const float *values, Py_ssize_t numel, Py_ssize_t block_size, uint8_t *payload) {
+    Py_ssize_t blocks = (numel + block_size - 1) / block_size;
+    uint8_t *codes = payload + 4 * blocks;
+    double top = top_of_kind(kind);
+    float largest = largest_scale(top), divisor = 1.0f;
+    uint8_t chunk_codes[CHUNK];
+    int finite = 1;
+    for (Py_ssize_t start = 0; start < numel; start += CHUNK) {
+        Py_ssize_t end = numel - start < CHUNK ? numel : start + CHUNK;
+        for (Py_ssize_t at = start; at < end;) {
+            Py_ssize_t block = at / block_size;
+            if (at == block * block_size) { /* a block begins: its scale, from all of its values */
+                Py_ssize_t count = numel - at < block_size ? numel - at : block_size;
+                uint32_t absmax = absmax_bits(values + at, count);
+                finite &= absmax < 0x7F800000u;
+                float scale = block_scale(float_of(absmax), top, largest);
+                memcpy(payload + 4 * block, &scale, 4);
+                divisor = scale == 0.0f ? 1.0f : scale; /* an all-zero block stays zero */
+            }
+            Py_ssize_t stop = (block + 1) * block_size < end ? (block + 1) * block_size : end;
+            if (kind == INT8) int_codes(values + at, stop - at, divisor, codes + at, 0xFF);
+            else if (kind == INT4) int_codes(values + at, stop - at, divisor, chunk_codes + (at - start), 0x0F);
+            else fp4_codes(values + at, stop - at, divisor, chunk_codes + (at - start));
+            at = stop;
+        }
+        if (kind != INT8) pack_nibbles(chunk_codes, end - start, codes + start / 2);
+    }
+    return finite;
+}
+
+/* Each code's value before scaling, into out[0 .. count). */
+VECTORISED static void int8_values(const uint8_t *codes, Py_ssize_t count, float *out) {
+    for (Py_ssize_t i = 0; i < count; i++) out[i] = (float)(int8_t)codes[i];
+}
+
+static inline float int4_value(uint8_t code) { return (float)((int8_t)(code << 4) >> 4); }
+
+static inline float fp4_value(uint8_t code) {
+    uint32_t exponent = code & 7;
+    uint32_t bits = ((uint32_t)(code & 8) << 28) | (exponent + 127 - 7) << 23;
+    return exponent ? float_of(bits) : 0.0f;
+}
+
+VECTORISED static void int4_values(const uint8_t *packed, Py_ssize_t count, float *out) {
+    for (Py_ssize_t j = 0; j < count / 2; j++) {
+        out[2 * j] = int4_value(packed[j] & 0x0F);
+        out[2 * j + 1] = int4_value(packed[j] >> 4);
+    }
+    if (count % 2) out[count - 1] = int4_value(packed[count / 2] & 0x0F);
+}
+
+VECTORISED static void fp4_values(const uint8_t *packed, Py_ssize_t count, float *out) {
+    for (Py_ssize_t j = 0; j < count / 2; j++) {
+        out[2 * j] = fp4_value(packed[j] & 0x0F);
+        out[2 * j + 1] = fp4_value(packed[j] >> 4);
+    }
+    if (count % 2) out[count - 1] = fp4_value(packed[count / 2] & 0x0F);
+}
+
+/* out = unscaled * scale, or out -= that: the torch path's product, then its difference. */
+VECTORISED static void scale_into(const float *unscaled, Py_ssize_t count, float scale, float *out, int subtract) {
+    if (subtract)
+        for (Py_ssize_t i = 0; i < count; i++) out[i] -= unscaled[i] * scale;
+    else
+        for (Py_ssize_t i = 0; i < count; i++) out[i] = unscaled[i] * scale;
+}
+
+static void decode_blocks(int kind, const uint8_t *payload, float *out, Py_ssize_t numel, Py_ssize_t block_size, int subtract) {
+    Py_ssize_t blocks = (numel + block_size - 1) / block_size;
+    const uint8_t *codes = payload + 4 * blocks;
+    float unscaled[CHUNK];
+    for (Py_ssize_t start = 0; start < numel; start += CHUNK) {
+        Py_ssize_t end = numel - start < CHUNK ? numel : start + CHUNK;
+        if (kind == INT8) int8_values(codes + start, end - start, unscaled);
+        else if (kind == INT4) int4_values(codes + start / 2, end - start, unscaled);
+        else fp4_values(codes + start / 2, end - start, unscaled);
+        for (Py_ssize_t at = start; at < end;) {
+            Py_ssize_t block = at / block_size;
+            Py_ssize_t stop = (block + 1) * block_size < end ? (block + 1) * block_size : end;
+            float scale;
+            memcpy(&scale, payload + 4 * block, 4);
+            scale_into(unscaled + (at - start), stop - at, scale, out + at, subtract);
+            at = stop;
+        }
+    }
+}
+
+static Py_ssize_t encoded_size(int kind, Py_ssize_t numel, Py_ssize_t block_size) {
+    return 4 * ((numel + block_size - 1) / block_size) + (numel * bits_of_kind(kind) + 7) / 8;
+}
+
+static int check(int kind, Py_ssize_t block_size, Py_ssize_t float_bytes, Py_ssize_t payload_bytes) {
+    if (kind != INT8 && kind != INT4 && kind != FP4_E3M0) {
+        PyErr_Format(PyExc_ValueError, "unknown codec kind %d", kind);
+        return 0;
+    }
+    if (block_size <= 0) {
+        PyErr_Format(PyExc_ValueError, "block_size must be positive, got %zd", block_size);
+        return 0;
+    }
+    if (float_bytes % 4) {
+        PyErr_SetString(PyExc_ValueError, "the fp32 buffer's length is not a multiple of 4");
+        return 0;
+    }
+    Py_ssize_t expected = encoded_size(kind, float_bytes / 4, block_size);
+    if (payload_bytes != expected) {
+        PyErr_Format(PyExc_ValueError, "payload of %zd bytes for %zd values: expected %zd",
+                     payload_bytes, float_bytes / 4, expected);
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *encode(PyObject *self, PyObject *args) {
+    int kind, finite = 0;
+    Py_ssize_t block_size;
+    Py_buffer values, payload;
+    if (!PyArg_ParseTuple(args, "iy*w*n", &kind, &values, &payload, &block_size)) return NULL;
+    int ok = check(kind, block_size, values.len, payload.len);
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        finite = encode_blocks(kind, values.buf, values.len / 4, block_size, payload.buf);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&values);
+    PyBuffer_Release(&payload);
+    return ok ? PyBool_FromLong(finite) : NULL;
+}
+
+static PyObject *decode(PyObject *self, PyObject *args) {
+    int kind, subtract;
+    Py_ssize_t block_size;
+    Py_buffer payload, out;
+    if (!PyArg_ParseTuple(args, "iy*w*np", &kind, &payload, &out, &block_size, &subtract)) return NULL;
+    int ok = check(kind, block_size, out.len, payload.len);
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        decode_blocks(kind, payload.buf, out.buf, out.len / 4, block_size, subtract);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&payload);
+    PyBuffer_Release(&out);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"encode", encode, METH_VARARGS, "encode(kind, values, payload, block_size) -> every value finite"},
+    {"decode", decode, METH_VARARGS, "decode(kind, payload, out, block_size, subtract)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_codec_kernels", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__codec_kernels(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && (PyModule_AddIntConstant(m, "INT8", INT8) || PyModule_AddIntConstant(m, "INT4", INT4)
+              || PyModule_AddIntConstant(m, "FP4_E3M0", FP4_E3M0))) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
