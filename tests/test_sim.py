@@ -222,13 +222,11 @@ def test_learners_end_holding_the_bits_they_were_served_however_far_apart_they_s
     compute, shards killed every 5 s on average, the run cut by --duration: the slow learner
     delivers and leaves long after the others would have taken their last pull. Agreement at
     the end must not depend on who stops when (it failed both seeds before the sim let the
-    learners finish and the shards settle before their last pull)."""
-    for seed in ("1", "2"):
-        (tmp_path / seed).mkdir()
-        report = run_sim(tmp_path / seed, "--learners", "3", "--shards", "2", "--steps", "100000",
-                         "--duration", "15", "--slow-learner", "20", "--chaos-shards", "5", "--restart-delay", "1",
-                         "--seed", seed)
-        assert report["state_hashes_agree"] is True, (seed, report["restarts"])
+    learners finish and the shards settle before their last pull; one seed keeps the suite short)."""
+    report = run_sim(tmp_path, "--learners", "3", "--shards", "2", "--steps", "100000",
+                     "--duration", "15", "--slow-learner", "20", "--chaos-shards", "5", "--restart-delay", "1",
+                     "--seed", "1")
+    assert report["state_hashes_agree"] is True, report["restarts"]
 
 
 def test_sim_duration_run_keeps_the_steps_after_the_time_is_up_inside_provisioned_time(tmp_path):
