@@ -744,10 +744,10 @@ def summary_rows(results: dict) -> list[list[str]]:
         s = results["sick_learner"]
         rows.append(["12. sick learner", f"one of 4 learners poisoned (x1000, NaN, bit flips): global model at most "
                      f"{pct(s['worst_vs_clean'], signed=True)} against the run without poison (clean runs' spread "
-                     f"{pct(s['clean_spread'])}); the healthy learners' goodput at most "
-                     f"{100 * s.get('worst_healthy_goodput_lost', float('nan')):.1f} points lower; healed after at most "
+                     f"{pct(s['clean_spread'])}); {_healthy_goodput_lost(s)}; healed after at most "
                      f"{max(r['steps_to_heal'] or 0 for r in s['runs'] if r['poison'] in POISONS)} steps",
-                     f"within {pct(s['loss_target'])}; healthy goodput within 2 points; healed within one sync period, "
+                     f"within {pct(s['loss_target'])}; healthy goodput within 2 points (median over seeds); healed "
+                     "within one sync period, "
                      f"H = {s['interval_steps']} steps (issue 55)", verdict(s["met"])])
     if "kernel_links" in results:
         k = results["kernel_links"]
@@ -818,6 +818,16 @@ def user_quality(section: dict, out: pathlib.Path) -> list[str]:
                          f"({verdict(run['met']['no_wait'])})" if run["no_wait_vs_wait"] is not None else "") + "."]
         lines += [""]
     return lines
+
+
+def _healthy_goodput_lost(section: dict) -> str:
+    """What the healthy learners' goodput lost to the poison, as the verdict reads it."""
+    worst = f"{100 * section['worst_healthy_goodput_lost']:.1f}"
+    if "median_healthy_goodput_lost" not in section:  # a run from before the median
+        return f"the healthy learners' goodput at most {worst} points lower"
+    medians = ", ".join(f"{kind} {100 * lost:+.1f}" for kind, lost in section["median_healthy_goodput_lost"].items())
+    return (f"the healthy learners' goodput lower by (points, median over seeds) {medians}; single runs at most "
+            f"{worst}, clean runs' spread {100 * section['clean_healthy_goodput_spread']:.1f}")
 
 
 def sick_learner(section: dict, out: pathlib.Path) -> list[str]:
