@@ -208,6 +208,17 @@ def test_sim_link_flags_set_each_regions_link_and_name_the_flag_at_fault(tmp_pat
             config(*flags)
 
 
+def test_rounds_that_wait_for_every_learner_merge_nothing_stale_while_nothing_fails(tmp_path):
+    # K = M: every round waits for all three learners unless one is down or waits elsewhere.
+    # The schedule's ordinary waits for a result (tens of ms) must not count as waiting
+    # elsewhere: when they did, rounds closed without the waiting learner, whose push then
+    # landed a round late (50 of 163 contributions stale here, twice the blocked time).
+    report = run_sim(tmp_path, "--learners", "3", "--shards", "1", "--steps", "300", "--set", "syncer.quorum=3")
+    contributions = report["contributions"]
+    assert contributions["stale_merged"] <= 0.05 * (contributions["accepted"] + contributions["stale_merged"]), \
+        contributions
+
+
 def test_a_learner_whose_seeding_and_pulling_outlast_a_lease_keeps_it_with_heartbeats(tmp_path):
     # Each fragment takes about 0.9 s over a 0.2 Mbit/s link, the lease is 0.5 s: the
     # heartbeats that keep it must already run while the learner seeds and pulls at start-up.
