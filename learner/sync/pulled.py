@@ -12,9 +12,8 @@ from diloco.services.contract.wire import pb
 
 def value_after(result: PullResult, base: torch.Tensor | None) -> torch.Tensor | None:
     """The fragment's value after the pull's items on `base` (left as it was; the items'
-    values are consumed). Raises
-    StateHashMismatch unless the result has the hash the shard sent: a wrong base, or an
-    update that is not the one that made its version."""
+    values are consumed). Raises StateHashMismatch unless the result has the hash the shard
+    sent: a wrong base, or an update that is not the one that made its version."""
     # The result's decoded items are this pull's own: the value is built in their buffers
     # rather than in new ones (a fragment-sized allocation costs its page faults).
     value = base  # left as it was: the first update writes base + update over the update
