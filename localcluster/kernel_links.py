@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Sequence
 
 from diloco.services.contract.config import Config, ConfigError, LinkConfig
 
@@ -24,20 +25,45 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=60, check=check)
 
 
-def check_available() -> None:
-    """ConfigError naming what is missing for --kernel-links."""
+def check_available(what: str, tools: Sequence[str] = ("ip", "tc")) -> None:
+    """ConfigError naming what `what` (a flag or command) lacks: root, or one of `tools`."""
     if os.geteuid() != 0:
-        raise ConfigError("--kernel-links: network namespaces and tc need root")
-    missing = [tool for tool in ("ip", "tc") if not shutil.which(tool)]
+        raise ConfigError(f"{what}: network namespaces and tc need root")
+    missing = [tool for tool in tools if not shutil.which(tool)]
     if missing:
-        raise ConfigError(f"--kernel-links: {' and '.join(missing)} not found (iproute2)")
+        raise ConfigError(f"{what}: {' and '.join(missing)} not found")
+
+
+def shape_device(inside: Sequence[str], device: str, mbps: float | None, latency_ms: float) -> bool:
+    """What leaves `device` (in the namespace `inside` enters) limited to `mbps` by a tbf and
+    delayed by `latency_ms` by a netem where the kernel has one; replaces what shaped it
+    before. False when a latency was asked for and the kernel has no netem."""
+    _run(*inside, "tc", "qdisc", "del", "dev", device, "root", check=False)
+    add = [*inside, "tc", "qdisc", "add", "dev", device]
+    rate = ["tbf", "rate", f"{mbps}mbit", "burst", "32kbit", "latency", "400ms"] if mbps else []
+    latency_applied = True
+    if latency_ms:
+        if _run(*add, "root", "handle", "1:", "netem", "delay", f"{latency_ms}ms", check=False).returncode == 0:
+            if rate:
+                _run(*add, "parent", "1:1", "handle", "10:", *rate)
+            return True
+        latency_applied = False  # this kernel has no netem
+    if rate:
+        _run(*add, "root", *rate)
+    return latency_applied
+
+
+def sent_bytes(inside: Sequence[str], device: str) -> int:
+    """Bytes the qdiscs of `device` let through since they were made."""
+    out = _run(*inside, "tc", "-s", "qdisc", "show", "dev", device).stdout
+    return max((int(n) for n in re.findall(r"Sent (\d+) bytes", out)), default=0)
 
 
 class KernelLinks:
     """The namespaces and shaped links of one run; `close()` removes them."""
 
     def __init__(self, cfg: Config):
-        check_available()
+        check_available("--kernel-links")
         tag = f"dls{os.getpid() % 100000}"
         self.bridge = f"{tag}br"
         self.namespaces: dict[str, str] = {}  # learner id -> its namespace
@@ -70,20 +96,10 @@ class KernelLinks:
         _run(*inside, "ip", "link", "set", "eth0", "up")
         _run("ip", "link", "set", f"{veth}b", "master", self.bridge, "up")
         self.addresses[learner_id] = address
-        self._shape(inside, "eth0", link.up_mbps, link.latency_ms)  # its pushes leave through its end
-        self._shape((), f"{veth}b", link.down_mbps, link.latency_ms)  # its pulls, through the bridge's
-
-    def _shape(self, inside: tuple[str, ...], device: str, mbps: float | None, latency_ms: float) -> None:
-        add = [*inside, "tc", "qdisc", "add", "dev", device]
-        rate = ["tbf", "rate", f"{mbps}mbit", "burst", "32kbit", "latency", "400ms"] if mbps else []
-        if latency_ms:
-            if _run(*add, "root", "handle", "1:", "netem", "delay", f"{latency_ms}ms", check=False).returncode == 0:
-                if rate:
-                    _run(*add, "parent", "1:1", "handle", "10:", *rate)
-                return
-            self.latency_applied = False  # this kernel has no netem
-        if rate:
-            _run(*add, "root", *rate)
+        # Its pushes leave through its end, its pulls through the bridge's.
+        up = shape_device(inside, "eth0", link.up_mbps, link.latency_ms)
+        down = shape_device((), f"{veth}b", link.down_mbps, link.latency_ms)
+        self.latency_applied &= up and down
 
     @staticmethod
     def _config(cfg: Config) -> Config:
@@ -101,12 +117,7 @@ class KernelLinks:
 
     def bytes_through(self, learner_id: str) -> tuple[int, int]:
         """(up, down) bytes the kernel let through the learner's link since it was made."""
-        return (self._sent(self.prefix(learner_id), "eth0"), self._sent([], self._bridge_ends[learner_id]))
-
-    @staticmethod
-    def _sent(inside: list[str], device: str) -> int:
-        out = _run(*inside, "tc", "-s", "qdisc", "show", "dev", device).stdout
-        return max((int(n) for n in re.findall(r"Sent (\d+) bytes", out)), default=0)
+        return (sent_bytes(self.prefix(learner_id), "eth0"), sent_bytes((), self._bridge_ends[learner_id]))
 
     def close(self) -> None:
         for ns in self.namespaces.values():

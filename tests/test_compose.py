@@ -154,7 +154,7 @@ def test_compose_cluster_config_is_the_example_with_compose_addresses():
 
     compose_cfg = load_config(CLUSTER_CONFIG)
     assert topology(compose_cfg) == topology(load_config(EXAMPLE))
-    # The containers share one host: every learner's sync traffic is paced to its region's link.
+    # The containers share one host: every learner has a link for container_links to shape.
     assert all(compose_cfg.link(l.id, l.region) is not None for l in compose_cfg.learners)
 
 

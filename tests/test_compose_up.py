@@ -3,8 +3,9 @@ archive (scripts/make-base-images.sh, kept in the image store between runs) and 
 (scripts/fill-wheelhouse.sh), then docker-compose.yml's 2 shards, 4 learners on their region
 networks and Prometheus, in containers, over mutual TLS.
 
-The run: every learner trains and syncs; `diloco status` answers on the host with the operator's
-certificate; Prometheus records goodput; one learner's container is stopped and started again
+The run: every learner trains and syncs, its container's link shaped by the kernel from the
+host (`python -m diloco.localcluster.container_links --follow`, where the test runs as root);
+`diloco status` answers on the host with the operator's certificate; Prometheus records goodput; one learner's container is stopped and started again
 and rejoins; every learner ends holding the shards' bits; after `down` the shards come back
 from their volumes with the same state. The cluster config is deploy/compose/cluster.yaml with
 a tiny model and budget (an override file mounts it in place of the shipped one); services,
@@ -22,6 +23,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -30,6 +32,7 @@ import grpc
 import pytest
 import yaml
 
+from diloco.localcluster import container_links
 from diloco.services.client import ShardClient
 from diloco.services.contract.config import dump_config, load_config, parse_config
 from diloco.services.contract.tls import OPERATOR, load_identity
@@ -49,8 +52,11 @@ RESTARTED = "learner-us-west-0"
 # Seconds each stage may take on 2 busy cores. Making the base images is the first run's alone.
 BASES_TIMEOUT, WHEELS_TIMEOUT, BUILD_TIMEOUT, RUN_TIMEOUT = 480, 180, 480, 240
 
-# test_compose.py's tiny run, with enough steps that a learner can be stopped and started mid-run.
-FAST = deep_merge(LOCAL_RUN, {"trainer": {"max_steps": 500, "eval_every": 100}})
+# test_compose.py's tiny run, with enough steps that a learner can be stopped and started mid-run
+# and the links read while every learner trains.
+FAST = deep_merge(LOCAL_RUN, {"trainer": {"max_steps": 2000, "eval_every": 500}})
+# The host's tc shapes the containers' links where the test may enter their namespaces.
+SHAPES_LINKS = os.geteuid() == 0 and all(shutil.which(tool) for tool in ("ip", "tc", "nsenter"))
 
 
 class Stages:
@@ -185,6 +191,37 @@ class Compose:
         return {lid: (inc, alive == len(replies), step) for lid, (inc, alive, step) in seen.items()}
 
 
+class LinkShaper:
+    """`container_links --follow` for the project, started before it is up; its lines in a file."""
+
+    def __init__(self, project: Compose, folder: pathlib.Path):
+        self.log = folder / "container_links.log"
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "diloco.localcluster.container_links", "--config",
+                                          str(folder / "cluster.yaml"), "--project", project.project, "--follow"],
+                                         stdout=out, stderr=subprocess.STDOUT)
+
+    def shaped(self, learner_id: str, container: str) -> list[str]:
+        """The lines that say the container's link was shaped, one per start."""
+        prefix = f"{learner_id} (container {container[:12]})"
+        return [l for l in self.log.read_text().splitlines() if l.startswith(prefix)]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def sync_bytes(project: Compose, service: str) -> tuple[float, float]:
+    """(up, down) payload bytes the learner's /metrics counts, read inside its container."""
+    read = "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9100/metrics').read().decode())"
+    text = docker("exec", project.container(service), "python", "-c", read).stdout
+    total = {"up": 0.0, "down": 0.0}
+    for direction, value in re.findall(r'^diloco_learner_sync_bytes_total\{[^}]*direction="(\w+)"[^}]*\} (\S+)$',
+                                       text, re.MULTILINE):
+        total[direction] += float(value)
+    return total["up"], total["down"]
+
+
 def test_docker_compose_up_trains_and_a_restarted_learner_rejoins(tmp_path):
     stages = Stages()
     with docker_daemon():
@@ -209,10 +246,19 @@ def test_docker_compose_up_trains_and_a_restarted_learner_rejoins(tmp_path):
 
 
 def run_cluster(project: Compose, folder: pathlib.Path, stages: Stages) -> None:
-    cfg, learners = project.cfg, project.learners
-    shard_services = [f"syncer-{i}" for i in range(len(cfg.shards))]
     project("build", "--force-rm", "certs", timeout=BUILD_TIMEOUT)
     stages.done(f"the image ({int(docker('image', 'inspect', '-f', '{{.Size}}', project.image).stdout) / 1e6:.0f} MB)")
+    shaper = LinkShaper(project, folder) if SHAPES_LINKS else None
+    try:
+        train_and_rejoin(project, folder, stages, shaper)
+    finally:
+        if shaper is not None:
+            shaper.stop()
+
+
+def train_and_rejoin(project: Compose, folder: pathlib.Path, stages: Stages, shaper: LinkShaper | None) -> None:
+    cfg, learners = project.cfg, project.learners
+    shard_services = [f"syncer-{i}" for i in range(len(cfg.shards))]
     # Shards start once the certificates exist, learners once the shards are healthy.
     project("up", "--detach", "--no-build", timeout=RUN_TIMEOUT)
     project.copy_out(shard_services[0], f"{cfg.tls.dir}/{OPERATOR}", project.operator_dir)
@@ -235,6 +281,21 @@ def run_cluster(project: Compose, folder: pathlib.Path, stages: Stages) -> None:
     wait_until(lambda: answering(trained_and_synced), RUN_TIMEOUT, "every learner to train and sync", poll=1.0)
     stages.done("training and syncing")
 
+    if shaper is None:
+        print("links not shaped by the kernel: the test is not root, or ip, tc or nsenter is missing")
+    else:
+        # Each learner's container shaped at its region's rates, and everything its sync sent
+        # and received went through the shaped interfaces (the kernel's count read after its own).
+        for service, learner_id in learners.items():
+            link = cfg.link(learner_id, next(l.region for l in cfg.learners if l.id == learner_id))
+            lines = shaper.shaped(learner_id, project.container(service))
+            assert len(lines) == 1 and f"up {link.up_mbps}, down {link.down_mbps} Mbit/s" in lines[0], \
+                f"{service}'s link not shaped:\n{shaper.log.read_text()}"
+            up, down = sync_bytes(project, service)
+            kernel_up, kernel_down = container_links.bytes_through(project.container(service))
+            assert 0 < up <= kernel_up and 0 < down <= kernel_down, (service, up, kernel_up, down, kernel_down)
+        stages.done("the links shaped by the kernel")
+
     # Stopped (SIGTERM: it checkpoints and leaves) and started again, a learner rejoins as a
     # new incarnation and resumes; the rest goes on meanwhile.
     learner_id = learners[RESTARTED]
@@ -243,6 +304,16 @@ def run_cluster(project: Compose, folder: pathlib.Path, stages: Stages) -> None:
     project("stop", RESTARTED, timeout=60)
     assert project.state(RESTARTED)["ExitCode"] == 0, f"{RESTARTED} failed on SIGTERM"
     project("start", RESTARTED, timeout=60)
+
+    # A rejoin is a new incarnation on the shards; it may finish its budget and leave soon after.
+    def rejoined() -> bool:
+        return project.learners_seen()[learner_id][0] != incarnation
+
+    wait_until(lambda: answering(rejoined), RUN_TIMEOUT, f"{learner_id} to rejoin", poll=0.5)
+    if shaper is not None:  # started again, its container has a new namespace, shaped as it started
+        wait_until(lambda: len(shaper.shaped(learner_id, project.container(RESTARTED))) == 2, 30,
+                   f"{RESTARTED}'s container to be shaped again", poll=0.5)
+    stages.done("its rejoin")
 
     # The operator's view from the host, through the ports the compose file publishes.
     status = subprocess.run([sys.executable, "-m", "diloco", "status", "--syncer",
@@ -259,18 +330,13 @@ def run_cluster(project: Compose, folder: pathlib.Path, stages: Stages) -> None:
     goodput = wait_until(lambda: prometheus.value("run:diloco_learner_goodput:ratio_rate5m"), 60,
                          "Prometheus to record goodput", poll=1.0)
     assert 0 < goodput <= 1
-    stages.done(f"a learner's stop and start, status and goodput ({goodput:.2f})")
-
-    def rejoined() -> bool:
-        new_incarnation, alive, _ = project.learners_seen()[learner_id]
-        return new_incarnation != incarnation and alive
-
-    wait_until(lambda: answering(rejoined), RUN_TIMEOUT, f"{learner_id} to rejoin", poll=1.0)
     # Healthy: the shards since learners started (compose waited for it), the learner once it
-    # serves /metrics again.
-    wait_until(lambda: all(project.state(s)["Health"]["Status"] == "healthy" for s in [*shard_services, RESTARTED]),
+    # serves /metrics again (or has spent its budget and exited).
+    wait_until(lambda: all(project.state(s)["Health"]["Status"] == "healthy" for s in shard_services)
+               and (project.state(RESTARTED)["Health"]["Status"] == "healthy"
+                    or project.state(RESTARTED)["Status"] == "exited"),
                60, f"the shards and {RESTARTED} to be healthy", poll=1.0)
-    stages.done("its rejoin")
+    stages.done(f"status and goodput ({goodput:.2f})")
 
     wait_until(lambda: all(project.state(s)["Status"] == "exited" for s in learners), RUN_TIMEOUT,
                "every learner to spend its budget and exit", poll=1.0)
