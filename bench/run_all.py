@@ -149,7 +149,7 @@ FULL = Profile("full", steps=3000, quality=(
                calibration_dp_steps=20,
                island=("--steps", "600", "--chaos-replicas", "30", "--chaos-islands", "1"),
                sick_learner=("--steps", "600", "--seeds", "1", "2", "3"),
-               kernel_links=("--steps", "300", "--seeds", "1", "2"),
+               kernel_links=("--steps", "300", "--seeds", "1", "2", "3"),
                user_quality=(("--steps", "600", "--ablations"),
                              ("--steps", "3000", "--intervals", "25", "--seeds", "1", "--lr-multipliers", "1", "2",
                               "--no-no-wait-row")))

@@ -40,7 +40,10 @@ def shape_device(inside: Sequence[str], device: str, mbps: float | None, latency
     before. False when a latency was asked for and the kernel has no netem."""
     _run(*inside, "tc", "qdisc", "del", "dev", device, "root", check=False)
     add = [*inside, "tc", "qdisc", "add", "dev", device]
-    rate = ["tbf", "rate", f"{mbps}mbit", "burst", "32kbit", "latency", "400ms"] if mbps else []
+    # A bucket of 10 ms at the rate (at least 4 KB) lets the kernel's 64 KB segments through
+    # whole on fast links instead of cutting each into packets on the cores the run trains on.
+    burst_kbit = max(32, round(mbps * 10)) if mbps else 0
+    rate = ["tbf", "rate", f"{mbps}mbit", "burst", f"{burst_kbit}kbit", "latency", "400ms"] if mbps else []
     latency_applied = True
     if latency_ms:
         if _run(*add, "root", "handle", "1:", "netem", "delay", f"{latency_ms}ms", check=False).returncode == 0:

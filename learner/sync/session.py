@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, TypeVar
 
@@ -259,11 +260,15 @@ class ShardSession:
     # ---- heartbeats, leave --------------------------------------------------------------
 
     def _heartbeat_loop(self) -> None:
-        """Heartbeats the shard, rejoining it when it forgot this learner."""
+        """Heartbeats the shard, rejoining it when it forgot this learner. The interval runs
+        from a heartbeat's start: one whose answer waits behind a pull's bytes on a slow link
+        (its deadline is half a lease) must not hold the next one back past the lease."""
         interval = self.cfg.trainer.heartbeat_seconds
+        started = time.monotonic()
         while True:
-            self._beat_now.wait(interval)
+            self._beat_now.wait(max(0.0, started + interval - time.monotonic()))
             self._beat_now.clear()
+            started = time.monotonic()
             if self._stop.is_set() or self._left.is_set():
                 return
             try:
@@ -278,6 +283,7 @@ class ShardSession:
                     self.failure = JoinRefused(f"shard {self.index}: {reason(error)}")
                     return
                 if remedy(error) is Remedy.REJOIN:
+                    log.info("shard %d forgot this learner (%s): rejoining", self.index, reason(error))
                     self.forgotten()
                 elif remedy(error) is not Remedy.RETRY_LATER:
                     log.warning("heartbeat to shard %d: %s", self.index, reason(error))
