@@ -35,14 +35,12 @@ def _run(*args: str) -> str:
     return subprocess.run(args, capture_output=True, text=True, timeout=60, check=True).stdout
 
 
-def _flag(argv: list[str], name: str) -> str | None:
-    """The value of `--name VALUE` or `--name=VALUE` in a command line."""
-    for i, arg in enumerate(argv):
-        if arg == name and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1]
-    return None
+def _learner_flags(argv: list[str]) -> argparse.Namespace:
+    """--learner-id and --region of a container's command line (None where absent)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--learner-id")
+    parser.add_argument("--region")
+    return parser.parse_known_args(argv)[0]
 
 
 def _interfaces(inside: list[str]) -> dict[str, int]:
@@ -88,11 +86,11 @@ def shape_container(cfg: Config, container: str) -> ShapedContainer | None:
     """Shapes `container`'s link if it is a running learner of `cfg` with a link; None otherwise."""
     info = _inspect(container)
     argv = [*(info["Config"].get("Entrypoint") or []), *(info["Config"].get("Cmd") or [])]
-    learner_id = _flag(argv, "--learner-id")
-    learner = next((l for l in cfg.learners if l.id == learner_id), None) if "learner" in argv else None
+    flags = _learner_flags(argv)
+    learner = next((l for l in cfg.learners if l.id == flags.learner_id), None) if "learner" in argv else None
     if learner is None or not info["State"]["Running"]:
         return None
-    link = cfg.link(learner.id, _flag(argv, "--region") or learner.region)
+    link = cfg.link(learner.id, flags.region or learner.region)
     if link is None:
         return None
     inside, devices = _devices(info)
