@@ -759,6 +759,13 @@ def summary_rows(results: dict) -> list[list[str]]:
                      f"within {100 * k['goodput_points']:.0f} points (median over seeds), or the difference explained "
                      "(issue 56)",
                      verdict(k["met"])])
+    if "own_link" in results:
+        o = results["own_link"]
+        rows.append(["14. own link", "global loss median (seeds " + ", ".join(map(str, o["seeds"])) + "): "
+                     + "; ".join(f"{kind} {loss:.4f} ({pct(o['median_blocked_share'][kind])} blocked)"
+                                 for kind, loss in o["median_loss"].items()),
+                     f"mixed links, own link late, within the uniform runs' spread in quality and <= "
+                     f"{pct(o['blocked_target'])} blocked (issue 53)", verdict(o["met"])])
     return rows
 
 
@@ -879,6 +886,21 @@ def kernel_links(section: dict, out: pathlib.Path) -> list[str]:
                           "slowest learner's achieved Mbit/s", "kernel MB up / down", "hashes agree", "command"], body)
 
 
+def own_link(section: dict, out: pathlib.Path) -> list[str]:
+    lines = [f"The demo's cluster (4 learners, 2 shards, H = 50, P = 4, tau = 3, K = 4, int4), {section['steps']} steps "
+             "per learner: on uncapped links (uniform fast), and on mixed links each way per region "
+             f"({section['links']} Mbit/s, paced by the learners) once with every learner waiting for its results "
+             "(mixed, waits) and once with `sync.wait_for_own_link: false` (mixed, own link late: a learner whose own "
+             "push and pull outlast tau steps trains on and merges its results late, the progress made meanwhile "
+             "kept; in effect its own tau). Global loss: the run's global model at the end. Blocked share: of the "
+             f"learners' provisioned time. {code(section['command'])} runs them all.", ""]
+    body = [[str(r["seed"]), r["kind"], _loss(r["final_eval_loss"]), pct(r["goodput"]), pct(r["blocked_share"]),
+             ", ".join(f"{lid} {l['blocked_seconds']:.1f}" for lid, l in sorted(r["learners"].items())), code(r["command"])]
+            for r in section["runs"]]
+    return lines + table(["seed", "links", "global loss", "goodput", "blocked share", "blocked s per learner", "command"],
+                         body)
+
+
 TITLES = {"quality": "1. Quality at equal tokens",
           "user_quality": "1b. The run's product in a user's loop (transformers Llama, another text)", "bandwidth": "2. Bandwidth", "goodput": "3. Goodput under failures",
           "overlap": "4. Overlap", "transport": "5. Transport and syncer", "recovery": "6. Recovery",
@@ -887,11 +909,12 @@ TITLES = {"quality": "1. Quality at equal tokens",
           "calibration": "10. The planner against the local cluster (`diloco plan --calibrate-from`)",
           "island": "11. Elastic islands: losing replica groups (local)",
           "sick_learner": "12. A diverged learner (`diloco sim --chaos-poison`)",
-          "kernel_links": "13. Kernel-shaped links against paced ones (`diloco sim --kernel-links`)"}
+          "kernel_links": "13. Kernel-shaped links against paced ones (`diloco sim --kernel-links`)",
+          "own_link": "14. Mixed links against uniform fast links"}
 RENDERERS = {"quality": quality, "user_quality": user_quality, "bandwidth": bandwidth, "goodput": goodput, "overlap": overlap,
              "transport": transport, "recovery": recovery, "user_loop": user_loop, "hf": hf, "plan": plan,
              "calibration": calibration, "island": island, "sick_learner": sick_learner,
-             "kernel_links": kernel_links}
+             "kernel_links": kernel_links, "own_link": own_link}
 
 
 def later_run(run: dict) -> str:
