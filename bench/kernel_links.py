@@ -14,7 +14,6 @@ difference explained. This kernel has no netem: no latency either way.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import statistics
@@ -24,7 +23,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from bench.demo_sim import sim  # noqa: E402
+from bench.demo_sim import seeded_args, seeded_command, sim  # noqa: E402
 
 CONFIG = "examples/local-4-regions.yaml"
 LINKS = "us-east=50/100,us-west=5/20,us-central=20,us-south=2/10"
@@ -47,11 +46,7 @@ def figures(command: str, report: dict) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--json", help="write the figures here")
-    args = parser.parse_args()
+    args = seeded_args(__doc__, steps=300)
     runs = []
     with tempfile.TemporaryDirectory() as work:
         for seed in args.seeds:
@@ -65,7 +60,7 @@ def main() -> int:
     differences = [by[seed, "kernel"]["goodput"] - by[seed, "paced"]["goodput"] for seed in args.seeds]
     blocked = [by[seed, "kernel"]["blocked_share"] - by[seed, "paced"]["blocked_share"] for seed in args.seeds]
     result = {"steps": args.steps, "seeds": args.seeds, "links": LINKS, "runs": runs,
-              "command": f"python bench/kernel_links.py --steps {args.steps} --seeds {' '.join(map(str, args.seeds))}",
+              "command": seeded_command("bench/kernel_links.py", args),
               "goodput_kernel_minus_paced": differences, "blocked_kernel_minus_paced": blocked,
               "median_goodput_difference": statistics.median(differences),
               "median_blocked_difference": statistics.median(blocked), "goodput_points": GOODPUT_POINTS}

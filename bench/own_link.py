@@ -15,7 +15,6 @@ runs' seed spread in quality, and <= 2 % of the time blocked.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import statistics
@@ -25,7 +24,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from bench.demo_sim import sim  # noqa: E402
+from bench.demo_sim import seeded_args, seeded_command, sim  # noqa: E402
 from bench.kernel_links import CONFIG, LINKS  # noqa: E402
 
 KINDS = {"uniform fast": [], "mixed, waits": ["--wan-mbps", LINKS],
@@ -41,11 +40,7 @@ def figures(command: list[str], report: dict) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--json", help="write the figures here")
-    args = parser.parse_args()
+    args = seeded_args(__doc__, steps=600)
     runs = []
     with tempfile.TemporaryDirectory() as work:
         for seed in args.seeds:
@@ -60,7 +55,7 @@ def main() -> int:
     uniform = (min(loss["uniform fast"]), max(loss["uniform fast"]))
     own = statistics.median(loss["mixed, own link late"])
     result = {"steps": args.steps, "seeds": args.seeds, "links": LINKS, "runs": runs,
-              "command": f"python bench/own_link.py --steps {args.steps} --seeds {' '.join(map(str, args.seeds))}",
+              "command": seeded_command("bench/own_link.py", args),
               "median_loss": {kind: statistics.median(values) for kind, values in loss.items()},
               "uniform_loss_range": uniform, "median_blocked_share": blocked, "blocked_target": BLOCKED_TARGET,
               "met": uniform[0] <= own <= uniform[1] and blocked["mixed, own link late"] <= BLOCKED_TARGET}

@@ -19,7 +19,6 @@ healed within one sync period (H steps).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import re
@@ -30,7 +29,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from bench.demo_sim import sim  # noqa: E402
+from bench.demo_sim import seeded_args, sim  # noqa: E402
 from diloco.services.contract.config import load_config  # noqa: E402
 
 CONFIG = "examples/local-4-regions.yaml"
@@ -63,11 +62,7 @@ def figures(command: list[str], report: dict, run_dir: pathlib.Path, poisoned_at
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--json", help="write the figures here")
-    args = parser.parse_args()
+    args = seeded_args(__doc__, steps=600)
     poisoned_at = args.steps // 4
     runs: list[dict] = []
     with tempfile.TemporaryDirectory() as work:
