@@ -49,9 +49,10 @@ def _interfaces(inside: list[str]) -> dict[str, int]:
     return {name: int(peer) for name, peer in re.findall(r"^\d+: ([^@:\s]+)@if(\d+):", out, re.MULTILINE)}
 
 
-def _host_interface(index: int) -> str:
-    (line,) = [l for l in _run("ip", "-o", "link", "show").splitlines() if l.startswith(f"{index}: ")]
-    return line.split(": ")[1].split("@")[0]
+def _host_interfaces() -> dict[int, str]:
+    """The host's interfaces by index."""
+    return {int(index): name for index, name in
+            re.findall(r"^(\d+): ([^@:\s]+)", _run("ip", "-o", "link", "show"), re.MULTILINE)}
 
 
 @dataclass
@@ -72,7 +73,8 @@ def _inspect(container: str) -> dict:
 def _devices(info: dict) -> tuple[list[str], dict[str, str]]:
     """What enters a running container's network namespace, and its interfaces -> their host ends."""
     inside = ["nsenter", f"--net=/proc/{info['State']['Pid']}/ns/net"]
-    return inside, {device: _host_interface(peer) for device, peer in _interfaces(inside).items()}
+    host = _host_interfaces()
+    return inside, {device: host[peer] for device, peer in _interfaces(inside).items()}
 
 
 def bytes_through(container: str) -> tuple[int, int]:
