@@ -208,7 +208,7 @@ class ShardClient:
 
     def pull(self, fragment_id: int, base_version: int | None = None, *, min_version: int = 0,
              max_wait_seconds: float = 0.0, anchor_hash: str = "") -> PullResult:
-        """What takes the value held at base_version (sha256 `anchor_hash`; without it, the
+        """What takes the value held at base_version (its state hash `anchor_hash`; without it, the
         updates after base_version) to the fragment's current value, or a snapshot, waiting up
         to max_wait_seconds for the fragment to reach min_version."""
         request = pb.PullRequest(learner_id=self.learner_id, fragment_id=fragment_id, min_version=min_version,

@@ -62,8 +62,8 @@ class Admission:
         shard lost it (docs/protocol.md, RESTORE)."""
         if state_hash(values) != header.state_hash:
             raise Refusal("bad_state_hash", "INVALID_ARGUMENT",
-                          f"fragment {state.id}: state_hash {header.state_hash[:16]!r} is not the sha256 of the "
-                          "restore's decoded value")
+                          f"fragment {state.id}: state_hash {header.state_hash[:16]!r} is not the state hash of "
+                          "the restore's decoded value")
         with state.lock:
             state.check_restorable(header.base_version)  # judged again: another may have landed
             snapshot = state.seeded(values, header.base_version)

@@ -185,7 +185,7 @@ class ShardCore:
 
     def pull(self, fragment_id: int, base_version: int | None, learner_id: str = "",
              anchor_hash: str = "") -> PullPlan:
-        """What takes `learner_id` from the value it holds at base_version (sha256
+        """What takes `learner_id` from the value it holds at base_version (state hash
         `anchor_hash`) to the fragment's current value (syncer/pull.py)."""
         with self.counters.counting_refusals():
             state = self.owned.get(fragment_id)

@@ -13,7 +13,7 @@ import torch
 from diloco.services.contract.codecs import Codec, get_codec
 from diloco.services.contract.fragments import Fragment
 from diloco.services.contract.payload import describe
-from diloco.services.contract.state import apply_update, state_hash
+from diloco.services.contract.state import HASH_NAME, LEGACY_HASH_NAME, apply_update, is_legacy_hash, state_hash
 from diloco.syncer.refusal import Refusal
 from diloco.syncer.served import Anchor, ServedAnchors
 from diloco.syncer.snapshot import Encoded, FragmentSnapshot
@@ -59,6 +59,11 @@ class Pulls:
             raise Refusal("unseeded", "FAILED_PRECONDITION", f"fragment {self.fragment.id} has not been seeded yet")
         if base_version is not None and base_version > committed.version:
             raise ahead(self.fragment.id, committed.version, base_version)
+        if is_legacy_hash(anchor_hash):
+            raise Refusal("legacy_state_hash", "FAILED_PRECONDITION",
+                          f"fragment {self.fragment.id}: the pull names its anchor by a {LEGACY_HASH_NAME}, this shard "
+                          f"hashes values with {HASH_NAME}: the learner runs an older diloco; run one version "
+                          "across the cluster")
         if base_version is None and self.served.tracks(learner_id):
             return self._snapshot_for(learner_id, committed)
         if base_version is None or not anchor_hash or not self.served.tracks(learner_id):

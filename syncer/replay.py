@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+from diloco.services.contract.state import same_state
 from diloco.services.contract.wire import pb
 from diloco.syncer.admission import Admission
 from diloco.syncer.claims import ClaimBounds
@@ -50,7 +51,8 @@ class JournalReplay:
                 raise ValueError(f"fragment {state.id}: journal holds a record of round {round_number}, "
                                  f"but the open round is {state.round.number}")
             if isinstance(entry, LoggedClose):
-                if entry.base_state_hash != state.committed.state_hash:
+                committed = state.committed
+                if not same_state(committed.value, committed.state_hash, entry.base_state_hash):
                     raise ValueError(f"fragment {state.id}: replaying the journal reached version {state.version} "
                                      f"with state hash {state.committed.state_hash[:16]}, but round "
                                      f"{round_number} closed on {entry.base_state_hash[:16]}")

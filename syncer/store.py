@@ -52,6 +52,7 @@ from typing import Iterator
 import torch
 
 from diloco.services.contract.wire import pb
+from diloco.services.contract.state import same_state, state_hash
 from diloco.services.files import atomic_write, fsync_path
 from diloco.syncer.journal import LoggedClose, LoggedContribution, Manifest, Restored, Spool
 from diloco.syncer.counters import Counters
@@ -214,8 +215,11 @@ class ShardStore:
             if int(path.name.split("-", 1)[1]) not in files.committed_updates:
                 path.unlink()
         last_round = meta["last_round"]
+        digest = state_hash(value)  # an older diloco's sha256 is checked, then replaced
+        if not same_state(value, digest, meta["state_hash"]):
+            raise StoreError(f"{path}: the value is not the one whose state hash the snapshot recorded")
         return FragmentSnapshot(
-            fragment_id, meta["version"], value, momentum, residual, history, meta["state_hash"],
+            fragment_id, meta["version"], value, momentum, residual, history, digest,
             meta["merged_contributions"], meta["merged_tokens"], frozenset(ContributionKey(*key) for key in meta["recent_keys"]),
             ClosedRound(**last_round) if last_round else None, period_sum, meta["period_share"])
 

@@ -102,7 +102,7 @@ def test_export_refuses_a_value_that_does_not_match_its_state_hash(run, tmp_path
     out = tmp_path / "export"
     out.mkdir()
     assert main(["export", "--config", str(config_path), "--out", str(out)]) == 1
-    assert f"shard {damaged.shard}: fragment {damaged.id}: the value at v0 after this pull has sha256" \
+    assert f"shard {damaged.shard}: fragment {damaged.id}: the value at v0 after this pull has xxh3-128" \
         in capsys.readouterr().err
     assert list(out.iterdir()) == []
 

@@ -2,13 +2,16 @@
 shard served the learner, whatever number of rounds closed since; the learner then holds
 exactly the bits the shard served it, within one encoding of the shard's value. The shard's
 core on a fake clock, no gRPC."""
+import hashlib
+
 import pytest
 import torch
 
 from diloco.services.contract.codecs import get_codec
 from diloco.services.contract.payload import decode_payload
-from diloco.services.contract.state import apply_update, state_hash
+from diloco.services.contract.state import StateHashMismatch, apply_update, check_pulled, state_hash
 from diloco.syncer.core import ShardCore
+from diloco.syncer.refusal import Refusal
 from diloco.syncer.store import ShardStore
 from tests.shard_harness import Shard, delta, make_config
 
@@ -127,8 +130,23 @@ def test_a_request_without_an_anchor_hash_gets_the_updates_as_before():
     shard = int4_shard()
     rounds(shard, 3)
     assert [u.version for u in shard.core.pull(0, 0, "b").items] == [1, 2, 3]
-    plan = shard.core.pull(0, 0, "stranger", "f" * 64)  # not a learner of the run: no record is kept
+    plan = shard.core.pull(0, 0, "stranger", "f" * 32)  # not a learner of the run: no record is kept
     assert [u.version for u in plan.items] == [1, 2, 3]
+
+
+def test_a_learner_and_a_shard_of_the_older_sha256_hashes_refuse_each_other_by_name():
+    """Before xxh3-128 the state hash was a sha256: a learner of that code names its anchor by
+    one, and a shard of that code serves them; each side says the other runs older code."""
+    shard = int4_shard()
+    learner = Puller(shard)
+    rounds(shard, 1)
+    sha256 = hashlib.sha256(learner.value.numpy().data).hexdigest()
+    with pytest.raises(Refusal, match="the learner runs an older diloco") as refused:
+        shard.core.pull(0, learner.version, "b", sha256)
+    assert refused.value.status == "FAILED_PRECONDITION"
+    assert learner.pull().items  # nothing was recorded: its anchor still gets its delta
+    with pytest.raises(StateHashMismatch, match="the shard runs an older diloco"):
+        check_pulled(0, learner.version, learner.value, sha256)
 
 
 def test_after_a_restart_the_next_pull_is_a_snapshot_of_the_bits_served_before(tmp_path):

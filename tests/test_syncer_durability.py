@@ -2,6 +2,7 @@
 and torn or damaged files are detected instead of loaded. (The kill -9 of a real shard
 process is in test_syncer_service.py.)"""
 import errno
+import hashlib
 import os
 import threading
 import time
@@ -18,7 +19,7 @@ from diloco.services.contract.wire import pb
 from diloco.syncer.core import ShardCore
 from diloco.syncer.journal import NullSpool
 from diloco.syncer.refusal import Refusal
-from diloco.syncer import store, store_format
+from diloco.syncer import fragment_state, store, store_format
 from diloco.syncer.store import ShardStore, StoreError
 from tests.shard_harness import LEARNERS, MANIFEST, Shard, delta, make_config
 
@@ -298,6 +299,27 @@ def test_a_state_written_in_format_5_restores_and_a_format_this_version_does_not
         Shard(make_config(), journal=ShardStore(tmp_path / "newer"), joined=("a",))
     with pytest.raises(StoreError, match=r"snapshot: not a diloco.syncer-snapshot/5 or diloco.syncer-snapshot/6 "):
         ShardStore(tmp_path / "newer").load()
+
+
+def test_a_state_folder_hashed_with_sha256_by_older_code_restores_and_goes_on_with_xxh3(tmp_path, monkeypatch):
+    """Before xxh3-128 the state hash was a sha256: the snapshot's and each logged close's are
+    checked against the values with sha256 at the restart, which then hashes with xxh3."""
+    def sha256(values):
+        return hashlib.sha256(values.contiguous().view(-1).numpy().data).hexdigest()
+
+    with monkeypatch.context() as older:
+        older.setattr(fragment_state, "state_hash", sha256)
+        shard = Shard(make_config(codec="int4", quorum=3), journal=ShardStore(tmp_path))
+        for version in range(2):
+            for i, learner in enumerate(LEARNERS):
+                shard.push(learner, 0, delta(10 * version + i, shard.numel()), base=version)
+        recorded, value = shard.core.status().fragments[0].state_hash, shard.value().clone()
+    assert recorded == sha256(value)
+    core = restarted(shard, tmp_path, rejoin=LEARNERS)
+    assert core.counters_snapshot()["replayed_rounds"] == 2  # each close checked against its sha256
+    assert torch.equal(shard.value(), value) and core.status().fragments[0].state_hash == state_hash(value)
+    shard.push("a", 0, delta(30, shard.numel()), base=2)  # and it goes on
+    assert restarted(shard, tmp_path, rejoin=LEARNERS).status().fragments[0].pending_contributions == 1
 
 
 def test_a_lost_update_file_shortens_the_history_to_a_snapshot(tmp_path):

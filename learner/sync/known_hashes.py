@@ -1,6 +1,6 @@
 """The state hash of each fragment value this learner holds, computed or checked once: a pull
 names its base by it (docs/protocol.md, "The downlink") and reports ask it at every checkpoint,
-and a sha256 of a large fragment is not free."""
+and hashing a large fragment is not free."""
 from __future__ import annotations
 
 import threading

@@ -319,7 +319,7 @@ class StreamingSync:
             scatter(pipeline.fragment, pipeline.anchor, self.params)
 
     def fragment_hashes(self) -> dict[int, tuple[int, str]]:
-        """(version, sha256) of the global value this learner holds, per fragment."""
+        """(version, state hash) of the global value this learner holds, per fragment."""
         return {fid: pipeline.hash() for fid, pipeline in self.fragments.items()}
 
     def global_state_dict(self) -> dict[str, torch.Tensor]:
