@@ -174,7 +174,7 @@ def close_seconds_per_param(contributions: int, numel: int = 16_000_000) -> floa
     for i in range(contributions):
         core.push(*push_parts(f"l{i}", torch.randn(numel) * 1e-3, INT4, pb.PUSH_KIND_OUTER_GRADIENT))
     state = core.fragments[0]
-    closed = state.round.closing("all", frozenset(learners), time.monotonic(), time.time())
+    closed = state.round.closing("all", frozenset(learners), frozenset(learners), time.monotonic(), time.time())
     started = time.perf_counter()
     state.close(closed)
     return (time.perf_counter() - started) / numel
