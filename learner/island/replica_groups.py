@@ -21,7 +21,6 @@ Every step, on every group:  quorum (heal if behind) -> which group leads? -> fo
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from datetime import timedelta
@@ -32,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
-from diloco.learner.island.ranks import IslandBroken, LeadTaken
+from diloco.learner.island.ranks import IslandBroken, LeadTaken, params_digest
 from diloco.learner.island.leader_lease import LeaderLease
 from diloco.services.contract.config import IslandConfig
 from diloco.services.contract.fragments import FragmentPlan, gather, scatter
@@ -244,10 +243,8 @@ class ReplicaGroups:
         if self._groups_now == 0:
             log.info("replica group %d trained no step in this process: nothing to verify", self.rank)
             return
-        digest = hashlib.sha256(b"".join(p.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-                                         for p in params.values())).digest()
         rows = torch.zeros(self.groups, 8, dtype=torch.int64, device=self.device)
-        rows[self.rank] = torch.tensor(list(digest[:8]), dtype=torch.int64)
+        rows[self.rank] = torch.tensor(list(params_digest(params)), dtype=torch.int64)
         self._reduce(rows)
         present = [g for g in range(self.groups) if rows[g].any()]
         differ = [g for g in present if not torch.equal(rows[g], rows[self._leader_group])]
