@@ -189,7 +189,9 @@ class ShardCore:
         `anchor_hash`) to the fragment's current value (syncer/pull.py)."""
         with self.counters.counting_refusals():
             state = self.owned.get(fragment_id)
-            return state.pulls.plan(state.committed, base_version, learner_id, anchor_hash)
+            plan = state.pulls.plan(state.committed, base_version, learner_id, anchor_hash)
+        self.counters.add(f"pulls.{plan.answer}")
+        return plan
 
     def version(self, fragment_id: int) -> int | None:
         """The fragment's version, None while unseeded (for pulls waiting on it)."""

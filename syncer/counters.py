@@ -12,7 +12,8 @@ refusals.<reason>, rounds.<close reason>, learners.<event> (joined, rejoined, le
 outliers.<learner id> (its pushes refused as outliers: syncer/outliers.py), revoked.<learner
 id> (its calls refused: its certificate is revoked), kept_compute_seconds, journal_bytes
 (written to the state folder), snapshots (full writes of a fragment's state), replayed_rounds
-(closed again from the log at a restart).
+(closed again from the log at a restart), pulls.<answer> (syncer/pull.py's PULL_ANSWERS: what
+encoding work the downlink cost).
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from diloco.services.metrics import WAN_TRANSFER_BUCKETS, Collector, new_registry
 from diloco.syncer.certificates import ShardCertificates
+from diloco.syncer.pull import PULL_ANSWERS
 
 # The families of syncer/counters.py (`family.label` -> diloco_syncer_<family>_total{label}):
 # label name, and the label values exported as 0 before they first happen, so that rates and
@@ -25,6 +26,7 @@ SYNCER_COUNTER_FAMILIES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "journal_bytes": (None, ()),
     "snapshots": (None, ()),
     "replayed_rounds": (None, ()),
+    "pulls": ("answer", PULL_ANSWERS),
 }
 SYNCER_COUNTER_HELP = {
     "contributions": "Outer-gradient pushes by what the shard did with them.",
@@ -40,6 +42,9 @@ SYNCER_COUNTER_HELP = {
     "journal_bytes": "Bytes the shard wrote to its state folder (log records and snapshots).",
     "snapshots": "Full writes of a fragment's state (the log starts over after each).",
     "replayed_rounds": "Rounds closed again from the log when the shard restarted.",
+    "pulls": "Pulls answered, by what they got: nothing new, the lineage's shared update, a delta "
+             "encoded for them or reused from another pull of the same anchor and value, the updates "
+             "since their version, a snapshot.",
 }
 
 

@@ -21,11 +21,18 @@ from diloco.syncer.snapshot import Encoded, FragmentSnapshot
 FP32 = get_codec("fp32")
 
 
+# What a pull was answered with (counted as pulls.<answer>, diloco_syncer_pulls_total):
+# nothing new, the lineage's shared update, a delta encoded for it, a delta another pull of the
+# same (anchor, value) pair encoded, the updates since its version (an older client), a snapshot.
+PULL_ANSWERS = ("nothing", "lineage_update", "delta_encoded", "delta_reused", "updates", "snapshot")
+
+
 @dataclass(frozen=True)
 class PullPlan:
     snapshot: bool  # items is one fp32 snapshot rather than updates
     items: tuple[Encoded, ...]
     state_hash: str  # of the value after the last item
+    answer: str  # one of PULL_ANSWERS
 
 
 def ahead(fragment_id: int, version: int, base_version: int) -> Refusal:
@@ -49,7 +56,6 @@ class Pulls:
         self._deltas: dict[str, tuple[Encoded, Anchor]] = {}  # by anchor hash, to `_deltas_to`
         self._deltas_to: torch.Tensor | None = None  # the committed value they lead to
         self._deltas_lock = threading.Lock()
-        self.deltas_encoded = 0  # deltas encoded since the shard started (a pull that reused one: none)
 
     def plan(self, committed: FragmentSnapshot | None, base_version: int | None, learner_id: str = "",
              anchor_hash: str = "") -> PullPlan:
@@ -72,27 +78,28 @@ class Pulls:
         if base_version == committed.version and (anchor is not None or anchor_hash == committed.state_hash):
             if anchor is None:  # on the lineage, as a learner holding the seed at version 0 is
                 self.served.record(learner_id, _lineage(committed))
-            return PullPlan(False, (), anchor_hash)
+            return PullPlan(False, (), anchor_hash, "nothing")
         if anchor is None:  # the shard restarted, a reply was lost, or another learner's value
             return self._snapshot_for(learner_id, committed)
         if anchor.on_lineage and base_version == committed.version - 1 and committed.history \
                 and committed.history[-1].version == committed.version:
             self.served.record(learner_id, _lineage(committed))  # the shared update: the shards' bits
-            return PullPlan(False, (committed.history[-1],), committed.state_hash)
-        item, received = self._shared_delta(committed, anchor)
+            return PullPlan(False, (committed.history[-1],), committed.state_hash, "lineage_update")
+        item, received, encoded = self._shared_delta(committed, anchor)
         self.served.record(learner_id, received)
-        return PullPlan(False, (item,), received.state_hash)
+        return PullPlan(False, (item,), received.state_hash, "delta_encoded" if encoded else "delta_reused")
 
-    def _shared_delta(self, committed: FragmentSnapshot, anchor: Anchor) -> tuple[Encoded, Anchor]:
+    def _shared_delta(self, committed: FragmentSnapshot, anchor: Anchor) -> tuple[Encoded, Anchor, bool]:
         """The delta from `anchor` to the committed value, encoded by the first pull that asks
-        for it since the value was committed (pulls of the same pair wait for it)."""
+        for it since the value was committed (pulls of the same pair wait for it); True when
+        this call encoded it."""
         with self._deltas_lock:
             if self._deltas_to is not committed.value:
                 self._deltas, self._deltas_to = {}, committed.value
-            if anchor.state_hash not in self._deltas:
+            encoded = anchor.state_hash not in self._deltas
+            if encoded:
                 self._deltas[anchor.state_hash] = self._delta(committed, anchor)
-                self.deltas_encoded += 1
-            return self._deltas[anchor.state_hash]
+            return (*self._deltas[anchor.state_hash], encoded)
 
     def _delta(self, committed: FragmentSnapshot, anchor: Anchor) -> tuple[Encoded, Anchor]:
         """One encoded delta from `anchor` to the committed value, and what the learner holds
@@ -111,12 +118,12 @@ class Pulls:
         or older than the history reaches."""
         if base_version is not None and base_version >= committed.version - len(committed.history):
             updates = tuple(u for u in committed.history if u.version > base_version)
-            return PullPlan(False, updates, committed.state_hash)
-        return PullPlan(True, (self._snapshot(committed),), committed.state_hash)
+            return PullPlan(False, updates, committed.state_hash, "updates")
+        return PullPlan(True, (self._snapshot(committed),), committed.state_hash, "snapshot")
 
     def _snapshot_for(self, learner_id: str, committed: FragmentSnapshot) -> PullPlan:
         self.served.record(learner_id, _lineage(committed))
-        return PullPlan(True, (self._snapshot(committed),), committed.state_hash)
+        return PullPlan(True, (self._snapshot(committed),), committed.state_hash, "snapshot")
 
     def _snapshot(self, committed: FragmentSnapshot) -> Encoded:
         """The committed value as an fp32 payload: a view of the tensor's own bytes (a committed

@@ -13,6 +13,7 @@ from diloco.localcluster.cluster import LocalCluster
 from diloco.localcluster.processes import free_ports
 from diloco.services.contract.config import Config, parse_config
 from diloco.services.metrics import WAN_TRANSFER_BUCKETS, write_file_sd
+from diloco.syncer.pull import PULL_ANSWERS
 from tests.cluster_config import tiny_cluster
 from tests.prometheus_server import Prometheus, local_config
 
@@ -41,6 +42,7 @@ SYNCER_METRICS = {
     "diloco_syncer_round_duration_seconds": ("histogram", {"reason"}),
     "diloco_syncer_fragment_version": ("gauge", {"fragment"}),
     "diloco_syncer_kept_compute_seconds": ("counter", set()),
+    "diloco_syncer_pulls": ("counter", {"answer"}),
 }
 # Identity is a target label (attached by the scraper), and ids of steps or tensors never a label.
 FORBIDDEN_LABELS = {"step", "tensor", "learner", "region", "shard", "run", "instance", "job"}
@@ -154,6 +156,8 @@ def test_shards_export_outer_steps_contributions_rounds_and_kept_compute(cluster
         assert {s.labels["reason"] for s in families["diloco_syncer_rounds"].samples} >= {"all", "quorum_grace"}
         assert sample_value(families["diloco_syncer_live_learners"]) == len(cfg.learners)
         assert sample_value(families["diloco_syncer_kept_compute_seconds"]) > 0
+        pulls = {s.labels["answer"]: s.value for s in families["diloco_syncer_pulls"].samples}
+        assert set(pulls) == set(PULL_ANSWERS) and sum(pulls.values()) > 0  # every answer exported, pulls counted
         # A fresh shard: every version is an outer step of this process. The run goes on, and a
         # scrape may fall between a round's install and its count: scrape again (bounded).
         for _ in range(20):
