@@ -266,6 +266,13 @@ def transport(section: dict, out: pathlib.Path) -> list[str]:
               f"memory bandwidth allows ({section['memory_bytes_per_second'] / 1e9:.1f} GB/s measured by a large torch "
               f"copy, {section['round_bytes_per_parameter']:.1f} bytes a round must touch per parameter): the int4 "
               f"encode and decode are compute-bound, not memory-bound.", ""]
+    if "shared_pulls" in runs[0]:
+        lines += ["Shared pulls (issue 53: one encode per (anchor, value) pair): " + "; ".join(
+            f"{r['shards']} shard(s): {r['shared_pulls']['learners']} learners holding the same value pull a "
+            f"fragment of {r['shared_pulls']['fragment_params'] / 1e6:.1f}M values two rounds later, together: "
+            f"{r['shared_pulls']['encodes']} encode, {r['shared_pulls']['reuses']} reused (the shard's "
+            f"`pulls.delta_encoded` and `pulls.delta_reused` counters), {r['shared_pulls']['seconds']:.2f} s in all"
+            for r in runs) + ".", ""]
     if len(runs) > 1:
         lines += [f"Scaling: {runs[-1]['shards']} shards give {runs[-1]['params_per_second'] / runs[0]['params_per_second']:.2f}x "
                   f"the round throughput of {runs[0]['shards']} (shards and pushers share the machine's cores).", ""]
@@ -662,6 +669,9 @@ def summary_rows(results: dict) -> list[list[str]]:
                    f"{one['params_per_second'] / t['in_process_params_per_second']:.2f}x in-process arithmetic"
                    + (f"; {t['runs'][-1]['shards']} shards {t['runs'][-1]['params_per_second'] / one['params_per_second']:.2f}x one"
                       if len(t["runs"]) > 1 else ""))
+        if "shared_pulls" in one:
+            summary += (f"; {one['shared_pulls']['learners']} learners pulling one (anchor, value) pair: "
+                        f"{one['shared_pulls']['encodes']} encode")
         if "scale" in t:
             biggest = max(t["scale"]["runs"], key=lambda r: r["params"])
             summary += (f"; one shard of {biggest['params'] / 1e6:.0f}M parameters: {biggest['round_seconds']:.1f} s a "

@@ -26,6 +26,10 @@ Each iteration runs three shard rounds:
    fragment's round closes on its last push (merge, Nesterov, int4 + error feedback, the close
    record synced to the log, apply, install; a full snapshot only every few rounds), which is
    acknowledged once the new version is installed.
+After the iterations, 16 learners of the config that never join (rounds do not wait for them)
+take a snapshot of fragment 0, two rounds close, and they pull it together from that anchor: the
+shard encodes the delta once and serves it to all (its `pulls.delta_encoded` and
+`pulls.delta_reused` counters, read from Status before and after, are reported).
 Every pushed byte crosses gRPC and is made durable, so the push path cannot beat the lower of
 raw's rate and the state folder's rate of durable push-sized appends (each fdatasynced, as the
 log does; measured in the same run). --memory-state adds one shard whose state is in /dev/shm:
@@ -87,6 +91,7 @@ TARGET_PULL_VS_RAW = 0.6
 TARGET_ROUND_VS_IN_PROCESS = 0.5
 BLOCK = 128
 ROUNDS_PER_ITERATION = 3  # the push path's two shapes, then a whole round
+PULLERS = 16  # learners that pull one (anchor, value) pair together: one encode for them all
 TENSORS = 8  # the parameter set is TENSORS equal tensors, packed into --fragments fragments
 INT4 = get_codec("int4")
 
@@ -239,12 +244,13 @@ def measure_shards(args: argparse.Namespace, num_shards: int, in_process: InProc
     work = Path(tempfile.mkdtemp(prefix="bench-syncer-"))  # the config, and the state unless state_root
     state_dir = Path(state_root) / f"shards-{num_shards}" if state_root else work / "state"
     learners = [f"pusher-{i}" for i in range(args.pushers)] + ["observer"]
+    pullers = [f"puller-{i}" for i in range(PULLERS)]  # in the config, never joined: rounds do not wait for them
     ports = free_ports(2 * num_shards)  # the shards', then the raw baselines'
     config_path = work / "cluster.yaml"
     config_path.write_text(yaml.safe_dump({
         "run": {"state_dir": str(state_dir)},
         "shards": [{"address": f"127.0.0.1:{port}", "metrics_port": 0} for port in ports[:num_shards]],
-        "learners": [{"id": learner, "region": "bench"} for learner in learners],
+        "learners": [{"id": learner, "region": "bench"} for learner in learners + pullers],
         "sync": {"fragments": args.fragments, "interval_steps": max(2, args.fragments), "overlap_steps": 1,
                  "codec": "int4", "codec_block_size": BLOCK},
         # Only "every live learner contributed" closes a round: the observer decides when.
@@ -384,6 +390,24 @@ def measure_shards(args: argparse.Namespace, num_shards: int, in_process: InProc
             for fragment in client.status().fragments:
                 assert fragment.version == ROUNDS_PER_ITERATION * args.rounds, fragment
                 assert all(state_hash(v[fragment.fragment_id]) == fragment.state_hash for v in values)
+
+        # PULLERS learners holding the same value pull fragment 0 two rounds later, together: a
+        # delta from their anchor, encoded once (counted by the shard) and served to each.
+        first, first_numel = fragments[0]
+        version = ROUNDS_PER_ITERATION * args.rounds
+        readers = [connect([shard_addresses[owner[first]]], puller)[0] for puller in pullers]
+        clients += readers
+        anchors = [value_after(reader.pull(first), None) for reader in readers]  # a snapshot each: on the lineage
+        for client in observer:
+            client.leave()
+        for base in (version, version + 1):
+            in_parallel([lambda i=i: push_one(pushers[i], i, first, first_numel, base) for i in range(args.pushers)])
+        counted = observer[owner[first]].status().counters
+        shared_s = in_parallel([lambda reader=reader, anchor=anchor: reader.pull(
+            first, version, anchor_hash=state_hash(anchor)) for reader, anchor in zip(readers, anchors)])
+        after = observer[owner[first]].status().counters
+        encodes, reuses = (after.get(f"pulls.{answer}", 0) - counted.get(f"pulls.{answer}", 0)
+                           for answer in ("delta_encoded", "delta_reused"))
         median = {name: statistics.median(seconds) for name, seconds in times.items()}
         raw_s, push_s, raw_seq_s, push_seq_s = (median[name] for name in ("raw", "push", "raw_sequential",
                                                                           "push_sequential"))
@@ -404,7 +428,9 @@ def measure_shards(args: argparse.Namespace, num_shards: int, in_process: InProc
                 "push_bound_mbytes_per_second": bound / 1e6, "push_vs_bound": payload_bytes / push_s / bound,
                 "push_seconds": push_s, "round_seconds": round_s,
                 "contributions_per_second": contributions / round_s,
-                "params_per_second": contributions * args.params / len(fragments) / round_s}
+                "params_per_second": contributions * args.params / len(fragments) / round_s,
+                "shared_pulls": {"learners": PULLERS, "encodes": encodes, "reuses": reuses, "seconds": shared_s,
+                                 "fragment_params": first_numel}}
     finally:
         for client in clients:
             client.close()
@@ -461,6 +487,9 @@ def main() -> int:
         print(f"  pull path (served)     {run['pull_served_mbytes_per_second']:8.0f} MB/s = {run['pull_vs_raw']:.2f} x raw "
               f"(target >= {TARGET_PULL_VS_RAW})")
         print(f"  pull, client decoding  {run['pull_mbytes_per_second']:8.0f} MB/s = {run['pull_decoded_vs_raw']:.2f} x raw")
+        shared = run["shared_pulls"]
+        print(f"  {shared['learners']} learners pulling one (anchor, value) pair of {shared['fragment_params'] / 1e6:.1f}M "
+              f"values: {shared['encodes']} encode(s), {shared['reuses']} reused, {shared['seconds']:.2f} s in all")
         print(f"  whole rounds           {run['contributions_per_second']:8.1f} contributions/s, "
               f"{run['params_per_second'] / 1e6:.0f}M fp32 parameters/s = "
               f"{run['params_per_second'] / in_process_rate:.2f} x in-process (target >= {TARGET_ROUND_VS_IN_PROCESS}; "
