@@ -12,6 +12,7 @@ from diloco.localcluster.islands import leader_kills
 from diloco.localcluster.sim_observer import Observer
 from diloco.services.contract.config import Config, LinkConfig
 from diloco.services.contract.goodput import account, no_badput
+from diloco.syncer.pull import PULL_ANSWERS
 
 
 def spared_islands(cfg: Config, args: argparse.Namespace) -> list[str]:
@@ -81,6 +82,8 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         "contributions": {"accepted": int(counters.get("contributions.accepted", 0)),
                           "stale_merged": int(counters.get("contributions.stale_merged", 0)),
                           "refused": int(refused)},
+        # What the shards answered pulls with: the downlink's encoding work is delta_encoded.
+        "pulls": {answer: int(counters.get(f"pulls.{answer}", 0)) for answer in PULL_ANSWERS},
         "goodput": goodput.share,
         "badput_seconds": dict(goodput.badput_seconds),
         "useful_seconds": useful,
@@ -227,6 +230,8 @@ def print_summary(report: dict, report_path: pathlib.Path) -> None:
         ("goodput", f"{report['goodput']:.1%}"),
         ("badput", ", ".join(f"{k} {v:.1f}s" for k, v in badput.items())),
         ("contributions", ", ".join(f"{k} {v}" for k, v in report["contributions"].items())),
+        *((("pulls answered", ", ".join(f"{k} {v}" for k, v in report["pulls"].items() if v)),)
+          if any(report.get("pulls", {}).values()) else ()),
         ("bytes on the wire", f"{moved / 1e6:.2f} MB (data parallel: "
                               f"{report['dp_equivalent_bytes'] / 1e6:.1f} MB, "
                               f"{report['dp_equivalent_bytes'] / moved if moved else float('inf'):.0f}x more)"),

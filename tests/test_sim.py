@@ -46,6 +46,9 @@ def test_sim_with_learner_and_shard_chaos_keeps_training_and_agrees(tmp_path):
     assert report["badput_seconds"]["down"] > 0
     assert report["badput_seconds"]["evaluation"] > 0 and report["badput_seconds"]["checkpoint"] > 0
     assert report["contributions"]["accepted"] + report["contributions"]["stale_merged"] > 0
+    # Restarted shards and learners pulled snapshots; the others pulled what the rounds made.
+    pulls = report["pulls"]
+    assert pulls["snapshot"] > 0 and pulls["lineage_update"] + pulls["delta_encoded"] + pulls["delta_reused"] > 0
     assert report["dp_equivalent_bytes"] > 10 * (report["bytes_up"] + report["bytes_down"])
     assert all(link["bytes_per_second"] > 0 for link in report["links"].values())
     assert (tmp_path / "run.png").stat().st_size > 10_000
