@@ -104,10 +104,10 @@ def test_another_group_takes_the_lead_of_an_island_whose_leader_is_killed(tmp_pa
     record = reports[island.name]["island"]
     assert record["leader_group"] == 1 and record["took_lead_at"] > killed_at
     lives = reports[island.name]["incarnations"]
-    # One more life of the learner, which went back to a checkpoint past the first (step 25),
-    # not to step 0. (Once in many CI runs it restored step 71 for a kill heard at step 100;
-    # every run here restores the last multiple of checkpoint_every.)
-    assert len(lives) == 2 and 50 <= lives[1]["restored_step"] <= step_at_kill, (step_at_kill, lives)
+    # One more life of the learner, which went back to a checkpoint past the first (step 25:
+    # it was killed past step 60), not to step 0. The shards' last heard step lags the leader's
+    # by up to a heartbeat, so it bounds the restored step neither way.
+    assert len(lives) == 2 and lives[1]["restored_step"] >= 50, (step_at_kill, lives)
     assert record["verified"]["groups"] == 2  # group 0 ended holding the new leader's bits
     for learner_id, report in reports.items():
         assert report["phase"] == "done" and report["steps"] == 900
