@@ -15,7 +15,6 @@ import xxhash
 from diloco.services.contract.fragments import FragmentPlan, gather, scatter
 
 
-
 def params_digest(params: dict[str, torch.Tensor]) -> bytes:
     """8 bytes of an xxh3-128 of every parameter's raw bytes, whatever the dtype (numpy has no
     bfloat16): equal on every rank or group that holds the same bits."""
@@ -23,6 +22,7 @@ def params_digest(params: dict[str, torch.Tensor]) -> bytes:
     for param in params.values():
         hasher.update(param.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
     return hasher.digest()[:8]
+
 
 class IslandBroken(RuntimeError):
     """This process cannot go on as part of its island of replica groups (it missed what the

@@ -19,8 +19,7 @@ def state_hash(values: torch.Tensor) -> str:
     bits against bugs and damage (another apply, a torn transfer), not against a peer that
     lies (mTLS and the shards' checks do that); a sha256 of a large fragment cost more than
     the round's own arithmetic on a busy host, xxh3 about a tenth of a copy of it."""
-    flat = values.detach().to(torch.float32).contiguous().view(-1)
-    return xxhash.xxh3_128_hexdigest(flat.numpy().data)  # the buffer itself: no copy of it
+    return xxhash.xxh3_128_hexdigest(_fp32_bytes(values))
 
 
 def is_legacy_hash(digest: str) -> bool:
@@ -33,9 +32,13 @@ def same_state(values: torch.Tensor, values_hash: str, recorded: str) -> bool:
     state_hash is `values_hash`; a recorded sha256 (a state folder an older diloco wrote) is checked
     against the values' sha256."""
     if is_legacy_hash(recorded):
-        flat = values.detach().to(torch.float32).contiguous().view(-1)
-        return hashlib.sha256(flat.numpy().data).hexdigest() == recorded
+        return hashlib.sha256(_fp32_bytes(values)).hexdigest() == recorded
     return values_hash == recorded
+
+
+def _fp32_bytes(values: torch.Tensor) -> memoryview:
+    """The fp32 value's own buffer, as hashes read it: no copy of an fp32 tensor."""
+    return values.detach().to(torch.float32).contiguous().view(-1).numpy().data
 
 
 def apply_update(value: torch.Tensor, update: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
