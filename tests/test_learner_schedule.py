@@ -153,6 +153,22 @@ def test_a_result_missing_after_the_wait_asks_for_one_snapshot_of_the_fragment()
 
 # --- merging a result ---------------------------------------------------------------------
 
+def test_a_wait_for_a_result_is_reported_as_waiting_elsewhere_only_once_it_lasts_a_heartbeat_interval():
+    # Reported at once, the schedule's ordinary waits of tens of ms let the other fragments'
+    # rounds close without this learner, whose pushes then land a round late (stale).
+    schedule, clock = make_schedule()  # heartbeats every 0.5 s
+    assert schedule.waiting_elsewhere() is None
+    schedule.waiting_began(1)
+    clock.now += 0.49
+    assert schedule.waiting_elsewhere() is None
+    assert schedule.waiting_ended() is False  # nothing to take back
+    schedule.waiting_began(1)
+    clock.now += 0.5
+    assert schedule.waiting_elsewhere() == 1
+    assert schedule.waiting_ended() is True  # a heartbeat must say it trains again
+    assert schedule.waiting_elsewhere() is None
+
+
 def test_alpha_zero_takes_the_global_value():
     local, global_value = torch.tensor([1.0, 2.0]), torch.tensor([10.0, 20.0])
     assert torch.equal(merged_fragment(0.0, global_value, local), global_value)

@@ -158,12 +158,6 @@ def test_sim_run_token_budget_ends_a_slow_and_a_fast_learner_together(tmp_path):
     assert report["state_hashes_agree"] is True
 
 
-def test_sim_wan_cap_limits_each_learners_link(tmp_path):
-    report = run_sim(tmp_path, "--learners", "2", "--shards", "1", "--steps", "60", "--wan-mbps", "2")
-    for link in report["links"].values():
-        assert 0 < link["bytes_per_second"] <= 2e6 / 8 * 1.2, link
-
-
 def test_sim_per_region_links_are_emulated_and_reported_as_configured(tmp_path):
     # us-west's 0.5 Mbit/s is a sixteenth of us-east's downlink: its pushes and pulls must
     # keep under it, and the report and the summary state each learner's link.
@@ -211,18 +205,6 @@ def test_sim_link_flags_set_each_regions_link_and_name_the_flag_at_fault(tmp_pat
             config(*flags)
 
 
-def test_rounds_that_wait_for_every_learner_merge_nothing_stale_while_nothing_fails(tmp_path):
-    # K = M: every round waits for all three learners unless one is down or waits elsewhere.
-    # The schedule's ordinary waits for a result (tens of ms) must not count as waiting
-    # elsewhere: when they did, rounds closed without the waiting learner, whose push then
-    # landed a round late (50 of 163 contributions stale here, twice the blocked time). On a
-    # loaded machine a learner starved of its core for a lease still lands a few (9 of 165 once).
-    report = run_sim(tmp_path, "--learners", "3", "--shards", "1", "--steps", "300", "--set", "syncer.quorum=3")
-    contributions = report["contributions"]
-    assert contributions["stale_merged"] <= 0.1 * (contributions["accepted"] + contributions["stale_merged"]), \
-        contributions
-
-
 def test_a_learner_whose_seeding_and_pulling_outlast_a_lease_keeps_it_with_heartbeats(tmp_path):
     # Each fragment takes about 0.9 s over a 0.2 Mbit/s link, the lease is 0.5 s: the
     # heartbeats that keep it must already run while the learner seeds and pulls at start-up.
@@ -232,7 +214,7 @@ def test_a_learner_whose_seeding_and_pulling_outlast_a_lease_keeps_it_with_heart
     assert report["contributions"]["accepted"] > 0 and report["state_hashes_agree"] is True
 
 
-def test_learners_end_holding_the_bits_they_were_served_however_far_apart_they_stop(tmp_path):
+def test_a_duration_run_ends_with_the_served_bits_however_far_apart_learners_stop_all_time_provisioned(tmp_path):
     """Three learners and two shards on two cores, one learner's step twenty times its
     compute, shards killed every 5 s on average, the run cut by --duration: the slow learner
     delivers and leaves long after the others would have taken their last pull. Agreement at
@@ -242,18 +224,14 @@ def test_learners_end_holding_the_bits_they_were_served_however_far_apart_they_s
                      "--duration", "15", "--slow-learner", "20", "--chaos-shards", "5", "--restart-delay", "1",
                      "--seed", "1")
     assert report["state_hashes_agree"] is True, report["restarts"]
-
-
-def test_sim_duration_run_keeps_the_steps_after_the_time_is_up_inside_provisioned_time(tmp_path):
     # When --duration is up the learners still train until they are told to stop (after the
     # last rounds' grace), then wait for their syncs in flight: those steps are goodput and
     # those waits badput, so that time is provisioned too.
-    report = run_sim(tmp_path, "--learners", "2", "--shards", "1", "--steps", "100000", "--duration", "6")
     provisioned = report["provisioned_seconds"]
-    assert provisioned > 2 * 6
+    assert provisioned > 3 * 15
     measured = {key: seconds for key, seconds in report["badput_seconds"].items() if key != "other"}
     # Start-up counts from the process's start time, which /proc gives in 10 ms clock ticks.
-    assert report["goodput"] * provisioned + sum(measured.values()) <= provisioned + 2 * 0.01
+    assert report["goodput"] * provisioned + sum(measured.values()) <= provisioned + 3 * 0.01
 
 
 @contextlib.contextmanager

@@ -207,6 +207,9 @@ class LearnerSchedule:
         self._wait_for_own_link = cfg.sync.wait_for_own_link
         self.own_link_steps: float | None = None  # own, above: the steps its own transfers take per sync
         self._heard: HeardRunTokens | None = None
+        # The fragment whose result training waits for, since when (waiting_elsewhere).
+        self._waiting: tuple[int, float] | None = None
+        self._heartbeat_seconds = cfg.trainer.heartbeat_seconds
 
     @property
     def first_step_pending(self) -> bool:
@@ -300,6 +303,27 @@ class LearnerSchedule:
         if position is None or not times:
             return position, None
         return position, (self._clock(), times[len(times) // 2], position)
+
+    def waiting_began(self, fragment_id: int) -> None:
+        """The training thread waits for the fragment's result from now."""
+        self._waiting = (fragment_id, self._clock())
+
+    def waiting_ended(self) -> bool:
+        """The wait is over; whether heartbeats may have reported it (then the shards count this
+        learner as waiting elsewhere until a heartbeat says otherwise)."""
+        reported = self.waiting_elsewhere() is not None
+        self._waiting = None
+        return reported
+
+    def waiting_elsewhere(self) -> int | None:
+        """The fragment whose result training has waited for at least a heartbeat interval:
+        long enough that the shards' other rounds should not wait for this learner (a circular
+        wait, say after a restart). Shorter waits are the schedule's ordinary ones: reported,
+        they would close rounds without this learner, whose pushes then land a round late."""
+        waiting = self._waiting  # read by heartbeat threads: one read of an immutable pair
+        if waiting is None or self._clock() - waiting[1] < self._heartbeat_seconds:
+            return None
+        return waiting[0]
 
     def result_still_out(self, fragment_id: int, waited: float) -> bool:
         """The training thread waited `waited` seconds for a due result and it is still out.

@@ -81,10 +81,6 @@ class StreamingSync:
         # others extrapolate this learner's schedule with over the seconds since its heartbeat.
         self.step_seconds = 0.0
         self.tokens_per_second = 0.0
-        # The fragment whose result training waits for, since when: heartbeats report a wait
-        # only once it has lasted a heartbeat interval (waiting_elsewhere), so that a short wait
-        # does not let the other fragments' rounds close without this learner's pushes.
-        self._waiting: tuple[int, float] | None = None
         self.standing_still = standing_still  # whether training stands still (its island regrouping)
         self.tokens = 0  # trained by this learner (every rank of its island)
         self._lock = threading.Lock()  # guards `fragments` while heartbeat threads read them
@@ -200,16 +196,8 @@ class StreamingSync:
         with self._lock:
             skipped = tuple(fid for fid, p in self.fragments.items() if p.undelivered is not None)
         return Progress(self.step, self.step_seconds, self.tokens, self.tokens_per_second,
-                        self.step + self.schedule.sync_offset, self.waiting_elsewhere(), self.standing_still(), skipped)
-
-    def waiting_elsewhere(self) -> int | None:
-        """The fragment whose result training has waited for at least a heartbeat interval:
-        long enough that the shards' other rounds should not wait for this learner (a circular
-        wait, say after a restart). Shorter waits are the schedule's ordinary ones."""
-        waiting = self._waiting
-        if waiting is None or time.monotonic() - waiting[1] < self.cfg.trainer.heartbeat_seconds:
-            return None
-        return waiting[0]
+                        self.step + self.schedule.sync_offset, self.schedule.waiting_elsewhere(), self.standing_still(),
+                        skipped)
 
     def heard_run_tokens(self, reply: pb.HeartbeatResponse, progress: Progress) -> None:
         self.schedule.heard_run_tokens(reply.run_tokens, reply.run_tokens_per_second, progress.tokens,
@@ -255,12 +243,11 @@ class StreamingSync:
         long as it takes). Returns whether a new global value was applied; False also while
         the result is still out (it stays in flight)."""
         fragment_id = pipeline.fragment.id
-        self._waiting = (fragment_id, time.monotonic())
+        self.schedule.waiting_began(fragment_id)
         try:
             waited = pipeline.wait(wait_limit)
         finally:
-            reported = self.waiting_elsewhere() is not None
-            self._waiting = None
+            reported = self.schedule.waiting_ended()
         if reported:  # the shards count this learner as waiting elsewhere: tell them it trains again
             for session in self.sessions:
                 session.heartbeat_now()
