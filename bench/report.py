@@ -290,6 +290,9 @@ def transport_targets_met(section: dict, run: dict) -> bool:
             and run["params_per_second"] / section["in_process_params_per_second"] >= section["target_round_vs_in_process"])
 
 
+ANCHORS_TARGET = 24.0  # B per owned parameter at M = 16 (issue 53)
+
+
 def scale(section: dict) -> list[str]:
     """bench/syncer_scale.py: one shard at model scale, now and before, and the capacity table."""
     lines = ["One shard process owning every fragment (P = 4), M = 4 synthetic pushers of int4 outer gradients, rounds "
@@ -302,6 +305,20 @@ def scale(section: dict) -> list[str]:
                      f"{r['durable_bytes_per_round_per_fragment'] / 1e6:.1f}",
                      f"{r['durable_bytes_per_round_per_fragment'] / r['received_bytes_per_round_per_fragment']:.2f}x",
                      code(section["command"])] for r in section["runs"]])
+    if section.get("anchors"):
+        lines += ["", f"Anchors (issue 53): one fragment of {section['anchors'][0]['params'] / 1e6:.0f}M values, "
+                  f"{section['anchors'][0]['learners']} learner identities; learner i takes a snapshot at version i "
+                  "(one pusher closes a round after each), then all pull from their anchors at once: unbounded, each "
+                  "would hold an off-lineage value of its own. syncer.kept_anchors bounds the values the shard keeps "
+                  "(4 B/param each); a learner whose value was dropped pulls the exact updates since, or a snapshot. "
+                  "Target: <= 24 B/param at rest at M = 16.", ""]
+        lines += table(["syncer.kept_anchors", "RSS B/param at rest", "target", "the 16 pulls' answers",
+                        "MB pulled per learner (median)", "one int4 update MB"],
+                       [[r["kept_anchors"], f"{r['rss_bytes_per_param']:.1f}",
+                         verdict(r["rss_bytes_per_param"] <= ANCHORS_TARGET) if r["kept_anchors"] == 1 else "-",
+                         ", ".join(f"{k} {v}" for k, v in sorted(r["answers"].items())),
+                         f"{r['pulled_bytes_per_learner'] / 1e6:.1f}", f"{r['int4_bytes'] / 1e6:.1f}"]
+                        for r in section["anchors"]])
     return lines + capacity(section)
 
 
@@ -312,7 +329,10 @@ def capacity(section: dict) -> list[str]:
               f"tau = {plan['overlap_steps']}, {plan['step_seconds']:g} s inner steps, int4, on shard machines of 16 cores and "
               f"128 GiB (80 % used), scaled linearly from this run: a round close of M = {plan['learners']} took "
               f"{measured['close_seconds_per_param'] * 1e9:.1f} ns per fragment parameter on {measured['cores']} cores, "
-              f"{measured['rest_bytes_per_param']:.1f} B/param at rest plus {measured['close_bytes_per_param']:.1f} B per "
+              f"{measured['rest_bytes_per_param']:.1f} B/param at rest"
+              + (f", 4 B/param for each of syncer.kept_anchors = {plan['kept_anchors']} learners' anchor values"
+                 if "kept_anchors" in plan else "")
+              + f" plus {measured['close_bytes_per_param']:.1f} B per "
               f"parameter of the closing fragment, disk {measured['disk_bytes_per_second'] / 1e6:.0f} MB/s. "
               "Where one fragment's close does not fit a shard, P doubles.", ""]
     return lines + table(["model", "P", "per fragment", "close on this machine", "cores to close within tau steps", "shards",
@@ -678,6 +698,13 @@ def summary_rows(results: dict) -> list[list[str]]:
                         f"round, {biggest['rss_bytes_per_param']:.1f} B/param at rest, durable writes "
                         f"{biggest['durable_bytes_per_round_per_fragment'] / biggest['received_bytes_per_round_per_fragment']:.1f}x "
                         f"what a round received")
+            anchors = {r["kept_anchors"]: r for r in t["scale"].get("anchors", [])}
+            if anchors:
+                bounded, unbounded = anchors[min(anchors)], anchors[max(anchors)]
+                summary += (f"; {bounded['learners']} learners on anchors of their own: "
+                            f"{bounded['rss_bytes_per_param']:.1f} B/param at rest with kept_anchors = "
+                            f"{bounded['kept_anchors']} ({unbounded['rss_bytes_per_param']:.1f} with "
+                            f"{unbounded['kept_anchors']})")
         rows.append(["5. transport", summary,
                      f"push >= {t['target_push_vs_raw']}x raw, pull >= {t['target_pull_vs_raw']}x, round >= "
                      f"{t['target_round_vs_in_process']}x in-process", verdict(transport_targets_met(t, one))])

@@ -161,7 +161,7 @@ QUICK = Profile("quick", steps=60, quality=(QualityRun("gpt", 2, 10, "int4"), Qu
                 goodput_learners=2, goodput_seconds=20, down_shares=(0.25,), restart_delay=4.0,
                 overlap=("--steps", "30", "--repeats", "1", "--wan-mbps", "5"),
                 transport=("--params", "1000000", "--rounds", "1", "--shards", "1", "2", "--memory-state"),
-                scale=("--params", "4000000", "--compare-params", "0", "--rounds", "2"),
+                scale=("--params", "4000000", "--compare-params", "0", "--rounds", "2", "--anchors-params", "4000000"),
                 recovery=("--sizes", "2x64", "--kills", "1"),
                 user_loop=("--pairs", "1", "--sizes", "demo"),
                 gpu_shaped=("--step", "gpu-shaped", "--sizes", "25M", "--steps", "32", "--pairs", "1"),

@@ -157,6 +157,82 @@ def measure(params: int, rounds: int, code: Path, state_dir: Path, label: str) -
         shutil.rmtree(work, ignore_errors=True)
 
 
+ANCHOR_PULLERS = 16
+
+
+def measure_anchors(params: int, kept: int, code: Path, state_dir: Path) -> dict:
+    """Shard memory with 16 learner identities each anchored on a value of its own: one fragment
+    of `params` values, one pusher closing rounds; puller i takes a snapshot at version i, then,
+    once every puller has one, all pull from their anchors (without syncer.kept_anchors bounding
+    the values, each would then hold an off-lineage value of its own). RSS at rest per parameter,
+    the pulls' answers and the bytes they took."""
+    work = Path(tempfile.mkdtemp(prefix="bench-anchors-"))
+    pullers = [f"puller-{i}" for i in range(ANCHOR_PULLERS)]
+    (port,) = free_ports(1)
+    config_path = work / "cluster.yaml"
+    config_path.write_text(yaml.safe_dump({
+        "run": {"state_dir": str(state_dir)},
+        "shards": [{"address": f"127.0.0.1:{port}", "metrics_port": 0}],
+        "learners": [{"id": learner, "region": "bench"} for learner in ["pusher", *pullers]],
+        "sync": {"fragments": 1, "interval_steps": 2, "overlap_steps": 1, "codec": "int4", "codec_block_size": BLOCK},
+        "syncer": {"quorum": 1, "grace": {"mode": "fixed", "seconds": 3600.0}, "lease_seconds": 3600.0,
+                   "max_update_norm": 1.0e9, "kept_anchors": kept},
+        "rpc": {"deadline_seconds": 3600.0},
+        "tls": {"mode": "plaintext"},
+    }))
+    cfg = load_config(config_path)
+    address = cfg.shards[0].address
+    process = subprocess.Popen([sys.executable, "-m", "diloco", "--log-level", "WARNING", "syncer",
+                                "--config", str(config_path), "--shard-index", "0", "--listen", address],
+                               cwd=work, env=dict(os.environ, PYTHONPATH=str(code)))
+    clients = []
+    try:
+        wait_serving(address, process)
+        baseline_rss = proc(process.pid, "status", "VmRSS")
+        manifest = [("w", (params,))]
+        pusher = ShardClient(address, cfg.rpc, "pusher", 1, identity=None)
+        clients = [pusher] + [ShardClient(address, cfg.rpc, learner, 1, identity=None) for learner in pullers]
+        pusher.join("bench", manifest)
+        pusher.push(0, torch.zeros(params), codec="fp32", block_size=BLOCK, kind=pb.PUSH_KIND_SEED)
+        payload = INT4.encode(torch.randn(params, generator=torch.Generator().manual_seed(1)) * 1e-3, BLOCK)
+        anchors = []
+        for version, client in enumerate(clients[1:]):
+            pulled = client.pull(0)  # a snapshot: on the lineage at `version`
+            anchors.append((version, pulled.state_hash))
+            del pulled
+            reply = pusher.push(0, payload, numel=params, codec=INT4, block_size=BLOCK, base_version=version,
+                                c_steps=2, c_tokens=2048, step_seconds=1.0)
+            if reply.result != pb.PUSH_RESULT_ACCEPTED:
+                raise RuntimeError(f"push not accepted: {reply}")
+        before = pusher.status().counters
+        started = time.perf_counter()
+        pulled_bytes = [client.pull(0, version, anchor_hash=anchor_hash).payload_bytes
+                        for client, (version, anchor_hash) in zip(clients[1:], anchors)]
+        seconds = time.perf_counter() - started
+        after = pusher.status().counters
+        time.sleep(IDLE_RELEASE_SECONDS + 0.5)
+        rss = proc(process.pid, "status", "VmRSS")
+        answers = {key.removeprefix("pulls."): after[key] - before.get(key, 0) for key in after
+                   if key.startswith("pulls.") and after[key] != before.get(key, 0)}
+        return {"params": params, "kept_anchors": kept, "learners": ANCHOR_PULLERS,
+                "rss_bytes_per_param": (rss - baseline_rss) / params, "answers": answers,
+                "pulled_bytes_per_learner": statistics.median(pulled_bytes), "pull_seconds": seconds,
+                "int4_bytes": len(payload)}
+    finally:
+        for client in clients:
+            client.close()
+        process.terminate()
+        process.wait(timeout=120)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def report_anchors(run: dict) -> None:
+    print(f"anchors: {run['learners']} learners on anchors of their own, one fragment of {run['params'] / 1e6:.0f}M "
+          f"values, syncer.kept_anchors={run['kept_anchors']}: shard RSS at rest {run['rss_bytes_per_param']:.1f} B "
+          f"per parameter; their pulls {run['answers']}, {run['pulled_bytes_per_learner'] / 1e6:.1f} MB each (median; "
+          f"one int4 update {run['int4_bytes'] / 1e6:.1f} MB), {run['pull_seconds']:.1f} s in all", flush=True)
+
+
 def close_seconds_per_param(contributions: int, numel: int = 16_000_000) -> float:
     """Seconds per fragment parameter of one round close with this many contributions, timed in
     this process around the shard's own FragmentState.close (merge, outer step, int4 encode with
@@ -216,7 +292,8 @@ class Measured:
 
 # The run the table is for: the paper's settings, int4 with 128-value blocks, shard machines of
 # 16 cores and 128 GiB.
-PLAN = {"fragments": 24, "learners": 8, "interval_steps": 100, "overlap_steps": 2, "step_seconds": 1.0}
+PLAN = {"fragments": 24, "learners": 8, "interval_steps": 100, "overlap_steps": 2, "step_seconds": 1.0,
+        "kept_anchors": 1}
 SHARD_CORES, SHARD_MEMORY = 16, 128 * 2**30
 INT4_BYTES_PER_PARAM = INT4.encoded_size(BLOCK * 1024, BLOCK) / (BLOCK * 1024)
 
@@ -228,7 +305,7 @@ def capacity(measured: Measured, params: float) -> dict:
     fragments = PLAN["fragments"]
     while True:
         fragment = params / fragments
-        per_shard = lambda shards: (measured.rest_bytes_per_param * params / shards
+        per_shard = lambda shards: ((measured.rest_bytes_per_param + 4 * PLAN["kept_anchors"]) * params / shards
                                     + (measured.close_bytes_per_param + PLAN["learners"] * INT4_BYTES_PER_PARAM) * fragment)
         shards = next((s for s in range(1, fragments + 1) if per_shard(s) <= 0.8 * SHARD_MEMORY), None)
         if shards:
@@ -284,6 +361,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=9, help="enough that the log reaches a full snapshot")
     parser.add_argument("--compare", default="58fd120", help="an earlier commit whose shard to measure too")
     parser.add_argument("--compare-params", type=int, default=64_000_000, help="0: no comparison")
+    parser.add_argument("--anchors-params", type=int, default=100_000_000,
+                        help="the fragment of the anchors measurement (0: none)")
+    parser.add_argument("--anchors-kept", type=int, nargs="+", default=[1, 2 * ANCHOR_PULLERS],
+                        help="syncer.kept_anchors values to measure it with (32: every learner's two anchors kept)")
     parser.add_argument("--state-dir", help="where the shard keeps its state (default: a temporary folder)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
@@ -299,6 +380,10 @@ def main() -> int:
         runs.append(measure(args.params, args.rounds, head, state_root / "now", "now"))
         for run in runs:
             report(run)
+        anchors = [measure_anchors(args.anchors_params, kept, head, state_root / f"anchors-{kept}")
+                   for kept in (args.anchors_kept if args.anchors_params else [])]
+        for run in anchors:
+            report_anchors(run)
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         print(f"this machine: {os.cpu_count()} cores, {memory / 2**30:.0f} GiB")
         now = runs[-1]
@@ -309,8 +394,8 @@ def main() -> int:
             disk_write_bytes_per_second(state_root))
         rows = print_capacity(measured)
         if args.json:
-            Path(args.json).write_text(json.dumps({"runs": runs, "measured": measured.__dict__, "plan": PLAN,
-                                                   "capacity": rows}, indent=1))
+            Path(args.json).write_text(json.dumps({"runs": runs, "anchors": anchors, "measured": measured.__dict__,
+                                                   "plan": PLAN, "capacity": rows}, indent=1))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

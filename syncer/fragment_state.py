@@ -48,7 +48,7 @@ class FragmentState:
                                  sync.overlap_steps)
         self._feedback = ErrorFeedback(self.codec, fragment.numel, self.block_size)
         self.committed: FragmentSnapshot | None = None  # None until seeded
-        self.pulls = Pulls(fragment, self.codec, self.block_size, ServedAnchors(learner_ids))
+        self.pulls = Pulls(fragment, self.codec, self.block_size, ServedAnchors(learner_ids, syncer.kept_anchors))
         self.round = OpenRound(1, fragment.numel, syncer)
         self.logged_bytes = 0  # payload bytes of the contributions logged since the last full write
         self.failure: str | None = None  # set while a close is part way (under the lock), and left set if it fails

@@ -77,29 +77,47 @@ class Pulls:
         anchor = self.served.held(learner_id, base_version, anchor_hash)
         if base_version == committed.version and (anchor is not None or anchor_hash == committed.state_hash):
             if anchor is None:  # on the lineage, as a learner holding the seed at version 0 is
-                self.served.record(learner_id, _lineage(committed))
+                self._record(learner_id, _lineage(committed), committed)
             return PullPlan(False, (), anchor_hash, "nothing")
         if anchor is None:  # the shard restarted, a reply was lost, or another learner's value
             return self._snapshot_for(learner_id, committed)
         if anchor.on_lineage and base_version == committed.version - 1 and committed.history \
                 and committed.history[-1].version == committed.version:
-            self.served.record(learner_id, _lineage(committed))  # the shared update: the shards' bits
+            self._record(learner_id, _lineage(committed), committed)  # the shared update: the shards' bits
             return PullPlan(False, (committed.history[-1],), committed.state_hash, "lineage_update")
-        item, received, encoded = self._shared_delta(committed, anchor)
-        self.served.record(learner_id, received)
+        delta = self._shared_delta(committed, anchor)
+        if delta is None:  # its value was dropped (syncer.kept_anchors) and no pull from it encoded one
+            if not anchor.on_lineage:
+                return self._snapshot_for(learner_id, committed)
+            self._record(learner_id, _lineage(committed), committed)  # the updates since: the shards' bits
+            return self._chain_or_snapshot(committed, base_version)
+        item, received, encoded = delta
+        self._record(learner_id, received, committed)
         return PullPlan(False, (item,), received.state_hash, "delta_encoded" if encoded else "delta_reused")
 
-    def _shared_delta(self, committed: FragmentSnapshot, anchor: Anchor) -> tuple[Encoded, Anchor, bool]:
+    def _record(self, learner_id: str, anchor: Anchor, committed: FragmentSnapshot) -> None:
+        """Records the learner's anchor; the deltas that led to values the served anchors
+        dropped go too (their values with them). A delta from a dropped value stays: learners
+        that hold those bits still share it."""
+        dropped = self.served.record(learner_id, anchor, committed.value)
+        if dropped:
+            with self._deltas_lock:
+                self._deltas = {h: entry for h, entry in self._deltas.items() if entry[1].state_hash not in dropped}
+
+    def _shared_delta(self, committed: FragmentSnapshot, anchor: Anchor) -> tuple[Encoded, Anchor, bool] | None:
         """The delta from `anchor` to the committed value, encoded by the first pull that asks
         for it since the value was committed (pulls of the same pair wait for it); True when
-        this call encoded it."""
+        this call encoded it. None when nobody did and the anchor's value was dropped."""
         with self._deltas_lock:
             if self._deltas_to is not committed.value:
                 self._deltas, self._deltas_to = {}, committed.value
-            encoded = anchor.state_hash not in self._deltas
-            if encoded:
-                self._deltas[anchor.state_hash] = self._delta(committed, anchor)
-            return (*self._deltas[anchor.state_hash], encoded)
+            cached = self._deltas.get(anchor.state_hash)
+            if cached is not None:
+                return (*cached, False)
+            if anchor.value is None:
+                return None
+            self._deltas[anchor.state_hash] = self._delta(committed, anchor)
+            return (*self._deltas[anchor.state_hash], True)
 
     def _delta(self, committed: FragmentSnapshot, anchor: Anchor) -> tuple[Encoded, Anchor]:
         """One encoded delta from `anchor` to the committed value, and what the learner holds
@@ -122,7 +140,7 @@ class Pulls:
         return PullPlan(True, (self._snapshot(committed),), committed.state_hash, "snapshot")
 
     def _snapshot_for(self, learner_id: str, committed: FragmentSnapshot) -> PullPlan:
-        self.served.record(learner_id, _lineage(committed))
+        self._record(learner_id, _lineage(committed), committed)
         return PullPlan(True, (self._snapshot(committed),), committed.state_hash, "snapshot")
 
     def _snapshot(self, committed: FragmentSnapshot) -> Encoded:

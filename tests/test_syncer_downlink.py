@@ -163,7 +163,7 @@ def test_after_a_restart_the_next_pull_is_a_snapshot_of_the_bits_served_before(t
 
 
 def test_a_learner_that_never_took_its_last_pull_still_gets_a_delta_from_the_anchor_before():
-    shard = int4_shard()
+    shard = int4_shard(kept_anchors=2)  # the anchor before and the one it never took
     learner = Puller(shard)
     rounds(shard, 2)
     shard.core.pull(0, learner.version, "b", state_hash(learner.value))  # its answer is lost
@@ -192,3 +192,30 @@ def test_sixteen_learners_holding_the_same_bits_cost_one_encode_and_then_share_o
         assert len(held) == 1
         anchors = {id(anchor.value) for anchor in pulls.served.records().values() if not anchor.on_lineage}
         assert len(anchors) == 1  # one tensor for the sixteen, not sixteen copies
+
+
+def test_a_shard_keeps_at_most_kept_anchors_values_and_a_learner_whose_value_went_pulls_exact_bits():
+    """syncer.kept_anchors bounds the values a fragment keeps of its learners' anchors, whatever
+    their number: a learner whose lineage value was dropped gets the exact updates since, one
+    whose off-lineage value was dropped a snapshot; either then holds the shard's bits."""
+    shard = int4_shard(kept_anchors=1)
+    b, c = Puller(shard, "b"), Puller(shard, "c")
+    fragment = shard.core.fragments[0]
+
+    def kept() -> int:
+        return fragment.pulls.served.values_kept(fragment.committed.value)
+
+    rounds(shard, 1)
+    assert c.pull().answer == "lineage_update"
+    rounds(shard, 2)
+    assert b.pull().answer == "delta_encoded"  # from the seed's value, still kept
+    assert kept() == 1  # b's new value; the lineage's older ones went first
+    plan = c.pull()
+    assert plan.answer == "updates" and [u.version for u in plan.items] == [2, 3]
+    assert torch.equal(c.value, shard.value())
+    rounds(shard, 2)
+    assert c.pull().answer == "delta_encoded"  # from version 3's value, kept until now
+    assert kept() == 1  # c's new value: b's went
+    plan = b.pull()
+    assert plan.answer == "snapshot" and torch.equal(b.value, shard.value())
+    assert kept() == 1
