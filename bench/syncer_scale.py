@@ -84,31 +84,42 @@ def proc(pid: int, name: str, field: str) -> int:
     raise KeyError(field)
 
 
-def measure(params: int, rounds: int, code: Path, state_dir: Path, label: str) -> dict:
-    work = Path(tempfile.mkdtemp(prefix="bench-scale-"))
-    learners = [f"pusher-{i}" for i in range(PUSHERS)]
+def start_shard(work: Path, code: Path, state_dir: Path, learners: list[str], fragments: int, quorum: int,
+                **syncer) -> tuple[str, object, subprocess.Popen]:
+    """A `diloco syncer` process of `code` owning every fragment, int4, plaintext, with rounds
+    that close only when `quorum` learners pushed: its address, config and process, serving."""
     (port,) = free_ports(1)
     config_path = work / "cluster.yaml"
     config_path.write_text(yaml.safe_dump({
         "run": {"state_dir": str(state_dir)},
         "shards": [{"address": f"127.0.0.1:{port}", "metrics_port": 0}],
         "learners": [{"id": learner, "region": "bench"} for learner in learners],
-        "sync": {"fragments": FRAGMENTS, "interval_steps": FRAGMENTS, "overlap_steps": 1, "codec": "int4",
+        "sync": {"fragments": fragments, "interval_steps": max(2, fragments), "overlap_steps": 1, "codec": "int4",
                  "codec_block_size": BLOCK},
-        "syncer": {"quorum": PUSHERS, "grace": {"mode": "fixed", "seconds": 3600.0}, "lease_seconds": 3600.0,
-                   "max_update_norm": 1.0e9},
+        "syncer": {"quorum": quorum, "grace": {"mode": "fixed", "seconds": 3600.0}, "lease_seconds": 3600.0,
+                   "max_update_norm": 1.0e9, **syncer},
         "rpc": {"deadline_seconds": 3600.0},
         "tls": {"mode": "plaintext"},
     }))
     cfg = load_config(config_path)
     address = cfg.shards[0].address
-    env = dict(os.environ, PYTHONPATH=str(code))
     process = subprocess.Popen([sys.executable, "-m", "diloco", "--log-level", "WARNING", "syncer",
                                 "--config", str(config_path), "--shard-index", "0", "--listen", address],
-                               cwd=work, env=env)
-    clients = []
+                               cwd=work, env=dict(os.environ, PYTHONPATH=str(code)))
     try:
         wait_serving(address, process)
+    except BaseException:
+        process.kill()
+        raise
+    return address, cfg, process
+
+
+def measure(params: int, rounds: int, code: Path, state_dir: Path, label: str) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    learners = [f"pusher-{i}" for i in range(PUSHERS)]
+    address, cfg, process = start_shard(work, code, state_dir, learners, FRAGMENTS, PUSHERS)
+    clients = []
+    try:
         baseline_rss = proc(process.pid, "status", "VmRSS")
         manifest = [(f"layers.{i}.weight", (params // 8,)) for i in range(8)]
         clients = [ShardClient(address, cfg.rpc, learner, 1, identity=None) for learner in learners]
@@ -168,26 +179,9 @@ def measure_anchors(params: int, kept: int, code: Path, state_dir: Path) -> dict
     the pulls' answers and the bytes they took."""
     work = Path(tempfile.mkdtemp(prefix="bench-anchors-"))
     pullers = [f"puller-{i}" for i in range(ANCHOR_PULLERS)]
-    (port,) = free_ports(1)
-    config_path = work / "cluster.yaml"
-    config_path.write_text(yaml.safe_dump({
-        "run": {"state_dir": str(state_dir)},
-        "shards": [{"address": f"127.0.0.1:{port}", "metrics_port": 0}],
-        "learners": [{"id": learner, "region": "bench"} for learner in ["pusher", *pullers]],
-        "sync": {"fragments": 1, "interval_steps": 2, "overlap_steps": 1, "codec": "int4", "codec_block_size": BLOCK},
-        "syncer": {"quorum": 1, "grace": {"mode": "fixed", "seconds": 3600.0}, "lease_seconds": 3600.0,
-                   "max_update_norm": 1.0e9, "kept_anchors": kept},
-        "rpc": {"deadline_seconds": 3600.0},
-        "tls": {"mode": "plaintext"},
-    }))
-    cfg = load_config(config_path)
-    address = cfg.shards[0].address
-    process = subprocess.Popen([sys.executable, "-m", "diloco", "--log-level", "WARNING", "syncer",
-                                "--config", str(config_path), "--shard-index", "0", "--listen", address],
-                               cwd=work, env=dict(os.environ, PYTHONPATH=str(code)))
+    address, cfg, process = start_shard(work, code, state_dir, ["pusher", *pullers], 1, 1, kept_anchors=kept)
     clients = []
     try:
-        wait_serving(address, process)
         baseline_rss = proc(process.pid, "status", "VmRSS")
         manifest = [("w", (params,))]
         pusher = ShardClient(address, cfg.rpc, "pusher", 1, identity=None)
