@@ -330,9 +330,9 @@ def capacity(section: dict) -> list[str]:
               f"128 GiB (80 % used), scaled linearly from this run: a round close of M = {plan['learners']} took "
               f"{measured['close_seconds_per_param'] * 1e9:.1f} ns per fragment parameter on {measured['cores']} cores, "
               f"{measured['rest_bytes_per_param']:.1f} B/param at rest"
-              + (f", 4 B/param for each of syncer.kept_anchors = {plan['kept_anchors']} learners' anchor values"
+              + (f" plus 4 B/param for each anchor value a fragment keeps (syncer.kept_anchors = {plan['kept_anchors']})"
                  if "kept_anchors" in plan else "")
-              + f" plus {measured['close_bytes_per_param']:.1f} B per "
+              + f", and {measured['close_bytes_per_param']:.1f} B per "
               f"parameter of the closing fragment, disk {measured['disk_bytes_per_second'] / 1e6:.0f} MB/s. "
               "Where one fragment's close does not fit a shard, P doubles.", ""]
     return lines + table(["model", "P", "per fragment", "close on this machine", "cores to close within tau steps", "shards",
