@@ -1,7 +1,8 @@
 """What a pull of a fragment gets (docs/protocol.md, "The downlink"): one delta from the anchor
 the shard last served the learner, the next update of the shards' own lineage, or the committed
-value whole; for a request without an anchor hash (an older client), the updates since its
-version, or the value whole when the history does not reach back that far.
+value whole; for a request without an anchor hash (an older client), or from a lineage anchor
+whose value the shard no longer keeps (syncer.kept_anchors), the updates since its version, or
+the value whole when the history does not reach back that far.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ FP32 = get_codec("fp32")
 
 # What a pull was answered with (counted as pulls.<answer>, diloco_syncer_pulls_total):
 # nothing new, the lineage's shared update, a delta encoded for it, a delta another pull of the
-# same (anchor, value) pair encoded, the updates since its version (an older client), a snapshot.
+# same (anchor, value) pair encoded, the updates since its version (an older client, or an anchor
+# whose value was dropped), a snapshot.
 PULL_ANSWERS = ("nothing", "lineage_update", "delta_encoded", "delta_reused", "updates", "snapshot")
 
 
