@@ -23,6 +23,7 @@ fragment's memory, so 500M would not fit).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -84,10 +85,12 @@ def proc(pid: int, name: str, field: str) -> int:
     raise KeyError(field)
 
 
-def start_shard(work: Path, code: Path, state_dir: Path, learners: list[str], fragments: int, quorum: int,
-                **syncer) -> tuple[str, object, subprocess.Popen]:
+@contextlib.contextmanager
+def running_shard(code: Path, state_dir: Path, learners: list[str], fragments: int, quorum: int, **syncer):
     """A `diloco syncer` process of `code` owning every fragment, int4, plaintext, with rounds
-    that close only when `quorum` learners pushed: its address, config and process, serving."""
+    that close only when `quorum` learners pushed, serving: yields its address, config, process
+    and a list for the caller's clients; closes them and stops the process on the way out."""
+    work = Path(tempfile.mkdtemp(prefix="bench-shard-"))
     (port,) = free_ports(1)
     config_path = work / "cluster.yaml"
     config_path.write_text(yaml.safe_dump({
@@ -106,23 +109,24 @@ def start_shard(work: Path, code: Path, state_dir: Path, learners: list[str], fr
     process = subprocess.Popen([sys.executable, "-m", "diloco", "--log-level", "WARNING", "syncer",
                                 "--config", str(config_path), "--shard-index", "0", "--listen", address],
                                cwd=work, env=dict(os.environ, PYTHONPATH=str(code)))
+    clients: list[ShardClient] = []
     try:
         wait_serving(address, process)
-    except BaseException:
-        process.kill()
-        raise
-    return address, cfg, process
+        yield address, cfg, process, clients
+    finally:
+        for client in clients:
+            client.close()
+        process.terminate()
+        process.wait(timeout=120)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def measure(params: int, rounds: int, code: Path, state_dir: Path, label: str) -> dict:
-    work = Path(tempfile.mkdtemp(prefix="bench-scale-"))
     learners = [f"pusher-{i}" for i in range(PUSHERS)]
-    address, cfg, process = start_shard(work, code, state_dir, learners, FRAGMENTS, PUSHERS)
-    clients = []
-    try:
+    with running_shard(code, state_dir, learners, FRAGMENTS, PUSHERS) as (address, cfg, process, clients):
         baseline_rss = proc(process.pid, "status", "VmRSS")
         manifest = [(f"layers.{i}.weight", (params // 8,)) for i in range(8)]
-        clients = [ShardClient(address, cfg.rpc, learner, 1, identity=None) for learner in learners]
+        clients += [ShardClient(address, cfg.rpc, learner, 1, identity=None) for learner in learners]
         fragments = [(f.fragment_id, f.numel) for f in clients[0].join("bench", manifest).fragments]
         for client in clients[1:]:
             client.join("bench", manifest)
@@ -160,12 +164,6 @@ def measure(params: int, rounds: int, code: Path, state_dir: Path, label: str) -
                 "durable_bytes_per_round_per_fragment": written / rounds / len(fragments),
                 "rss_bytes_per_param": (rss - baseline_rss) / params, "peak_rss_bytes_per_param": (peak - baseline_rss) / params,
                 "peak_rss_gib": peak / 2**30, "snapshots": status.counters.get("snapshots")}  # None: one every round
-    finally:
-        for client in clients:
-            client.close()
-        process.terminate()
-        process.wait(timeout=120)
-        shutil.rmtree(work, ignore_errors=True)
 
 
 ANCHOR_PULLERS = 16
@@ -177,15 +175,13 @@ def measure_anchors(params: int, kept: int, code: Path, state_dir: Path) -> dict
     once every puller has one, all pull from their anchors (without syncer.kept_anchors bounding
     the values, each would then hold an off-lineage value of its own). RSS at rest per parameter,
     the pulls' answers and the bytes they took."""
-    work = Path(tempfile.mkdtemp(prefix="bench-anchors-"))
     pullers = [f"puller-{i}" for i in range(ANCHOR_PULLERS)]
-    address, cfg, process = start_shard(work, code, state_dir, ["pusher", *pullers], 1, 1, kept_anchors=kept)
-    clients = []
-    try:
+    with running_shard(code, state_dir, ["pusher", *pullers], 1, 1, kept_anchors=kept) as (address, cfg, process,
+                                                                                           clients):
         baseline_rss = proc(process.pid, "status", "VmRSS")
         manifest = [("w", (params,))]
         pusher = ShardClient(address, cfg.rpc, "pusher", 1, identity=None)
-        clients = [pusher] + [ShardClient(address, cfg.rpc, learner, 1, identity=None) for learner in pullers]
+        clients += [pusher] + [ShardClient(address, cfg.rpc, learner, 1, identity=None) for learner in pullers]
         pusher.join("bench", manifest)
         pusher.push(0, torch.zeros(params), codec="fp32", block_size=BLOCK, kind=pb.PUSH_KIND_SEED)
         payload = INT4.encode(torch.randn(params, generator=torch.Generator().manual_seed(1)) * 1e-3, BLOCK)
@@ -212,12 +208,6 @@ def measure_anchors(params: int, kept: int, code: Path, state_dir: Path) -> dict
                 "rss_bytes_per_param": (rss - baseline_rss) / params, "answers": answers,
                 "pulled_bytes_per_learner": statistics.median(pulled_bytes), "pull_seconds": seconds,
                 "int4_bytes": len(payload)}
-    finally:
-        for client in clients:
-            client.close()
-        process.terminate()
-        process.wait(timeout=120)
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def report_anchors(run: dict) -> None:
