@@ -57,6 +57,7 @@ class FragmentState:
         # no contribution admitted and no round closed.
         self.restorable = True
         self._value_norm = (-1, 0.0)  # (version, L2 norm of its global value): computed once per version
+        self._value_norm_lock = threading.Lock()  # pushes racing after a close wait for one pass, not one each
 
     @property
     def id(self) -> int:
@@ -85,12 +86,14 @@ class FragmentState:
         return committed.version - key.base_version
 
     def value_norm(self) -> float:
-        """The L2 norm of the committed global value (the outlier rule's reference)."""
+        """The L2 norm of the committed global value (the outlier rule's reference): computed
+        by the close that made it, or once by the first push after a seed, restore or restart."""
         committed = self.committed  # one record: its version and value belong together
-        version, norm = self._value_norm
-        if version != committed.version:
-            norm = float(torch.linalg.vector_norm(committed.value))
-            self._value_norm = (committed.version, norm)
+        with self._value_norm_lock:
+            version, norm = self._value_norm
+            if version != committed.version:
+                norm = float(torch.linalg.vector_norm(committed.value))
+                self._value_norm = (committed.version, norm)
         return norm
 
     def check_not_failed(self) -> None:
@@ -194,6 +197,7 @@ class FragmentState:
             closed, period_sum, period_share)
         self.round = OpenRound(version + 1, self.fragment.numel, self.rules)
         self.failure = None
+        self.value_norm()  # here rather than in the next round's first pushes, which wait for their answers
 
     def _history(self, updates: tuple[Encoded, ...]) -> tuple[Encoded, ...]:
         """The newest updates, at most history_versions, while a chain of them is smaller

@@ -1,7 +1,8 @@
 """A learner's abnormal outer gradient is refused before it counts (syncer/outliers.py), on the
 shard's core with a fake clock: the rule against the fragment's global value, a round of one
 contributor, the first round, a fragment of zeros, the int4 path that clears a push without
-decoding it, and the reference following the value from version to version."""
+decoding it, and the reference following the value from version to version, measured once by the
+close that made it."""
 import pytest
 import torch
 
@@ -84,3 +85,20 @@ def test_the_reference_is_the_value_of_the_version_now():
         shard.push(learner, 0, scaled(delta(i, shard.numel()), 9.0 * first))
     assert shard.version() == 1 and shard.core.fragments[0].value_norm() == pytest.approx(value_norm(shard))
     assert value_norm(shard) != pytest.approx(first)
+
+
+def test_the_close_measures_the_new_value_once_so_the_next_rounds_pushes_do_not(monkeypatch):
+    shard = Shard(make_config(quorum=3))
+    for i, learner in enumerate(LEARNERS):
+        shard.push(learner, 0, delta(i, shard.numel()))
+    first = shard.core.fragments[0].committed.value
+    measured = []  # the tensors whose norm was taken
+    norm = torch.linalg.vector_norm
+    monkeypatch.setattr(torch.linalg, "vector_norm", lambda values, *a, **k: measured.append(values) or
+                        norm(values, *a, **k))
+    for i, learner in enumerate(LEARNERS):
+        shard.push(learner, 0, delta(10 + i, shard.numel()), base=1)
+    assert shard.version() == 2
+    second = shard.core.fragments[0].committed.value
+    assert [t is first for t in measured].count(True) == 0  # measured by its own close
+    assert [t is second for t in measured].count(True) == 1
