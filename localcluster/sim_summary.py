@@ -93,6 +93,9 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         "final_eval_loss_learners": sum(last_losses) / len(last_losses) if last_losses else None,
         "bytes_up": totals["bytes_up"],
         "bytes_down": totals["bytes_down"],
+        # Of bytes_down: the snapshots each learner took at the end to hold the shards' exact
+        # final values (once per run, not per sync).
+        "bytes_down_exact_end": totals["exact_end_bytes"],
         # What --mode dp moves for the same steps: a ring all-reduce of the fp32 gradients,
         # sent and received by every learner at every step.
         "dp_equivalent_bytes": totals["inner_steps"] * 2 * data_parallel.allreduce_bytes(len(cfg.learners),
@@ -132,7 +135,7 @@ def _learner_figures(cfg: Config, reports: dict[str, dict], learner_chaos: Chaos
     badput = no_badput()
     useful = provisioned_total = 0.0
     links, per_learner = {}, {}
-    totals = {"tokens": 0, "inner_steps": 0, "bytes_up": 0, "bytes_down": 0}
+    totals = {"tokens": 0, "inner_steps": 0, "bytes_up": 0, "bytes_down": 0, "exact_end_bytes": 0}
     for index, learner in enumerate(cfg.learners):
         report = reports.get(learner.id, {})
         lives = report.get("incarnations", [])
@@ -161,6 +164,7 @@ def _learner_figures(cfg: Config, reports: dict[str, dict], learner_chaos: Chaos
         totals["inner_steps"] += kept_steps
         totals["bytes_up"] += total("bytes_up")
         totals["bytes_down"] += total("bytes_down")
+        totals["exact_end_bytes"] += total("exact_end_bytes")
         # The link as configured (None: uncapped) beside what its pushes and pulls achieved.
         link = cfg.link(learner.id, learner.region) or LinkConfig()
         links[learner.id] = {"region": learner.region, **link.model_dump(), "bytes": moved,

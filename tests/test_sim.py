@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 REPORT_KEYS = {
     "mode", "learners", "shards", "wall_seconds", "tokens", "inner_steps", "outer_steps",
     "contributions", "goodput", "badput_seconds", "initial_eval_loss", "final_eval_loss",
-    "bytes_up", "bytes_down", "dp_equivalent_bytes", "restarts", "state_hashes_agree", "anchor_offset", "links",
+    "bytes_up", "bytes_down", "bytes_down_exact_end", "dp_equivalent_bytes", "restarts", "state_hashes_agree", "anchor_offset", "links",
 }
 
 
@@ -77,6 +77,8 @@ def test_the_llama_family_trains_in_the_cluster_and_ends_with_the_bits_it_was_se
     report = run_sim(tmp_path, "--learners", "2", "--shards", "2", "--steps", "100", "--set", "model.family=llama")
     assert report["config"]["model"] == "llama"
     assert report["state_hashes_agree"] is True
+    # Taking the shards' exact bits at the end costs each learner at most one fp32 model, once.
+    assert 0 <= report["bytes_down_exact_end"] <= min(report["bytes_down"], 2 * 4 * report["model_parameters"])
     assert report["final_eval_loss"] < 0.85 * report["initial_eval_loss"]
     assert_the_final_loss_is_the_exported_global_models(tmp_path, report)
 

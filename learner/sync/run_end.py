@@ -109,6 +109,7 @@ class RunEnd:
                     fid = pipeline.fragment.id
                     if pipeline.session is session and fid in exact and pipeline.hash() != exact[fid]:
                         result, value = self.stats.counted_pull(lambda: session.pull_checked(fid, None, None))
+                        self.stats.exact_end_bytes += result.payload_bytes
                         pipeline.adopt(value, result.version)
             except (grpc.RpcError, StateHashMismatch) as error:  # the shard left: keep what was served
                 log.warning("shard %d: not taking its exact final values: %s", session.index, error)

@@ -48,6 +48,7 @@ class SyncStats:
     blocked_seconds: float = 0.0
     bytes_up: int = 0
     bytes_down: int = 0
+    exact_end_bytes: int = 0  # of bytes_down: the snapshots taken at the end for the shards' exact bits
     transfer_seconds: float = 0.0  # time pushes and pulls spent on the wire
     pushes: int = 0  # outer gradients the shards held
     push_seconds: float = 0.0  # summed over them: from the push's start until the shard held it
