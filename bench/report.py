@@ -803,6 +803,11 @@ def summary_rows(results: dict) -> list[list[str]]:
                                  for kind, loss in o["median_loss"].items()),
                      f"mixed links, own link late, within the uniform runs' spread in quality and <= "
                      f"{pct(o['blocked_target'])} blocked (issue 53)", verdict(o["met"])])
+    if "split_downlink" in results:
+        s = results["split_downlink"]
+        rows.append(["15. split rounds' downlink", "downlink / uplink median, by syncer.kept_anchors: " + "; ".join(
+            f"{kept} {m['ratio']:.2f} ({m['ratio_without_end']:.2f} without the exact final values)"
+            for kept, m in s["median"].items()), f"<= {s['target']} (issue 53)", verdict(s["met"])])
     return rows
 
 
@@ -938,6 +943,22 @@ def own_link(section: dict, out: pathlib.Path) -> list[str]:
                          body)
 
 
+def split_downlink(section: dict, out: pathlib.Path) -> list[str]:
+    lines = [f"The demo's cluster (4 learners, 2 shards, P = 4, int4) with H = 25, quorum 2 and learner 2 slowed, so "
+             f"rounds close without it: {section['steps']} steps per learner, with the shards keeping one anchor value "
+             "per fragment (`syncer.kept_anchors: 1`, the default) and 8 (every learner's two anchors). Bytes on the "
+             "learners' links; without the exact final values: less the snapshots each learner takes once at the end "
+             "to hold the shards' exact bits (at most one fp32 model per learner, whatever the run's length). Pulls: "
+             f"what the shards answered with (docs/monitoring.md, `diloco_syncer_pulls_total`). "
+             f"{code(section['command'])} runs them all.", ""]
+    body = [[str(r["seed"]), str(r["kept_anchors"]), f"{r['bytes_up'] / 1e6:.1f}", f"{r['bytes_down'] / 1e6:.1f}",
+             f"{r['end_bytes'] / 1e6:.1f}", f"{r['ratio']:.2f}", f"{r['ratio_without_end']:.2f}",
+             ", ".join(f"{answer} {n}" for answer, n in r["pulls"].items() if n), _loss(r["final_eval_loss"]),
+             code(r["command"])] for r in section["runs"]]
+    return lines + table(["seed", "kept anchors", "MB up", "MB down", "of which exact final values", "down / up",
+                          "without the final values", "pulls", "global loss", "command"], body)
+
+
 TITLES = {"quality": "1. Quality at equal tokens",
           "user_quality": "1b. The run's product in a user's loop (transformers Llama, another text)", "bandwidth": "2. Bandwidth", "goodput": "3. Goodput under failures",
           "overlap": "4. Overlap", "transport": "5. Transport and syncer", "recovery": "6. Recovery",
@@ -947,11 +968,12 @@ TITLES = {"quality": "1. Quality at equal tokens",
           "island": "11. Elastic islands: losing replica groups (local)",
           "sick_learner": "12. A diverged learner (`diloco sim --chaos-poison`)",
           "kernel_links": "13. Kernel-shaped links against paced ones (`diloco sim --kernel-links`)",
-          "own_link": "14. Mixed links against uniform fast links"}
+          "own_link": "14. Mixed links against uniform fast links",
+          "split_downlink": "15. Split rounds' downlink"}
 RENDERERS = {"quality": quality, "user_quality": user_quality, "bandwidth": bandwidth, "goodput": goodput, "overlap": overlap,
              "transport": transport, "recovery": recovery, "user_loop": user_loop, "hf": hf, "plan": plan,
              "calibration": calibration, "island": island, "sick_learner": sick_learner,
-             "kernel_links": kernel_links, "own_link": own_link}
+             "kernel_links": kernel_links, "own_link": own_link, "split_downlink": split_downlink}
 
 
 def later_run(run: dict) -> str:

@@ -24,7 +24,9 @@ torchft replica groups losing groups, their leaders too, against the same run wi
 12. sick_learner: bench/sick_learner.py (one learner's model scaled x1000, NaN or bit-flipped);
 13. kernel_links: bench/kernel_links.py (the demo on mixed links, paced by the learners and shaped
 by the kernel in network namespaces; needs root); 14. own_link: bench/own_link.py (the demo on
-mixed links against uniform fast links, with and without waiting for a learner's own slow link).
+mixed links against uniform fast links, with and without waiting for a learner's own slow link);
+15. split_downlink: bench/split_downlink.py (split rounds' downlink against their uplink, by how many
+anchor values a shard keeps).
 Commands run one after another, never two at once, so timings do not compete with each other
 (other tenants of the machine still may: timings are medians of repeats). Every row of
 BENCHMARKS.md names its command; the runner only adds where the output goes (--run-dir,
@@ -56,7 +58,8 @@ from diloco.services.contract.config import load_config  # noqa: E402
 from diloco.localcluster.chaos import Chaos  # noqa: E402
 
 SECTIONS = ("quality", "user_quality", "bandwidth", "goodput", "overlap", "transport", "recovery", "user_loop", "hf", "plan",
-            "calibration", "island", "sick_learner", "kernel_links", "own_link")
+            "calibration", "island", "sick_learner", "kernel_links", "own_link",
+            "split_downlink")
 # The global model within this of data parallel at equal tokens, by M, for H <= 50 (issue 28).
 QUALITY_TARGETS = {4: 0.03, 8: 0.05}
 QUALITY_TARGET_MAX_H = 50
@@ -125,6 +128,7 @@ class Profile:
     sick_learner: tuple[str, ...]  # of bench/sick_learner.py
     kernel_links: tuple[str, ...]  # of bench/kernel_links.py
     own_link: tuple[str, ...]  # of bench/own_link.py
+    split_downlink: tuple[str, ...]  # of bench/split_downlink.py
     user_quality: tuple[tuple[str, ...], ...]  # of each run of bench/user_quality.py
 
 
@@ -153,6 +157,7 @@ FULL = Profile("full", steps=3000, quality=(
                sick_learner=("--steps", "600", "--seeds", "1", "2", "3"),
                kernel_links=("--steps", "300", "--seeds", "1", "2", "3"),
                own_link=("--steps", "600", "--seeds", "1", "2", "3"),
+               split_downlink=("--steps", "900", "--seeds", "1", "2"),
                user_quality=(("--steps", "600", "--ablations"),
                              ("--steps", "3000", "--intervals", "25", "--seeds", "1", "--lr-multipliers", "1", "2",
                               "--no-no-wait-row")))
@@ -173,6 +178,7 @@ QUICK = Profile("quick", steps=60, quality=(QualityRun("gpt", 2, 10, "int4"), Qu
                 sick_learner=("--steps", "80", "--seeds", "1"),
                 kernel_links=("--steps", "60", "--seeds", "1"),
                 own_link=("--steps", "60", "--seeds", "1"),
+                split_downlink=("--steps", "60", "--seeds", "1"),
                 user_quality=(("--steps", "60", "--intervals", "25", "--seeds", "1", "--lr-multipliers", "1",
                                "--no-no-wait-row"),))
 
@@ -600,6 +606,8 @@ def main() -> int:
         results["kernel_links"] = runner.script("kernel_links", "bench/kernel_links.py", profile.kernel_links)
     if "own_link" in wanted:
         results["own_link"] = runner.script("own_link", "bench/own_link.py", profile.own_link)
+    if "split_downlink" in wanted:
+        results["split_downlink"] = runner.script("split_downlink", "bench/split_downlink.py", profile.split_downlink)
     results["runner"] = {"command": shlex.join(["python", "bench/run_all.py", *sys.argv[1:]]),
                          "wall_seconds": time.monotonic() - started}
     out = pathlib.Path(args.out)

@@ -1,0 +1,68 @@
+"""Split rounds' downlink: what learners pull against what they push when rounds close on a
+quorum while one learner is slow, with a shard keeping one anchor value per fragment (the
+default, `syncer.kept_anchors: 1`) and twice the learners (every learner's two anchors).
+
+    python bench/split_downlink.py [--steps 900] [--seeds 1 2] [--json PATH]
+
+`diloco sim` runs of the demo's cluster (examples/local-4-regions.yaml: 4 learners, 2 shards,
+P=4, int4) with H=25, quorum 2 and learner 2 slowed (`--slow-learner 2`), per seed and kept
+value count. Per run: bytes up and down on the learners' links, their ratio, and the ratio
+without the exact final values each learner takes once at the end (a snapshot of every
+fragment its last pull left off the shards' lineage: at most one fp32 model per learner), a
+fixed cost that a longer run spreads thinner. What the shards answered the pulls with is
+counted too. Target (issue 53): downlink <= 1.25 x uplink.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from bench.demo_sim import seeded_args, seeded_command, sim  # noqa: E402
+
+CONFIG = "examples/local-4-regions.yaml"
+SPLIT = ["--set", "sync.interval_steps=25", "--set", "syncer.quorum=2", "--slow-learner", "2"]
+KEPT = (1, 8)  # the default; twice the demo's 4 learners
+TARGET = 1.25
+
+
+def figures(command: list[str], report: dict, kept: int) -> dict:
+    up, down, end = report["bytes_up"], report["bytes_down"], report["bytes_down_exact_end"]
+    return {"command": " ".join(command), "kept_anchors": kept, "bytes_up": up, "bytes_down": down,
+            "ratio": down / up, "ratio_without_end": (down - end) / up, "end_bytes": end,
+            "pulls": report["pulls"], "final_eval_loss": report["final_eval_loss"]}
+
+
+def main() -> int:
+    args = seeded_args(__doc__, steps=900)
+    runs = []
+    with tempfile.TemporaryDirectory() as work:
+        for seed in args.seeds:
+            for kept in KEPT:
+                command, report = sim(CONFIG, pathlib.Path(work) / f"{seed}-{kept}",
+                                      ["--steps", str(args.steps), *SPLIT, "--seed", str(seed),
+                                       "--set", f"syncer.kept_anchors={kept}"])
+                runs.append({"seed": seed, **figures(command, report, kept)})
+                print(json.dumps({k: runs[-1][k] for k in ("seed", "kept_anchors", "ratio", "ratio_without_end",
+                                                           "pulls")}), flush=True)
+    median = {kept: {key: statistics.median(r[key] for r in runs if r["kept_anchors"] == kept)
+                     for key in ("ratio", "ratio_without_end")} for kept in KEPT}
+    result = {"steps": args.steps, "seeds": args.seeds, "runs": runs, "target": TARGET,
+              "command": seeded_command("bench/split_downlink.py", args),
+              "median": {str(kept): m for kept, m in median.items()},
+              "met": min(m["ratio"] for m in median.values()) <= TARGET}
+    for kept, m in median.items():
+        print(f"kept_anchors {kept}: downlink / uplink median {m['ratio']:.2f}, without the exact final values "
+              f"{m['ratio_without_end']:.2f} (target <= {TARGET})")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
