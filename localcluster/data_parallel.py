@@ -228,6 +228,7 @@ def summarise(cfg: Config, args: argparse.Namespace, report: dict, chaos: Chaos,
         "final_eval_loss_learners": final[3] if final else None,
         "bytes_up": ranks * per_rank_bytes,
         "bytes_down": ranks * per_rank_bytes,
+        "bytes_down_exact_end": 0,  # no shards' values to take at the end
         "dp_equivalent_bytes": 2 * ranks * per_rank_bytes,
         "model_parameters": parameters,
         "restarts": {"learners": sum(1 for e in chaos.events if e["event"] == "restart"), "shards": 0},
