@@ -91,7 +91,8 @@ class Report:
             stats = sync.stats
             self.current.update(
                 blocked_seconds=stats.blocked_seconds, bytes_up=stats.bytes_up, bytes_down=stats.bytes_down,
-                exact_end_bytes=stats.exact_end_bytes, transfer_seconds=stats.transfer_seconds, pushes=stats.pushes, push_seconds=stats.push_seconds,
+                exact_end_bytes=stats.exact_end_bytes, transfer_seconds=stats.transfer_seconds,
+                pushes=stats.pushes, push_seconds=stats.push_seconds,
                 syncs_started=stats.syncs_started,
                 syncs_applied=stats.syncs_applied, syncs_skipped=stats.syncs_skipped,
                 syncs_late=stats.syncs_late, held_steps=stats.held_steps, rephased=stats.rephased, refused_stale=stats.refused_stale,
