@@ -27,7 +27,7 @@ from diloco.syncer.closing import RoundCloser, RoundListener
 from diloco.syncer.counters import Counters
 from diloco.syncer.disk import DiskGuardedJournal
 from diloco.syncer.fragment_state import FragmentState
-from diloco.syncer.intake import PushChecks, finite_value, reassembler, receive
+from diloco.syncer.intake import PushChecks, finite_value, reassembler, receive, until_seeded
 from diloco.syncer.journal import Journal, Manifest, NullJournal, NullSpool, Restored
 from diloco.syncer.membership import HeartbeatReport, Membership
 from diloco.syncer.owned import OwnedFragments
@@ -161,6 +161,8 @@ class ShardCore:
             spool = self.journal.spool(state.id, header.payload)
         else:  # a seed or restore is written in full by the snapshot it makes
             spool = NullSpool()
+            if header.kind == pb.PUSH_KIND_SEED:
+                chunks = until_seeded(state, chunks)
         started = self.clock()
         with self.membership.receiving(header.learner_id, header.incarnation, self.clock):
             payload = receive(assembler, chunks, spool)

@@ -106,6 +106,14 @@ def finite_value(state: FragmentState, header: pb.PayloadHeader, chunks: tuple[b
     return values
 
 
+def until_seeded(state: FragmentState, chunks: Iterator[pb.Chunk]) -> Iterator[pb.Chunk]:
+    """A seed's chunks, refused as soon as another learner's seed of the fragment is in: one
+    on a slow link stops uploading a whole fragment the shard no longer needs."""
+    for chunk in chunks:
+        check_unseeded(state)
+        yield chunk
+
+
 def check_unseeded(state: FragmentState) -> None:
     if state.committed is not None:
         raise Refusal("already_seeded", "ALREADY_EXISTS",

@@ -609,6 +609,31 @@ def test_the_first_seed_wins_and_unseeded_fragments_take_no_gradients():
     assert shard.core.status().fragments[0].state_hash == state_hash(first)
 
 
+def test_a_seed_still_streaming_in_when_another_lands_is_refused_before_its_remaining_chunks():
+    # A learner on a slow link stops uploading a fragment the shard no longer needs.
+    shard = Shard(make_config(), seed=False)
+    n = shard.numel()
+    fp32 = get_codec("fp32")
+    slow, fast = delta(1, n, scale=1.0), delta(2, n, scale=1.0)
+    payload = fp32.encode(slow, 128)
+    chunk_bytes = -(-len(payload) // 4)
+    header = pb.PushHeader(learner_id="a", incarnation=1, fragment_id=0, kind=pb.PUSH_KIND_SEED,
+                           payload=describe(fp32, n, payload, 128, chunk_bytes))
+    sent = []
+
+    def slow_chunks():
+        for chunk in iter_chunks(payload, chunk_bytes):
+            sent.append(chunk.index)
+            yield chunk
+            if len(sent) == 1:  # another learner's seed lands meanwhile
+                assert shard.push("b", 0, fast, kind=pb.PUSH_KIND_SEED).result == pb.PUSH_RESULT_SEEDED
+
+    with refused("ALREADY_EXISTS", "already_seeded"):
+        shard.core.push(header, slow_chunks())
+    assert sent == [0, 1]  # of 4: the check before taking each chunk refused the second
+    assert torch.equal(shard.value(), fast) and shard.version() == 0
+
+
 # ---- what a learner may claim (syncer/claims.py) ------------------------------------------
 # make_config: trainer.batch_size 8 x model.seq_len 128 -> at most T = 1024 tokens per step;
 # trainer.max_steps 1000; sync.interval_steps H = 4.
