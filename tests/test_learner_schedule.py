@@ -309,6 +309,48 @@ def test_a_shorter_lead_does_not_shorten_the_hold():
     assert schedule.hold == 3
 
 
+def on_time_after_waiting_in_its_round(schedule, early_seconds, step_seconds=0.1):
+    """Starts fragment 0's sync; its result is in at its apply step, the push having waited
+    `early_seconds` in its round for the others' pushes."""
+    started = start_one(schedule)
+    apply_at = schedule.fragments[0].apply_at
+    for step in range(started + 1, apply_at + 1):
+        schedule.step_done(step, TOKENS)
+    late = schedule.result_arrived(0, apply_at, step_seconds, applied=True, early_seconds=early_seconds)
+    assert not late
+
+
+def test_a_push_that_waited_steps_in_its_round_holds_the_schedule_before_it_becomes_a_wait():
+    # In time, but 3.5 steps ahead of the others: this learner steps faster and would soon wait.
+    schedule, _ = make_schedule(fragments=1, interval_steps=16)
+    on_time_after_waiting_in_its_round(schedule, early_seconds=0.35)
+    assert schedule.hold == 3 - 1  # less a step of margin: the others' jitter is no lead
+
+
+def test_a_push_ahead_of_the_others_by_under_two_steps_holds_nothing():
+    schedule, _ = make_schedule(fragments=1, interval_steps=16)
+    on_time_after_waiting_in_its_round(schedule, early_seconds=0.19)
+    assert schedule.hold == 0
+
+
+def test_how_early_a_push_was_counts_the_steps_held_since_it_started_against_its_lead():
+    schedule, _ = make_schedule(fragments=1, interval_steps=16, overlap_steps=3)
+    started = start_one(schedule)
+    schedule.hold = 2  # another fragment's lead, say
+    for step in range(started + 1, started + 4):
+        schedule.step_done(step, TOKENS)
+    schedule.result_arrived(0, started + 3, 0.1, applied=True, early_seconds=0.35)
+    assert schedule.hold == 0  # 3 - 1 steps of lead, both already held
+
+
+def test_a_skipped_sync_gives_no_lead_however_long_its_pull_took():
+    schedule, _ = make_schedule(fragments=1, interval_steps=16)
+    started = start_one(schedule)
+    schedule.step_done(started + 1, TOKENS)
+    schedule.result_arrived(0, started + 1, 0.1, applied=False, early_seconds=1.0)
+    assert schedule.hold == 0
+
+
 # --- the run's token budget ----------------------------------------------------------------
 
 def test_before_a_heartbeat_is_answered_the_run_has_this_learners_tokens():
@@ -446,6 +488,41 @@ def test_a_rejoining_learner_takes_the_phase_most_others_sync_at_not_that_of_the
     others = [learner("a", 23), learner("b", 47), learner("c", 71), learner("d", 49)]
     schedule.join_in_phase(others, "me", 30)
     assert (30 + schedule.sync_offset) % 24 == 23
+
+
+def test_a_learner_that_joins_past_some_fragments_turns_reports_them_until_their_next_sync():
+    # H = 8, P = 4 (offsets 0, 2, 4, 6): joined at the others' 13.5, its next step is their
+    # 13, schedule position 5: fragments 0, 1 and 2 synced this period without it, and their
+    # rounds should not wait for it; fragment 3 (offset 6) it syncs in this period.
+    schedule, _ = make_schedule(fragments=4, interval_steps=8)
+    schedule.join_in_phase([learner("a", 13)], "me", 3)
+    assert offsets(schedule) == {0: 0, 1: 2, 2: 4, 3: 6}
+    assert schedule.turns_passed == {0, 1, 2}
+    started = []
+    for step in range(3, 3 + 8):
+        started += ids(schedule.step_done(step, TOKENS).start)
+        if started == [3, 0]:
+            assert schedule.turns_passed == {1, 2}  # fragment 0's next sync has started
+    assert started == [3, 0, 1, 2] and schedule.turns_passed == set()
+
+
+def test_a_learner_alone_or_joining_at_the_start_of_a_period_passed_no_turn():
+    schedule, _ = make_schedule(fragments=4, interval_steps=8)
+    schedule.join_in_phase([], "me", 0)
+    assert schedule.turns_passed == set()
+    schedule.join_in_phase([learner("a", 8)], "me", 0)  # at their 8.5: its next step is their 8, position 0
+    assert schedule.turns_passed == set()
+
+
+def test_the_turns_passed_are_those_before_the_first_step_as_its_phase_finally_numbers_it():
+    # Joined at their 12.5 (position 4 for its first step: fragments 0 and 1 passed); its
+    # pulls take 0.13 s, so its first step is their 13 (position 5): fragment 2 passed too.
+    schedule, clock = make_schedule(fragments=4, interval_steps=8)
+    schedule.join_in_phase([learner("a", 12, step_seconds=0.1)], "me", 3)
+    assert schedule.turns_passed == {0, 1}
+    clock.now += 0.13
+    schedule.step_done(3, TOKENS)
+    assert schedule.turns_passed == {0, 1, 2}
 
 
 def test_the_catch_up_after_joining_happens_at_the_first_step_only():

@@ -19,6 +19,8 @@ sync.mix_alpha and t_p the offset of fragment p in the plan:
                one sync's own transfers take (its pull carries about a push's bytes)
     phase      lead = steps trained past the apply step + steps the wait was worth
                       - steps held since the sync started - max(0, own - tau)
+               or, where larger, floor(early / step time) - 1 - steps held since the start
+                      (early: how long its push waited in its round for the others')
                hold = max(hold, min(lead, H // (2P)))
     budget     run_tokens = own tokens + the others' heard tokens
                             + the others' heard rate * (now - heard at)
@@ -51,6 +53,7 @@ from diloco.services.contract.fragments import FragmentPlan
 from diloco.services.contract.wire import pb
 
 OWN_LINK_SMOOTHING = 0.2  # weight of the newest push in the own-link average
+EARLY_MARGIN_STEPS = 1  # a push this early in its round is in phase: jitter, not drift
 
 
 def merged_fragment(alpha: float, global_value: torch.Tensor, local: torch.Tensor,
@@ -144,8 +147,8 @@ class FragmentSchedule:
 
     def arrived(self, step: int, step_seconds: float, applied: bool) -> tuple[int, int]:
         """The result is in after step `step` (`applied`: it brought a new global value). Returns
-        (steps trained past the apply step, the lead over the round's last contributor in
-        steps, net of the steps held since the sync started)."""
+        (steps trained past the apply step, the steps it was late or waited for, net of the
+        steps held since the sync started)."""
         late_steps = step - self.apply_at
         late, self.late = self.late, None
         self.in_flight = False
@@ -203,6 +206,10 @@ class LearnerSchedule:
         # (when, the others' step time, their position then): joined, not yet stepped
         self._phase_heard: tuple[float, float, float] | None = None
         self.hold = 0  # steps the schedule is yet to stand still
+        # Fragments whose turn this period the phase taken at a (re)join had passed, until their
+        # first sync starts: no round of theirs waits for this learner meanwhile (heartbeats
+        # report them as skipped). Read by heartbeat threads: replaced, never changed in place.
+        self.turns_passed: frozenset[int] = frozenset()
         self._tau = cfg.sync.overlap_steps
         self._wait_for_own_link = cfg.sync.wait_for_own_link
         self.own_link_steps: float | None = None  # own, above: the steps its own transfers take per sync
@@ -229,6 +236,7 @@ class LearnerSchedule:
             nearest = math.floor(position + (self._clock() - heard_at) / others_step_seconds + 0.5) - 1
             ended = max(math.floor(position), nearest)
             self.sync_offset = (ended - step) % self._interval_steps
+            self._pass_turns_before(step)
         held = self.hold > 0
         starting = ()
         if held:
@@ -248,6 +256,8 @@ class LearnerSchedule:
                              if not self.fragments[f.id].in_flight and applied_before_budget_end)
             for sync in starting:
                 self.fragments[sync.fragment_id].start(step)
+            if starting and self.turns_passed:
+                self.turns_passed = self.turns_passed - {sync.fragment_id for sync in starting}
         due = tuple(DueResult(fid, self.wait_limit(fid)) for fid, f in self.fragments.items() if f.due_for_apply(step))
         return StepActions(held, starting, due)
 
@@ -285,6 +295,13 @@ class LearnerSchedule:
         position, self._phase_heard = self._phase_of_the_others(learners, learner_id)
         # Alone: its own step count; else its next step is their next.
         self.sync_offset = 0 if position is None else (math.floor(position) - step) % self._interval_steps
+        self._pass_turns_before(step)
+
+    def _pass_turns_before(self, step: int) -> None:
+        """Joined in phase at `step`: the fragments whose offset this period is behind it synced
+        without this learner; its next push of each comes a period later."""
+        position = (step + self.sync_offset) % self._interval_steps
+        self.turns_passed = frozenset(f.id for f in self.plan.fragments if f.offset_step < position)
 
     def heard_again_before_first_step(self, learners: Iterable[pb.LearnerStatus], learner_id: str) -> None:
         """Fresher heartbeats than the join's, just before the first step_done: that step is
@@ -334,14 +351,21 @@ class LearnerSchedule:
         return fragment.missed()
 
     def result_arrived(self, fragment_id: int, step: int, step_seconds: float, applied: bool,
-                       waited: float = 0.0) -> bool:
+                       waited: float = 0.0, early_seconds: float = 0.0) -> bool:
         """Fragment's result is in after step `step`, the training thread having waited
-        `waited` seconds for it just now; whether it came past its apply step. A result that
-        came after it was needed (waited for, or late) means the others reached the round
-        that much later: the schedule holds for that lead."""
-        self.fragments[fragment_id].waited(waited)
-        late_steps, lead_steps = self.fragments[fragment_id].arrived(step, step_seconds, applied)
+        `waited` seconds for it just now, its push having waited `early_seconds` in the round
+        for the others' (SyncOutcome.early_seconds); whether it came past its apply step. A
+        result that came after it was needed (waited for, or late) means the others reached
+        the round that much later, and so does a push that waited in its round for more than a
+        step even when the result came in time: the schedule holds for that lead before it
+        grows into a wait (learners' step times differ by a few percent, which adds up)."""
+        fragment = self.fragments[fragment_id]
+        fragment.waited(waited)
+        held = fragment.held_since_start
+        late_steps, lead_steps = fragment.arrived(step, step_seconds, applied)
         lead_steps -= max(0, round(self.own_link_steps or 0) - self._tau)  # the own link's part is no lead
+        if applied and step_seconds > 0:
+            lead_steps = max(lead_steps, math.floor(early_seconds / step_seconds) - EARLY_MARGIN_STEPS - held)
         if lead_steps > 0:
             self.hold = max(self.hold, min(lead_steps, self._max_hold))
         return late_steps > 0

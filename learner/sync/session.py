@@ -50,7 +50,9 @@ class Progress:
     sync_step: int  # the step its sync schedule is at
     waiting_for: int | None = None  # the fragment whose result training waits for now
     standing_still: bool = False  # training stands still (an island regrouping)
-    skipped: tuple[int, ...] = ()  # fragments whose last push was not delivered: their rounds need not wait
+    # Fragments whose last push was not delivered, or whose turn this period the phase taken on
+    # joining had passed: their rounds need not wait for this learner.
+    skipped: tuple[int, ...] = ()
 
 
 class SessionHost(Protocol):

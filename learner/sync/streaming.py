@@ -132,6 +132,9 @@ class StreamingSync:
         for session in self.sessions:
             session.join(should_stop)
         status = self._phase.join(self.step, self.tokens)
+        if self.schedule.turns_passed:  # rounds of those need not wait for the pulls below
+            for session in self.sessions:
+                session.heartbeat_now()
         behind = sum(self._pull_at_start(fragment, should_stop) for fragment in self.plan.fragments)
         age = 0.0 if process_started is None else time.monotonic() - process_started
         tell_what_it_joined(self.learner_id, self.cfg.run.name, self.cfg.trainer.max_run_tokens,
@@ -194,7 +197,8 @@ class StreamingSync:
 
     def progress(self) -> Progress:
         with self._lock:
-            skipped = tuple(fid for fid, p in self.fragments.items() if p.undelivered is not None)
+            undelivered = {fid for fid, p in self.fragments.items() if p.undelivered is not None}
+        skipped = tuple(sorted(undelivered | self.schedule.turns_passed))
         return Progress(self.step, self.step_seconds, self.tokens, self.tokens_per_second,
                         self.step + self.schedule.sync_offset, self.schedule.waiting_elsewhere(), self.standing_still(),
                         skipped)
@@ -261,7 +265,8 @@ class StreamingSync:
         outcome, local_at_apply = pipeline.take()
         self.stats.took(outcome)
         applied = outcome.anchor is not None
-        if self.schedule.result_arrived(fragment_id, self.step - 1, self.step_seconds, applied, waited):
+        if self.schedule.result_arrived(fragment_id, self.step - 1, self.step_seconds, applied, waited,
+                                        outcome.early_seconds):
             self.stats.syncs_late += 1
         if not applied:
             self.stats.syncs_skipped += 1
