@@ -22,10 +22,11 @@ class FakeClock:
 
 
 def make_schedule(fragments=2, interval_steps=4, overlap_steps=1, max_block_seconds=2.0, max_run_tokens=None,
-                  wait_for_own_link=True, max_steps=1000):
+                  wait_for_own_link=True, max_steps=1000, learners=1, quorum=1, grace_seconds=1.0):
     cfg = parse_config({
         "shards": [{"address": "127.0.0.1:1"}],
-        "learners": [{"id": "a", "region": "r"}],
+        "learners": [{"id": f"l{i}", "region": "r"} for i in range(learners)],
+        "syncer": {"quorum": quorum, "grace": {"seconds": grace_seconds}},
         "sync": {"fragments": fragments, "interval_steps": interval_steps, "overlap_steps": overlap_steps,
                  "max_block_seconds": max_block_seconds, "wait_for_own_link": wait_for_own_link},
         "trainer": {"max_run_tokens": max_run_tokens, "max_steps": max_steps},
@@ -325,6 +326,16 @@ def test_a_push_that_waited_steps_in_its_round_holds_the_schedule_before_it_beco
     schedule, _ = make_schedule(fragments=1, interval_steps=16)
     on_time_after_waiting_in_its_round(schedule, early_seconds=0.35)
     assert schedule.hold == 3 - 1  # less a step of margin: the others' jitter is no lead
+
+
+def test_below_a_quorum_of_every_learner_the_grace_window_a_push_waits_is_no_lead():
+    # K = 2 of 3: the round waits up to syncer.grace.seconds after its quorum by design.
+    schedule, _ = make_schedule(fragments=1, interval_steps=16, learners=3, quorum=2, grace_seconds=0.2)
+    on_time_after_waiting_in_its_round(schedule, early_seconds=0.35)
+    assert schedule.hold == 0  # 1.5 steps past the grace: within the margin
+    schedule, _ = make_schedule(fragments=1, interval_steps=16, learners=3, quorum=2, grace_seconds=0.2)
+    on_time_after_waiting_in_its_round(schedule, early_seconds=0.55)
+    assert schedule.hold == 3 - 1
 
 
 def test_a_push_ahead_of_the_others_by_under_two_steps_holds_nothing():

@@ -19,8 +19,9 @@ sync.mix_alpha and t_p the offset of fragment p in the plan:
                one sync's own transfers take (its pull carries about a push's bytes)
     phase      lead = steps trained past the apply step + steps the wait was worth
                       - steps held since the sync started - max(0, own - tau)
-               or, where larger, floor(early / step time) - 1 - steps held since the start
-                      (early: how long its push waited in its round for the others')
+               or, where larger, floor((early - grace) / step time) - 1 - steps held since
+                      the start (early: how long its push waited in its round for the others';
+                      grace: syncer.grace.seconds where K < M, what the round may wait anyway)
                hold = max(hold, min(lead, H // (2P)))
     budget     run_tokens = own tokens + the others' heard tokens
                             + the others' heard rate * (now - heard at)
@@ -212,6 +213,9 @@ class LearnerSchedule:
         self.turns_passed: frozenset[int] = frozenset()
         self._tau = cfg.sync.overlap_steps
         self._wait_for_own_link = cfg.sync.wait_for_own_link
+        # What a push may wait in its round by design, not for lack of phase: after a quorum
+        # below the learners' count, the shards' grace window (syncer/grace.py), at most this.
+        self._grace_seconds = 0.0 if cfg.syncer.quorum >= len(cfg.learners) else cfg.syncer.grace.seconds
         self.own_link_steps: float | None = None  # own, above: the steps its own transfers take per sync
         self._heard: HeardRunTokens | None = None
         # The fragment whose result training waits for, since when (waiting_elsewhere).
@@ -365,7 +369,8 @@ class LearnerSchedule:
         late_steps, lead_steps = fragment.arrived(step, step_seconds, applied)
         lead_steps -= max(0, round(self.own_link_steps or 0) - self._tau)  # the own link's part is no lead
         if applied and step_seconds > 0:
-            lead_steps = max(lead_steps, math.floor(early_seconds / step_seconds) - EARLY_MARGIN_STEPS - held)
+            early_steps = math.floor((early_seconds - self._grace_seconds) / step_seconds)
+            lead_steps = max(lead_steps, early_steps - EARLY_MARGIN_STEPS - held)
         if lead_steps > 0:
             self.hold = max(self.hold, min(lead_steps, self._max_hold))
         return late_steps > 0
