@@ -360,8 +360,8 @@ class LearnerSchedule:
         `waited` seconds for it just now, its push having waited `early_seconds` in the round
         for the others' (SyncOutcome.early_seconds); whether it came past its apply step. A
         result that came after it was needed (waited for, or late) means the others reached
-        the round that much later, and so does a push that waited in its round for more than a
-        step even when the result came in time: the schedule holds for that lead before it
+        the round that much later, and so does a push that waited in its round for two steps
+        or more even when the result came in time: the schedule holds for that lead before it
         grows into a wait (learners' step times differ by a few percent, which adds up)."""
         fragment = self.fragments[fragment_id]
         fragment.waited(waited)
