@@ -445,18 +445,14 @@ def test_learner_command_refuses_an_unknown_id_or_a_wrong_region():
 
 # --- sync: applying a round's result ------------------------------------------------------
 
-def _sync_with_a_held_result(tmp_path, monkeypatch, mix_alpha=0.0, shapes=None):
+def _sync_of_one_fragment(tmp_path, mix_alpha=0.0, shapes=None):
     """A StreamingSync of one fragment (H 4, tau 1, never blocking) of the tensors `shapes`
-    (default one of 8 values) whose push + pull is replaced by one that returns the global
-    value 100 once `release` is set."""
-    import threading
+    (default one of 8 values), not joined, with its pipeline at version 0; and the tensors."""
     from diloco.learner.sync.pipeline import FragmentPipeline
     from diloco.learner.sync.streaming import StreamingSync
-    from diloco.learner.sync.stats import SyncOutcome
     from diloco.services.contract.codecs import get_codec
     from diloco.services.contract.error_feedback import ErrorFeedback
     from diloco.services.contract.fragments import plan_for_config
-    from diloco.services.contract.wire import pb
     from tests.cluster_config import tiny_cluster
 
     cfg = tiny_cluster(tmp_path, shards=1, learners=1, tls={"mode": "plaintext"},
@@ -471,6 +467,18 @@ def _sync_with_a_held_result(tmp_path, monkeypatch, mix_alpha=0.0, shapes=None):
     sync.fragments[0] = FragmentPipeline(fragment, torch.zeros(numel), 0,
                                          ErrorFeedback(get_codec("fp32"), numel, cfg.sync.codec_block_size),
                                          sync.sessions[0], sync._context)
+    return sync, params
+
+
+def _sync_with_a_held_result(tmp_path, monkeypatch, mix_alpha=0.0, shapes=None):
+    """_sync_of_one_fragment, its push + pull replaced by one that returns the global value
+    100 once `release` is set."""
+    import threading
+    from diloco.learner.sync.stats import SyncOutcome
+    from diloco.services.contract.wire import pb
+
+    sync, params = _sync_of_one_fragment(tmp_path, mix_alpha, shapes)
+    numel = sync.plan.fragments[0].numel
     release = threading.Event()
     monkeypatch.setattr(sync.fragments[0], "exchange", lambda *_: (release.wait(10),
                         SyncOutcome(torch.full((numel,), 100.0), 1, pb.PUSH_RESULT_ACCEPTED))[1])
@@ -488,6 +496,34 @@ def _train_until_applied(sync, params, release, release_after_step: int) -> int:
             release.set()
             sync.fragments[0].in_flight.result(timeout=10)
     raise AssertionError("the result was never applied")
+
+
+@pytest.mark.parametrize("answer, waits_for_the_round", [("PUSH_RESULT_ACCEPTED", True),
+                                                         ("PUSH_RESULT_REFUSED_STALE", False)])
+def test_only_a_pull_that_waited_for_the_pushs_round_tells_how_early_the_push_was(
+        tmp_path, monkeypatch, answer, waits_for_the_round):
+    # A stale push's pull is a re-anchoring snapshot, not a wait for the others: no lead.
+    import time
+    import types
+    from diloco.learner.sync.pipeline import PushMeta
+    from diloco.services.contract.wire import pb
+    sync, _ = _sync_of_one_fragment(tmp_path)
+    pipeline, session = sync.fragments[0], sync.sessions[0]
+    numel = pipeline.fragment.numel
+    monkeypatch.setattr(pipeline, "_push", lambda outer, meta: (getattr(pb, answer), 1, 100))
+
+    def pull_checked(*_, **__):
+        time.sleep(0.05)  # the round's other pushes, or the snapshot's transfer
+        return types.SimpleNamespace(version=1, items=[None], payload_bytes=4 * numel), torch.ones(numel)
+
+    monkeypatch.setattr(session, "pull_checked", pull_checked)
+    outcome = pipeline.exchange(torch.zeros(numel), None, PushMeta(0, 1, 10, 0.01))
+    assert outcome.version == 1 and torch.equal(outcome.anchor, torch.ones(numel))
+    if waits_for_the_round:
+        assert outcome.early_seconds >= 0.04
+    else:
+        assert outcome.early_seconds == 0.0
+    sync.close(leave=False)
 
 
 def test_a_result_in_on_time_replaces_the_fragment(tmp_path, monkeypatch):

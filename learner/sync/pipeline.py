@@ -230,7 +230,8 @@ class FragmentPipeline:
         outcome.version = result.version if result.version is not None else version
         outcome.bytes_down = result.payload_bytes
         outcome.seconds = time.perf_counter() - started
-        outcome.early_seconds = max(0.0, outcome.seconds - 2 * outcome.push_seconds)
+        if push_result != pb.PUSH_RESULT_REFUSED_STALE:  # the pull waited for the push's round to close
+            outcome.early_seconds = max(0.0, outcome.seconds - 2 * outcome.push_seconds)
         return outcome
 
     def push_last(self, counters: SyncStart, step_seconds: float) -> Future:

@@ -30,7 +30,8 @@ class SyncOutcome:
     seconds: float = 0.0
     push_seconds: float | None = None  # from the push's start until the shard held it; None: no push got through
     # From the shard holding the push until the round's result was back, less the result's own
-    # transfer (taken to be the push's): how long the push waited in its round for the others'.
+    # transfer (taken to be the push's): how long the push waited in its round for the others'
+    # (0 for a push refused as stale, whose pull is a re-anchoring snapshot).
     early_seconds: float = 0.0
     reanchored: bool = False  # the anchor is the shard's value after it lost the one we held
     staged: torch.Tensor | None = None  # the anchor in pinned memory (a model on a GPU): copied there without a wait
