@@ -18,7 +18,8 @@ import torch
 
 from diloco.services.contract.codecs import Codec, get_codec
 from diloco.services.contract.config import Config, RpcConfig
-from diloco.services.contract.payload import Reassembler, decode_payload, describe, push_requests
+from diloco.services.contract.payload import (CHUNK_BYTES, Reassembler, decode_payload, describe, push_requests,
+                                              seed_chunk_bytes)
 from diloco.services.contract.rpc import open_channel, stream_deadline
 from diloco.services.contract.tls import Identity
 from diloco.services.contract.wire import pb, pb_grpc
@@ -184,16 +185,17 @@ class ShardClient:
             payload = values
             if numel is None:
                 raise ValueError("push of an encoded payload needs numel")
+        chunk_bytes = seed_chunk_bytes(len(payload)) if kind == pb.PUSH_KIND_SEED else CHUNK_BYTES
         header = pb.PushHeader(
             learner_id=self.learner_id, incarnation=self.incarnation, fragment_id=fragment_id,
             kind=kind, base_version=base_version, c_steps=c_steps, c_tokens=c_tokens,
-            step_seconds=step_seconds, payload=describe(codec, numel, payload, block_size), state_hash=state_hash,
-            final=final)
+            step_seconds=step_seconds, payload=describe(codec, numel, payload, block_size, chunk_bytes),
+            state_hash=state_hash, final=final)
 
         def requests() -> Iterator[pb.PushRequest]:
             if self.wan:  # the chunks follow the header on the way out: one latency for them all
                 self.wan.up.wait_latency()
-            for request in push_requests(header, payload):
+            for request in push_requests(header, payload, chunk_bytes):
                 if self.wan and request.HasField("chunk"):
                     self.wan.up.consume(len(request.chunk.data))
                 yield request

@@ -16,6 +16,7 @@ from diloco.services.contract.payload import (
     encode_payload,
     iter_chunks,
     leading_bytes,
+    seed_chunk_bytes,
 )
 from diloco.services.contract.wire import pb
 
@@ -59,6 +60,13 @@ def test_encode_payload_describes_default_one_mebibyte_chunks():
     assert header.chunk_count == len(chunks) == 3 and len(chunks[0].data) == CHUNK_BYTES
     expected = get_codec("int8").decode(payload, 2_500_000, BLOCK_SIZE)
     assert torch.equal(decode_payload(header, reassemble(header, chunks)), expected)
+
+
+@pytest.mark.parametrize("payload_bytes, chunks", [
+    (4_000, 1), (450_000, 7), (8 << 20, 16), (2 << 30, 2048), (2_000_000_004, 1908)])
+def test_a_seed_comes_in_several_chunks_but_never_more_than_sixteen_or_a_pushs(payload_bytes, chunks):
+    assert -(-payload_bytes // seed_chunk_bytes(payload_bytes)) == chunks
+    assert chunks <= max(16, -(-payload_bytes // CHUNK_BYTES))
 
 
 def test_empty_payload_has_no_chunks():

@@ -194,6 +194,58 @@ def test_membership_and_pull_refusals_over_the_wire(bad_input_shard):
         assert (info.value.code(), words in info.value.details()) == (code, True), info.value.details()
 
 
+# ---- the seed race ------------------------------------------------------------------------
+
+class _SlowUplink:
+    """A learner's uplink that takes `seconds_per_chunk` per chunk, counting the bytes that went
+    out; `before_first` runs as the first chunk is about to leave."""
+
+    def __init__(self, seconds_per_chunk: float, before_first):
+        self.latency_seconds, self.sent = 0.0, 0
+        self._seconds, self._before_first = seconds_per_chunk, before_first
+
+    def book(self, count: int) -> float:
+        return time.monotonic()
+
+    def consume(self, count: int) -> None:
+        if self.sent == 0:
+            self._before_first()
+        self.sent += count
+        time.sleep(self._seconds)
+
+    def wait_latency(self) -> None:
+        pass
+
+
+def test_a_seed_that_loses_the_race_on_a_slow_link_stops_within_a_fraction_of_its_upload(tmp_path):
+    """Every learner seeds the fragments it finds unseeded, and the first seed in wins. A seed
+    is cut into several chunks however small the fragment, so a loser on a slow link is refused
+    at its next chunk instead of uploading the whole value the shard no longer needs."""
+    _, cfg = write_config(tmp_path)
+    handle = start_shard(cfg, 0)
+    manifest = [(f"w{i}", (50_000,)) for i in range(4)]  # 200 kB in fp32 per fragment
+    fast, slow = (ShardClient(f"127.0.0.1:{handle.port}", cfg.rpc, learner, 1, identity=identity(cfg, learner))
+                  for learner in ("a", "b"))
+    try:
+        fragment = fast.join("r", manifest).fragments[0]
+        slow.join("r", manifest)
+        value = torch.randn(fragment.numel)
+
+        def the_fast_learner_seeds_first():
+            fast.push(fragment.fragment_id, value, codec="fp32", block_size=BLOCK, kind=pb.PUSH_KIND_SEED)
+
+        uplink = _SlowUplink(0.5, the_fast_learner_seeds_first)
+        slow.wan = type("Link", (), {"up": uplink, "down": uplink})()
+        with pytest.raises(grpc.RpcError) as refused:
+            slow.push(fragment.fragment_id, value, codec="fp32", block_size=BLOCK, kind=pb.PUSH_KIND_SEED)
+        assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert 0 < uplink.sent < 4 * fragment.numel  # the fp32 value: 4 bytes each
+    finally:
+        for client in (fast, slow):
+            client.close()
+        handle.stop()
+
+
 # ---- real shard processes ------------------------------------------------------------------
 
 class ShardProcess:

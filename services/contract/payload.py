@@ -26,6 +26,8 @@ from diloco.services.contract.codecs import Codec, get_codec
 from diloco.services.contract.wire import pb
 
 CHUNK_BYTES = 1 << 20
+SEED_MIN_CHUNK_BYTES = 64 << 10
+SEED_CHUNKS = 16
 
 
 class PayloadError(ValueError):
@@ -53,6 +55,14 @@ def describe(
         crc32=crc32(payload),
         block_size=block_size,
     )
+
+
+def seed_chunk_bytes(payload_bytes: int) -> int:
+    """The chunk size of a seed. Learners race to seed a fragment, and a loser is refused at its
+    next chunk (syncer/intake.py): a seed cut into SEED_CHUNKS pieces (at least
+    SEED_MIN_CHUNK_BYTES, at most CHUNK_BYTES) stops a loser on a slow link within a sixteenth
+    of its upload, and is never cut into more chunks than max(SEED_CHUNKS, a push's)."""
+    return min(CHUNK_BYTES, max(SEED_MIN_CHUNK_BYTES, -(-payload_bytes // SEED_CHUNKS)))
 
 
 def iter_chunks(payload: bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.Chunk]:
