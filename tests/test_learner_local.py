@@ -445,9 +445,10 @@ def test_learner_command_refuses_an_unknown_id_or_a_wrong_region():
 
 # --- sync: applying a round's result ------------------------------------------------------
 
-def _sync_of_one_fragment(tmp_path, mix_alpha=0.0, shapes=None):
+def _sync_of_one_fragment(tmp_path, mix_alpha=0.0, shapes=None, steps=200):
     """A StreamingSync of one fragment (H 4, tau 1, never blocking) of the tensors `shapes`
-    (default one of 8 values), not joined, with its pipeline at version 0; and the tensors."""
+    (default one of 8 values), not joined, with its pipeline at version 0, for `steps` steps;
+    and the tensors."""
     from diloco.learner.sync.pipeline import FragmentPipeline
     from diloco.learner.sync.streaming import StreamingSync
     from diloco.services.contract.codecs import get_codec
@@ -455,7 +456,7 @@ def _sync_of_one_fragment(tmp_path, mix_alpha=0.0, shapes=None):
     from diloco.services.contract.fragments import plan_for_config
     from tests.cluster_config import tiny_cluster
 
-    cfg = tiny_cluster(tmp_path, shards=1, learners=1, tls={"mode": "plaintext"},
+    cfg = tiny_cluster(tmp_path, shards=1, learners=1, steps=steps, tls={"mode": "plaintext"},
                        sync={"fragments": 1, "interval_steps": 4, "overlap_steps": 1, "codec": "fp32",
                              "max_block_seconds": 0.0, "mix_alpha": mix_alpha})
     shapes = shapes or {"w": (8,)}
@@ -470,14 +471,14 @@ def _sync_of_one_fragment(tmp_path, mix_alpha=0.0, shapes=None):
     return sync, params
 
 
-def _sync_with_a_held_result(tmp_path, monkeypatch, mix_alpha=0.0, shapes=None):
+def _sync_with_a_held_result(tmp_path, monkeypatch, mix_alpha=0.0, shapes=None, steps=200):
     """_sync_of_one_fragment, its push + pull replaced by one that returns the global value
     100 once `release` is set."""
     import threading
     from diloco.learner.sync.stats import SyncOutcome
     from diloco.services.contract.wire import pb
 
-    sync, params = _sync_of_one_fragment(tmp_path, mix_alpha, shapes)
+    sync, params = _sync_of_one_fragment(tmp_path, mix_alpha, shapes, steps)
     numel = sync.plan.fragments[0].numel
     release = threading.Event()
     monkeypatch.setattr(sync.fragments[0], "exchange", lambda *_: (release.wait(10),
@@ -585,6 +586,21 @@ def test_a_value_is_hashed_once_and_known_hashes_keep_no_value_alive(monkeypatch
     del later
     gc.collect()
     assert dropped() is None
+
+
+def test_heartbeats_say_at_once_which_fragments_sync_no_more_before_the_budget_ends(tmp_path, monkeypatch):
+    # 6 steps, H = 4, tau = 1: the sync started after step 0 is applied after step 1; the next
+    # turn (step 4) could not be applied within the budget, so no round need wait for it.
+    sync, _, release = _sync_with_a_held_result(tmp_path, monkeypatch, steps=6)
+    beats = []
+    monkeypatch.setattr(sync.sessions[0], "heartbeat_now", lambda: beats.append(sync.progress().skipped))
+    release.set()
+    sync.after_step(0, tokens=10, step_seconds=0.1)
+    sync.fragments[0].in_flight.result(timeout=10)
+    assert sync.after_step(1, tokens=10, step_seconds=0.1) == [0] and sync.progress().skipped == ()
+    sync.after_step(2, tokens=10, step_seconds=0.1)
+    assert beats == [(0,)] and sync.progress().skipped == (0,)
+    sync.close(leave=False)
 
 
 def test_heartbeats_report_a_moving_average_of_the_step_time_not_the_last_step(tmp_path, monkeypatch):

@@ -536,6 +536,36 @@ def test_the_turns_passed_are_those_before_the_first_step_as_its_phase_finally_n
     assert schedule.turns_passed == {0, 1, 2}
 
 
+def test_a_fragment_whose_next_sync_could_not_be_applied_within_the_budget_is_done_syncing():
+    # H = 8, P = 4 (offsets 0, 2, 4, 6), tau = 1, 20 steps: a sync starting after step s is
+    # applied after s + 1, so none starts after step 17. Fragment 1's last sync starts after
+    # step 10 and is applied after 11; its next turn (18) is too late, so from the step after
+    # that apply no round of fragment 1 waits for this learner: its last contribution comes at
+    # the run's end. Fragment 0's turn at 16 is still in time.
+    schedule, _ = make_schedule(fragments=4, interval_steps=8, max_steps=20)
+    done_from, started = {}, []
+    for step in range(20):
+        actions = schedule.step_done(step, TOKENS)
+        started += [(step, fid) for fid in ids(actions.start)]
+        for fid in schedule.done_syncing:
+            done_from.setdefault(fid, step)
+        for fid in ids(actions.apply):
+            schedule.result_arrived(fid, step, 0.1, applied=True)
+    assert started[-4:] == [(10, 1), (12, 2), (14, 3), (16, 0)]
+    assert done_from == {1: 12, 2: 14, 3: 16, 0: 18}
+
+
+def test_a_fragment_in_flight_is_not_done_syncing_until_its_result_is_in():
+    schedule, _ = make_schedule(fragments=2, interval_steps=8, max_steps=10)  # offsets 0 and 4
+    schedule.step_done(0, TOKENS)  # fragment 0 starts; its next turn (8) is too late
+    assert schedule.done_syncing == set()
+    schedule.step_done(1, TOKENS)  # its result is due, not in: in flight still
+    assert schedule.done_syncing == set()
+    schedule.result_arrived(0, 1, 0.1, applied=True)
+    schedule.step_done(2, TOKENS)  # fragment 1's turn (4) is still in time
+    assert schedule.done_syncing == {0}
+
+
 def test_the_catch_up_after_joining_happens_at_the_first_step_only():
     schedule, clock = make_schedule(interval_steps=8)
     schedule.join_in_phase([learner("a", 12)], "me", 3)

@@ -23,6 +23,10 @@ sync.mix_alpha and t_p the offset of fragment p in the plan:
                       the start (early: how long its push waited in its round for the others';
                       grace: syncer.grace.seconds where K < M, what the round may wait anyway)
                hold = max(hold, min(lead, H // (2P)))
+    done       a fragment none of whose syncs is in flight, and whose next start (held
+               steps only delay it) comes too late for its apply step to be within
+               trainer.max_steps: its last contribution comes at the end of training, and
+               heartbeats report it skipped so that no round waits for it meanwhile
     budget     run_tokens = own tokens + the others' heard tokens
                             + the others' heard rate * (now - heard at)
                the run is over once run_tokens >= trainer.max_run_tokens (own tokens are
@@ -211,6 +215,11 @@ class LearnerSchedule:
         # first sync starts: no round of theirs waits for this learner meanwhile (heartbeats
         # report them as skipped). Read by heartbeat threads: replaced, never changed in place.
         self.turns_passed: frozenset[int] = frozenset()
+        # Fragments whose next sync could not start before the step budget ends, none in flight:
+        # the learner's last contribution of each comes at its end (learner/sync/run_end.py),
+        # and no round waits for it meanwhile (heartbeats report them as skipped). Read by
+        # heartbeat threads: replaced, never changed in place.
+        self.done_syncing: frozenset[int] = frozenset()
         self._tau = cfg.sync.overlap_steps
         self._wait_for_own_link = cfg.sync.wait_for_own_link
         # What a push may wait in its round by design, not for lack of phase: after a quorum
@@ -262,8 +271,16 @@ class LearnerSchedule:
                 self.fragments[sync.fragment_id].start(step)
             if starting and self.turns_passed:
                 self.turns_passed = self.turns_passed - {sync.fragment_id for sync in starting}
+        self._mark_done_syncing(step)
         due = tuple(DueResult(fid, self.wait_limit(fid)) for fid, f in self.fragments.items() if f.due_for_apply(step))
         return StepActions(held, starting, due)
+
+    def _mark_done_syncing(self, step: int) -> None:
+        """After step `step`: the fragments not in flight whose earliest next start (held steps
+        only delay it) is too late for its result to be applied within trainer.max_steps."""
+        after, interval = step + 1, self._interval_steps
+        self.done_syncing = frozenset(f.id for f in self.plan.fragments if not self.fragments[f.id].in_flight and (
+            after + (f.offset_step - after - self.sync_offset) % interval + self._tau + 1 >= self._max_steps))
 
     def wait_limit(self, fragment_id: int) -> float | None:
         """How long the training thread may wait for the fragment's due result now (None: as

@@ -198,7 +198,7 @@ class StreamingSync:
     def progress(self) -> Progress:
         with self._lock:
             undelivered = {fid for fid, p in self.fragments.items() if p.undelivered is not None}
-        skipped = tuple(sorted(undelivered | self.schedule.turns_passed))
+        skipped = tuple(sorted(undelivered | self.schedule.turns_passed | self.schedule.done_syncing))
         return Progress(self.step, self.step_seconds, self.tokens, self.tokens_per_second,
                         self.step + self.schedule.sync_offset, self.schedule.waiting_elsewhere(), self.standing_still(),
                         skipped)
@@ -232,7 +232,11 @@ class StreamingSync:
             log.error("learner %s healed at step %d: %s. It took back the global model it holds (versions %s) "
                       "and dropped its local progress since", self.learner_id, step, why, self.held_versions())
             healed = list(self.fragments)
+        done_syncing = self.schedule.done_syncing
         actions = self.schedule.step_done(step, tokens)
+        if self.schedule.done_syncing != done_syncing:  # rounds of those need not wait for this learner
+            for session in self.sessions:
+                session.heartbeat_now()
         if actions.held:
             self.stats.held_steps += 1
         for sync in actions.start:
