@@ -91,6 +91,7 @@ def mutate(path: str, value):
     ("island", {"replica_groups": 0}, "island.replica_groups: Input should be greater than 0"),
     ("island", {"replica_group": 2}, "island.replica_group: unknown key"),
     ("island", {"heartbeat_timeout_seconds": 0}, "island.heartbeat_timeout_seconds: Input should be greater than 0"),
+    ("limits", {"max_chunks_per_push": 8}, "limits.max_chunks_per_push: Input should be greater than or equal to 16"),
 ])
 def test_bad_values_are_refused_naming_the_key(path, value, expected):
     with pytest.raises(ConfigError) as info:

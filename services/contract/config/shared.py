@@ -153,7 +153,8 @@ class LimitsConfig(Section):
     """What one peer may ask of a shard. Beyond a limit the call is refused (RESOURCE_EXHAUSTED,
     DEADLINE_EXCEEDED for a stalled push) and what it sent so far is discarded."""
     max_push_bytes: Annotated[int, Field(gt=0)] = 1 << 30  # encoded payload of one push
-    max_chunks_per_push: PositiveInt = 4096
+    # At least 16: a seed of up to 16 MiB comes in 16 chunks (services/contract/payload.py).
+    max_chunks_per_push: Annotated[int, Field(ge=16)] = 4096
     # Longest gap between two messages of a push stream: a push that trickles (slow loris)
     # is cut off. A whole push may take rpc.deadline_seconds per MiB, as clients allow it.
     push_idle_seconds: PositiveFloat = 30.0
