@@ -262,11 +262,10 @@ class LearnerSchedule:
             # config refuses). None whose result the step budget ends before or at: the
             # fragment's progress goes out as the learner's last contribution instead
             # (learner/sync/run_end.py), which the shards average plainly.
-            applied_before_budget_end = step + self._tau + 1 < self._max_steps
             starting = tuple(SyncStart(f.id, self.fragments[f.id].steps_since_sync,
                                        self.fragments[f.id].tokens_since_sync)
                              for f in self.plan.due_at(step + self.sync_offset)
-                             if not self.fragments[f.id].in_flight and applied_before_budget_end)
+                             if not self.fragments[f.id].in_flight and self._applied_within_budget(step))
             for sync in starting:
                 self.fragments[sync.fragment_id].start(step)
             if starting and self.turns_passed:
@@ -279,8 +278,13 @@ class LearnerSchedule:
         """After step `step`: the fragments not in flight whose earliest next start (held steps
         only delay it) is too late for its result to be applied within trainer.max_steps."""
         after, interval = step + 1, self._interval_steps
-        self.done_syncing = frozenset(f.id for f in self.plan.fragments if not self.fragments[f.id].in_flight and (
-            after + (f.offset_step - after - self.sync_offset) % interval + self._tau + 1 >= self._max_steps))
+        self.done_syncing = frozenset(
+            f.id for f in self.plan.fragments if not self.fragments[f.id].in_flight
+            and not self._applied_within_budget(after + (f.offset_step - after - self.sync_offset) % interval))
+
+    def _applied_within_budget(self, start_step: int) -> bool:
+        """Whether a sync starting after step `start_step` is applied before the step budget ends."""
+        return start_step + self._tau + 1 < self._max_steps
 
     def wait_limit(self, fragment_id: int) -> float | None:
         """How long the training thread may wait for the fragment's due result now (None: as
