@@ -946,17 +946,20 @@ def own_link(section: dict, out: pathlib.Path) -> list[str]:
 def split_downlink(section: dict, out: pathlib.Path) -> list[str]:
     lines = [f"The demo's cluster (4 learners, 2 shards, P = 4, int4) with H = 25, quorum 2 and learner 2 slowed, so "
              f"rounds close without it: {section['steps']} steps per learner, with the shards keeping one anchor value "
-             "per fragment (`syncer.kept_anchors: 1`, the default) and 8 (every learner's two anchors). Bytes on the "
+             "per fragment (`syncer.kept_anchors: 1`, the default), 4 (one per learner) and 8 (every learner's two "
+             "anchors): 4 B per owned parameter each. Bytes on the "
              "learners' links; without the exact final values: less the snapshots each learner takes once at the end "
              "to hold the shards' exact bits (at most one fp32 model per learner, whatever the run's length). Pulls: "
-             f"what the shards answered with (docs/monitoring.md, `diloco_syncer_pulls_total`). "
+             f"what the shards answered with (docs/monitoring.md, `diloco_syncer_pulls_total`); from a dropped value: "
+             "those that came from an anchor whose value the shard had dropped, and so got the updates since or a "
+             "snapshot instead of one delta (`diloco_syncer_anchor_values_missed_total`). "
              f"{code(section['command'])} runs them all.", ""]
     body = [[str(r["seed"]), str(r["kept_anchors"]), f"{r['bytes_up'] / 1e6:.1f}", f"{r['bytes_down'] / 1e6:.1f}",
              f"{r['end_bytes'] / 1e6:.1f}", f"{r['ratio']:.2f}", f"{r['ratio_without_end']:.2f}",
-             ", ".join(f"{answer} {n}" for answer, n in r["pulls"].items() if n), _loss(r["final_eval_loss"]),
-             code(r["command"])] for r in section["runs"]]
+             ", ".join(f"{answer} {n}" for answer, n in r["pulls"].items() if n), str(r.get("anchor_values_missed", "-")),
+             _loss(r["final_eval_loss"]), code(r["command"])] for r in section["runs"]]
     return lines + table(["seed", "kept anchors", "MB up", "MB down", "of which exact final values", "down / up",
-                          "without the final values", "pulls", "global loss", "command"], body)
+                          "without the final values", "pulls", "from a dropped value", "global loss", "command"], body)
 
 
 TITLES = {"quality": "1. Quality at equal tokens",

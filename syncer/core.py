@@ -193,6 +193,8 @@ class ShardCore:
             state = self.owned.get(fragment_id)
             plan = state.pulls.plan(state.committed, base_version, learner_id, anchor_hash)
         self.counters.add(f"pulls.{plan.answer}")
+        if plan.anchor_value_dropped:
+            self.counters.add("anchor_values_missed")
         return plan
 
     def version(self, fragment_id: int) -> int | None:

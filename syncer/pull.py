@@ -6,6 +6,7 @@ the value whole when the history does not reach back that far.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 
@@ -35,6 +36,9 @@ class PullPlan:
     items: tuple[Encoded, ...]
     state_hash: str  # of the value after the last item
     answer: str  # one of PULL_ANSWERS
+    # The shard served the learner's anchor but had dropped its value (syncer.kept_anchors), so
+    # the answer is the updates since or a snapshot where one delta would have done.
+    anchor_value_dropped: bool = False
 
 
 def ahead(fragment_id: int, version: int, base_version: int) -> Refusal:
@@ -90,9 +94,9 @@ class Pulls:
         delta = self._shared_delta(committed, anchor)
         if delta is None:  # its value was dropped (syncer.kept_anchors) and no pull from it encoded one
             if not anchor.on_lineage:
-                return self._snapshot_for(learner_id, committed)
+                return dataclasses.replace(self._snapshot_for(learner_id, committed), anchor_value_dropped=True)
             self._record(learner_id, _lineage(committed), committed)  # the updates since: the shards' bits
-            return self._chain_or_snapshot(committed, base_version)
+            return dataclasses.replace(self._chain_or_snapshot(committed, base_version), anchor_value_dropped=True)
         item, received, encoded = delta
         self._record(learner_id, received, committed)
         return PullPlan(False, (item,), received.state_hash, "delta_encoded" if encoded else "delta_reused")

@@ -225,7 +225,7 @@ def test_crd_objects_have_the_shape_the_operator_expects(renders):
     rules = [r for group in rule["spec"]["groups"] for r in group["rules"]]
     records = {r["record"]: r["expr"] for r in rules if "record" in r}
     assert {r["alert"] for r in rules if "alert" in r} == {"DilocoLearnerOutliers", "DilocoCertificateExpiresSoon",
-                                                            "DilocoRevokedLearnerCalling"}
+                                                            "DilocoRevokedLearnerCalling", "DilocoAnchorValuesMissed"}
     assert all(re.fullmatch(r"[a-z_]+:[a-z_]+:[a-z0-9_]+", name) for name in records)
     # The project's recording rules, as the local cluster and docker-compose load them.
     project_rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "diloco-rules.yml").read_text())

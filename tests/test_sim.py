@@ -27,7 +27,7 @@ REPORT_KEYS = {
     "mode", "learners", "shards", "wall_seconds", "tokens", "inner_steps", "outer_steps",
     "contributions", "goodput", "badput_seconds", "initial_eval_loss", "final_eval_loss",
     "bytes_up", "bytes_down", "bytes_down_exact_end", "dp_equivalent_bytes", "restarts", "state_hashes_agree",
-    "anchor_offset", "links",
+    "anchor_offset", "links", "anchor_values_missed",
 }
 
 

@@ -205,17 +205,23 @@ def test_a_shard_keeps_at_most_kept_anchors_values_and_a_learner_whose_value_wen
     def kept() -> int:
         return fragment.pulls.served.values_kept(fragment.committed.value)
 
+    def missed() -> int:
+        return shard.core.counters.snapshot().get("anchor_values_missed", 0)
+
     rounds(shard, 1)
     assert c.pull().answer == "lineage_update"
     rounds(shard, 2)
     assert b.pull().answer == "delta_encoded"  # from the seed's value, still kept
     assert kept() == 1  # b's new value; the lineage's older ones went first
+    assert missed() == 0
     plan = c.pull()
     assert plan.answer == "updates" and [u.version for u in plan.items] == [2, 3]
     assert torch.equal(c.value, shard.value())
+    assert missed() == 1  # counted apart from an older client's updates
     rounds(shard, 2)
     assert c.pull().answer == "delta_encoded"  # from version 3's value, kept until now
     assert kept() == 1  # c's new value: b's went
     plan = b.pull()
     assert plan.answer == "snapshot" and torch.equal(b.value, shard.value())
     assert kept() == 1
+    assert missed() == 2
