@@ -168,6 +168,10 @@ def test_real_prometheus_on_a_sim_records_goodput_and_answers_every_dashboard_qu
             for title, expr in queries:
                 prometheus.wait_for(lambda: prometheus.query(expr), max(1.0, deadline - time.monotonic()),
                                     f"panel {title!r}: no data for {expr}")
+            # What the ratio alerts compare with their threshold is a number of the run, not empty.
+            for name, expr in ratio_alerts():
+                prometheus.wait_for(lambda: prometheus.query(expr), max(1.0, deadline - time.monotonic()),
+                                    f"alert {name}: no data for {expr}")
             # The badput breakdown and goodput add up to the provisioned time. rate() extrapolates
             # each series to the window's edges; on a series a few scrapes old that error is
             # several percent, so wait until every learner has 15 scrapes (of 1 s) behind it.
@@ -182,3 +186,10 @@ def test_real_prometheus_on_a_sim_records_goodput_and_answers_every_dashboard_qu
             assert total == pytest.approx(1.0, abs=0.05)
     finally:
         stop_sim(sim, run_dir)
+
+
+def ratio_alerts() -> list[tuple[str, str]]:
+    """The alerts that compare a ratio with a threshold (`A / B > x`): their `A / B`."""
+    rules = [r for group in yaml.safe_load(RULES.read_text())["groups"] for r in group["rules"]]
+    return [(r["alert"], re.sub(r"\s*>\s*[0-9.]+\s*$", "", r["expr"].strip()))
+            for r in rules if "alert" in r and " / " in r["expr"]]
