@@ -3,9 +3,11 @@ last pull left it holding, so the next pull can be one delta from it (docs/proto
 downlink"). Not durable: after a restart a learner's next pull is a snapshot.
 
 The values are bounded whatever the number of learners: besides the committed value (the
-shard's own), at most `kept` of them per fragment, the most recently served (values on the
-lineage go first: a learner anchored there still gets exact updates). A record whose value was
-dropped keeps its version and hash; its learner's next pull is the updates since, or a snapshot.
+shard's own), at most `kept` of them per fragment. Values only a learner's anchor before its
+newest refers to go first (they serve only a pull whose reply was lost), then values on the
+lineage (a learner anchored there still gets exact updates), then the least recently served.
+A record whose value was dropped keeps its version and hash; its learner's next pull is the
+updates since, or a snapshot.
 """
 from __future__ import annotations
 
@@ -79,8 +81,10 @@ class ServedAnchors:
         referenced = {a.state_hash for anchors in self._anchors.values() for a in anchors if a.value is not None}
         for gone in [h for h in self._values if h not in referenced]:
             del self._values[gone]
+        newest = {anchors[0].state_hash for anchors in self._anchors.values()}
         lineage = {a.state_hash for anchors in self._anchors.values() for a in anchors if a.on_lineage}
-        extra = sorted((h for h, value in self._values.items() if value is not own), key=lambda h: h not in lineage)
+        extra = sorted((h for h, value in self._values.items() if value is not own),
+                       key=lambda h: (h in newest, h not in lineage))  # stable: least recently served first
         dropped = frozenset(extra[:max(0, len(extra) - self._kept)])
         if dropped:
             for learner_id, anchors in self._anchors.items():

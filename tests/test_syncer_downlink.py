@@ -225,3 +225,19 @@ def test_a_shard_keeps_at_most_kept_anchors_values_and_a_learner_whose_value_wen
     assert plan.answer == "snapshot" and torch.equal(b.value, shard.value())
     assert kept() == 1
     assert missed() == 2
+
+
+def test_a_learners_newest_anchor_outlasts_a_more_recent_one_only_a_lost_reply_would_need():
+    """With a value kept per learner, each one's newest anchor stays: the value b held before
+    its last pull (needed only had that reply been lost) goes first, though c's is older."""
+    shard = int4_shard(kept_anchors=2)
+    b, c = Puller(shard, "b"), Puller(shard, "c")
+    rounds(shard, 2)
+    assert c.pull().answer == "delta_encoded"  # c's newest: the oldest value served
+    assert b.pull().answer == "delta_reused"  # the same bits as c's: the same delta
+    rounds(shard, 2)
+    b.pull()  # b's newest now; the value it held before is c's
+    rounds(shard, 2)
+    b.pull()  # b's value before its newest is referenced by b alone
+    assert c.pull().answer == "delta_encoded"
+    assert shard.core.counters.snapshot().get("anchor_values_missed", 0) == 0

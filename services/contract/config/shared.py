@@ -100,8 +100,9 @@ class SyncerConfig(Section):
     # be larger than the fp32 snapshot a learner pulls instead (about 7 in int4).
     history_versions: PositiveInt = 32
     # Values a fragment keeps of what it served learners (their anchors) besides its committed
-    # value: 4 B per owned parameter each, whatever the number of learners. A learner whose
-    # anchor's value was dropped pulls the exact updates since (or a snapshot) instead of one delta.
+    # value: 4 B per owned parameter each, whatever the number of learners (as many as learners
+    # keeps each one's newest). A learner whose anchor's value was dropped pulls the exact
+    # updates since (or a snapshot) instead of one delta.
     kept_anchors: PositiveInt = 1
     # A fragment's state is written in full once the contributions logged since the last full
     # write reach this many times its size (16 bytes per parameter); a restart replays them.
