@@ -47,6 +47,11 @@ def rounds(shard: Shard, count: int, scale: float = 0.01) -> None:
     assert shard.version() == version + 1
 
 
+def anchor_values_missed(shard: Shard) -> int:
+    """Pulls the shard answered with updates or a snapshot because their anchor's value was dropped."""
+    return shard.core.counters.snapshot().get("anchor_values_missed", 0)
+
+
 def int4_shard(**syncer) -> Shard:
     return Shard(make_config(codec="int4", **syncer), joined=("a",))
 
@@ -205,26 +210,23 @@ def test_a_shard_keeps_at_most_kept_anchors_values_and_a_learner_whose_value_wen
     def kept() -> int:
         return fragment.pulls.served.values_kept(fragment.committed.value)
 
-    def missed() -> int:
-        return shard.core.counters.snapshot().get("anchor_values_missed", 0)
-
     rounds(shard, 1)
     assert c.pull().answer == "lineage_update"
     rounds(shard, 2)
     assert b.pull().answer == "delta_encoded"  # from the seed's value, still kept
     assert kept() == 1  # b's new value; the lineage's older ones went first
-    assert missed() == 0
+    assert anchor_values_missed(shard) == 0
     plan = c.pull()
     assert plan.answer == "updates" and [u.version for u in plan.items] == [2, 3]
     assert torch.equal(c.value, shard.value())
-    assert missed() == 1  # counted apart from an older client's updates
+    assert anchor_values_missed(shard) == 1  # counted apart from an older client's updates
     rounds(shard, 2)
     assert c.pull().answer == "delta_encoded"  # from version 3's value, kept until now
     assert kept() == 1  # c's new value: b's went
     plan = b.pull()
     assert plan.answer == "snapshot" and torch.equal(b.value, shard.value())
     assert kept() == 1
-    assert missed() == 2
+    assert anchor_values_missed(shard) == 2
 
 
 def test_a_learners_newest_anchor_outlasts_a_more_recent_one_only_a_lost_reply_would_need():
@@ -240,4 +242,4 @@ def test_a_learners_newest_anchor_outlasts_a_more_recent_one_only_a_lost_reply_w
     rounds(shard, 2)
     b.pull()  # b's value before its newest is referenced by b alone
     assert c.pull().answer == "delta_encoded"
-    assert shard.core.counters.snapshot().get("anchor_values_missed", 0) == 0
+    assert anchor_values_missed(shard) == 0
