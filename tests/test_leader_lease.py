@@ -24,6 +24,17 @@ def test_only_one_holder_takes_the_lease_until_it_releases_it(tmp_path):
     assert LeaderLease.holder(path) == os.getpid() and LeaderLease.holder(tmp_path / "none.lock") is None
 
 
+def test_a_lease_says_whether_the_island_has_had_a_leader(tmp_path):
+    path = tmp_path / "leader.lock"
+    holder, waiting = LeaderLease(path), LeaderLease(path)
+    assert not waiting.taken_before()  # no file yet: the island is starting
+    path.touch()  # a take that failed leaves the file empty
+    assert not waiting.taken_before()
+    holder.try_take()
+    holder.release()
+    assert waiting.taken_before()  # free again, after a leader that left
+
+
 def test_the_lease_of_a_killed_holder_is_free_at_once(tmp_path):
     path = tmp_path / "leader.lock"
     holder = subprocess.Popen(

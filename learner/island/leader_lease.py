@@ -50,13 +50,23 @@ class LeaderLease:
     def holder(path: str | os.PathLike) -> int | None:
         """The pid of the process that last took the lease at `path` (None: never taken). It holds
         it still only while it runs."""
-        try:
-            fields = pathlib.Path(path).read_text().split()
-        except OSError:
-            return None
+        fields = _fields(path)
         return int(fields[1]) if len(fields) == 2 and fields[1].isdigit() else None
+
+    def taken_before(self) -> bool:
+        """Whether some process has held this lease: the island has had a leader."""
+        fields = _fields(self.path)
+        return bool(fields) and fields[0].isdigit() and int(fields[0]) > 0
 
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing the only descriptor releases the lock
             self._fd = None
+
+
+def _fields(path: str | os.PathLike) -> list[str]:
+    """What the lease's file says: its term and the pid that took it (nothing: never taken)."""
+    try:
+        return pathlib.Path(path).read_text().split()
+    except OSError:
+        return []

@@ -155,13 +155,16 @@ class ReplicaGroups:
                 self._met_leader = True
                 self._leader_group = int(leading.nonzero()[0])
                 break
-            # A group that never met a leader waits for group 0 (the island is starting), up to
-            # island.leader_wait_seconds.
+            # A free lease that some group held means its leader left, whether or not this group
+            # met it; one never held means the island is starting, and group 0 is given up to
+            # island.leader_wait_seconds to take it.
+            led_before = self._met_leader or self.lease.taken_before()
             waited_out = time.monotonic() - self._started >= self._leader_wait_seconds
-            if (self._met_leader or waited_out) and self.lease.try_take():
+            if (led_before or waited_out) and self.lease.try_take():
                 left, self.leader, self._leader_group = self._leader_group, True, self.rank
                 self.took_lead_at, self._missed_share = time.time(), None
                 why = (f"the island's leader (group {left}) left" if left is not None else
+                       "the island's leader left before this group met it" if led_before else
                        f"no leader came within island.leader_wait_seconds ({self._leader_wait_seconds:g} s)")
                 raise LeadTaken(f"replica group {self.rank}: {why}; this group leads the island now, "
                                 "from its last checkpoint")

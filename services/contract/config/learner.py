@@ -62,8 +62,9 @@ class IslandConfig(Section):
     # The lighthouse (torchft's membership service) drops a group whose heartbeats stop for this
     # long: most of the pause the survivors see after a loss.
     heartbeat_timeout_seconds: PositiveFloat = 2.0
-    # A group that has met no leader since it started waits this long for group 0, the island's
-    # first leader, then leads itself: after every group died, group 0 may not come back.
+    # At the island's start (its lease never taken) a group other than group 0 waits this long
+    # for group 0 to lead, then leads itself. Once the island has had a leader, a free lease
+    # means it left, and the first group to find it free leads at once.
     leader_wait_seconds: PositiveFloat = 60.0
 
 
