@@ -68,10 +68,15 @@ def held_fragments(report: dict) -> dict[str, tuple[int, str]]:
     return {fid: (f["version"], f["state_hash"]) for fid, f in report["fragments"].items()}
 
 
-def wait_for_learners_to_finish(cluster: LocalCluster) -> dict[str, dict]:
-    """Budget spent, then SIGTERM ends their catch-up with a final pull, as `diloco sim` does."""
+def wait_for_budgets_spent(cluster: LocalCluster) -> None:
+    """Until every learner reports its budget spent (its catch-up may still run)."""
     wait_until(lambda: all(read_report(cluster, p.name).get("phase") in ("catching_up", "done")
                            for p in cluster.learners), TIMEOUT, "learners to spend their budget")
+
+
+def wait_for_learners_to_finish(cluster: LocalCluster) -> dict[str, dict]:
+    """Budget spent, then SIGTERM ends their catch-up with a final pull, as `diloco sim` does."""
+    wait_for_budgets_spent(cluster)
     wait_until(lambda: rounds_closed(cluster.cfg), 30, "the shards' open rounds to close")
     cluster.stop_learners()
     for proc in cluster.learners:

@@ -19,8 +19,8 @@ from diloco.localcluster.islands import leader_kills, recoveries
 from diloco.services.contract.config import dump_config
 from tests.cluster_config import tiny_cluster
 from tests.sim_command import run_sim, sim_command
-from tests.cluster_watch import (TIMEOUT, held_fragments, read_report, served_fragments, wait_for_learners_to_finish,
-                                 wait_until)
+from tests.cluster_watch import (TIMEOUT, held_fragments, read_report, served_fragments, wait_for_budgets_spent,
+                                 wait_for_learners_to_finish, wait_until)
 from tests.test_learner_cluster import _step_of
 
 PAUSE_BOUND = 10.0  # seconds: the lighthouse drops a silent group after island.heartbeat_timeout_seconds (2)
@@ -147,8 +147,7 @@ def test_after_every_group_died_another_group_leads_if_group_0_does_not_come_bac
     group.kill()
     restarted_at = time.time()
     group.start()  # group 0 stays down
-    wait_until(lambda: all(read_report(cluster, p.name).get("phase") in ("catching_up", "done")
-                           for p in (island, other)), TIMEOUT, "both learners to spend their budget")
+    wait_for_budgets_spent(cluster)
     cluster.stop_learners()
     assert group.returncode == 0, f"see {group.log_path}"
     report = read_report(cluster, island.name)
@@ -172,8 +171,7 @@ def test_an_island_whose_group_0_never_starts_is_led_by_another_after_the_leader
     started = time.time()
     cluster.islands.start()  # the lighthouses and group 1 of each island, not group 0
     other.start()
-    wait_until(lambda: all(read_report(cluster, p.name).get("phase") in ("catching_up", "done")
-                           for p in (island, other)), TIMEOUT, "both learners to spend their budget")
+    wait_for_budgets_spent(cluster)
     cluster.stop_learners()
     report = read_report(cluster, island.name)
     assert report["island"]["leader_group"] == 1
