@@ -71,9 +71,9 @@ def test_quorum_closes_only_after_the_grace_window():
     assert (last.close_reason, last.contributors, last.duration_seconds) == ("quorum_grace", 2, pytest.approx(4.0))
 
 
-def adaptive_shard_after_slow_steps():
+def adaptive_shard_after_slow_steps(quorum: int = 1):
     """A shard whose adaptive grace, from one round of 10-second steps, waits seconds."""
-    shard = Shard(make_config(quorum=1, grace={"mode": "adaptive", "seconds": 60.0}))
+    shard = Shard(make_config(quorum=quorum, grace={"mode": "adaptive", "seconds": 60.0}))
     for learner in LEARNERS:
         shard.push(learner, 0, delta(1, shard.numel()), step_seconds=10.0)
     assert shard.version() == 1 and shard.core.fragments[0].grace.seconds() > 4
@@ -101,6 +101,40 @@ def test_a_contributor_whose_own_link_outlasts_the_overlap_sets_no_deadline():
     assert shard.core.tick() == [] and shard.version() == 1  # the window the averages give
     shard.clock.advance(shard.core.fragments[0].grace.seconds())
     assert shard.core.tick() == [0]
+
+
+def shard_whose_round_closed_without_c(quorum: int) -> Shard:
+    """Adaptive grace; round 1 closed on its quorum (a, or a and b) without c, which pushes
+    from version 0 now: a push that missed its round by a moment, with 0.8 s of slack (as above)."""
+    shard = Shard(make_config(quorum=quorum, lease_seconds=600.0, grace={"mode": "adaptive", "seconds": 60.0}))
+    for learner in "ab"[:quorum]:
+        shard.push(learner, 0, delta(1, shard.numel()))
+    shard.clock.advance(60.0)
+    assert shard.core.tick() == [0]
+    reply = shard.core.push(*shard.push_parts("c", 0, delta(2, shard.numel()), base=0, step_seconds=2.0),
+                            transfer_seconds=0.2)
+    assert (reply.result, reply.round) == (pb.PUSH_RESULT_STALE_MERGED, 2)
+    return shard
+
+
+def test_a_push_that_missed_its_round_counts_towards_the_next_quorum_only_until_its_deadline():
+    shard = shard_whose_round_closed_without_c(quorum=2)
+    shard.clock.advance(10.0)  # a sync period: the others push the fragment again
+    shard.push("a", 0, delta(3, shard.numel()), base=1)
+    shard.clock.advance(1.0)
+    # c's push opened the round long ago: counted, it would close the round before b is in.
+    assert shard.core.tick() == [] and shard.version() == 1
+    shard.push("b", 0, delta(4, shard.numel()), base=1)
+    last = shard.core.fragments[0].committed.last_round
+    assert shard.version() == 2 and (last.close_reason, last.contributors) == ("all", 3)
+
+
+def test_a_stale_push_within_its_deadline_counts_towards_the_quorum():
+    # With K = 1 most pushes are stale (others' rounds closed since their base): each still closes one.
+    shard = shard_whose_round_closed_without_c(quorum=1)
+    shard.clock.advance(shard.core.fragments[0].grace.seconds())
+    assert shard.core.tick() == [0]
+    assert shard.core.fragments[0].committed.last_round.close_reason == "quorum_grace"
 
 
 def test_dead_learner_is_not_waited_for():
