@@ -71,9 +71,9 @@ def test_quorum_closes_only_after_the_grace_window():
     assert (last.close_reason, last.contributors, last.duration_seconds) == ("quorum_grace", 2, pytest.approx(4.0))
 
 
-def adaptive_shard_after_slow_steps(quorum: int = 1):
+def adaptive_shard_after_slow_steps():
     """A shard whose adaptive grace, from one round of 10-second steps, waits seconds."""
-    shard = Shard(make_config(quorum=quorum, grace={"mode": "adaptive", "seconds": 60.0}))
+    shard = Shard(make_config(quorum=1, grace={"mode": "adaptive", "seconds": 60.0}))
     for learner in LEARNERS:
         shard.push(learner, 0, delta(1, shard.numel()), step_seconds=10.0)
     assert shard.version() == 1 and shard.core.fragments[0].grace.seconds() > 4
