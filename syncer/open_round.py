@@ -35,10 +35,20 @@ class OpenRound:
         self.numel, self.merge, self.quorum = numel, rules.merge, rules.quorum
         self.contributions: dict[ContributionKey, PendingContribution] = {}
         self.contributors: set[str] = set()
+        # Who counts towards the quorum: learners with a fresh push (based on the last version),
+        # and those with a stale one until its deadline (syncer/grace.py). A push that missed
+        # the round before by a moment opens this one a sync period before the others push
+        # the fragment again; counted then, it would close this round before one of them is
+        # in, who would miss it in turn (bench/history.md). Within its deadline it counts, so
+        # that with K = 1, where pushes are stale because others' rounds closed meanwhile,
+        # each still closes a round of its own.
+        self.fresh_contributors: set[str] = set()
+        self.stale_until: dict[str, float] = {}
         self.first_at: float | None = None
-        self.quorum_at: float | None = None  # when the K-th distinct learner contributed
+        self.fresh_first_at: float | None = None  # the round's own timing starts at its first fresh push
+        self.quorum_at: float | None = None  # when K learners counted
         self.transfer_seconds = 0.0  # summed over contributions
-        self.close_by = math.inf  # the earliest of its contributors' deadlines (syncer/grace.py)
+        self._fresh_close_by = math.inf  # the earliest of its fresh contributors' deadlines (syncer/grace.py)
 
     @property
     def count(self) -> int:
@@ -46,7 +56,11 @@ class OpenRound:
 
     @property
     def quorum_seconds(self) -> float:
-        return self.quorum_at - self.first_at if self.quorum_at is not None else 0.0
+        """From the first fresh push (the first push, if the quorum came before one) to the quorum."""
+        if self.quorum_at is None:
+            return 0.0
+        fresh = self.fresh_first_at
+        return self.quorum_at - (fresh if fresh is not None and fresh <= self.quorum_at else self.first_at)
 
     @property
     def mean_transfer_seconds(self) -> float:
@@ -57,11 +71,29 @@ class OpenRound:
         self.contributions[key] = contribution
         self.contributors.add(key.learner_id)
         self.transfer_seconds += transfer_seconds
-        self.close_by = min(self.close_by, close_by)
         if self.first_at is None:
             self.first_at = now
-        if self.quorum_at is None and len(self.contributors) >= self.quorum:
+        if key.base_version == self.number - 1:
+            self.fresh_contributors.add(key.learner_id)
+            self._fresh_close_by = min(self._fresh_close_by, close_by)
+            if self.fresh_first_at is None:
+                self.fresh_first_at = now
+        else:
+            self.stale_until[key.learner_id] = close_by
+        if self.quorum_at is None and len(self.counted(now)) >= self.quorum:
             self.quorum_at = now
+
+    @property
+    def close_by(self) -> float:
+        """When the round closes at the latest once it has its quorum: the earliest deadline of
+        its fresh contributors and of the stale ones that counted when the quorum came."""
+        if self.quorum_at is None:
+            return self._fresh_close_by
+        return min([self._fresh_close_by, *(until for until in self.stale_until.values() if until >= self.quorum_at)])
+
+    def counted(self, now: float) -> set[str]:
+        """The learners that count towards the quorum at `now`."""
+        return self.fresh_contributors | {i for i, until in self.stale_until.items() if until >= now}
 
     def close_reason(self, live_ids: frozenset[str], now: float, grace_seconds: float,
                      member_ids: frozenset[str] = frozenset(), departed_ids: frozenset[str] = frozenset(),

@@ -103,6 +103,40 @@ def test_a_contributor_whose_own_link_outlasts_the_overlap_sets_no_deadline():
     assert shard.core.tick() == [0]
 
 
+def shard_whose_round_closed_without_c(quorum: int) -> Shard:
+    """Adaptive grace; round 1 closed on its quorum (a, or a and b) without c, which pushes
+    from version 0 now: a push that missed its round by a moment, with 0.8 s of slack (as above)."""
+    shard = Shard(make_config(quorum=quorum, lease_seconds=600.0, grace={"mode": "adaptive", "seconds": 60.0}))
+    for learner in "ab"[:quorum]:
+        shard.push(learner, 0, delta(1, shard.numel()))
+    shard.clock.advance(60.0)
+    assert shard.core.tick() == [0]
+    reply = shard.core.push(*shard.push_parts("c", 0, delta(2, shard.numel()), base=0, step_seconds=2.0),
+                            transfer_seconds=0.2)
+    assert (reply.result, reply.round) == (pb.PUSH_RESULT_STALE_MERGED, 2)
+    return shard
+
+
+def test_a_push_that_missed_its_round_counts_towards_the_next_quorum_only_until_its_deadline():
+    shard = shard_whose_round_closed_without_c(quorum=2)
+    shard.clock.advance(10.0)  # a sync period: the others push the fragment again
+    shard.push("a", 0, delta(3, shard.numel()), base=1)
+    shard.clock.advance(1.0)
+    # c's push opened the round long ago: counted, it would close the round before b is in.
+    assert shard.core.tick() == [] and shard.version() == 1
+    shard.push("b", 0, delta(4, shard.numel()), base=1)
+    last = shard.core.fragments[0].committed.last_round
+    assert shard.version() == 2 and (last.close_reason, last.contributors) == ("all", 3)
+
+
+def test_a_stale_push_within_its_deadline_counts_towards_the_quorum():
+    # With K = 1 most pushes are stale (others' rounds closed since their base): each still closes one.
+    shard = shard_whose_round_closed_without_c(quorum=1)
+    shard.clock.advance(shard.core.fragments[0].grace.seconds())
+    assert shard.core.tick() == [0]
+    assert shard.core.fragments[0].committed.last_round.close_reason == "quorum_grace"
+
+
 def test_dead_learner_is_not_waited_for():
     shard = Shard(make_config(quorum=1, lease_seconds=2.0, grace={"mode": "fixed", "seconds": 60.0}))
     shard.clock.advance(1.5)
