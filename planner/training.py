@@ -83,6 +83,7 @@ class Training:
             else:
                 learner.blocked_since = now
                 learner.blocks += 1
+                learner.schedule.waiting_began(fid)
                 if limit is not None:
                     life, block = learner.life, learner.blocks
                     self.queue.at(now + limit, lambda: self._wait_over(learner, life, block))
@@ -117,6 +118,8 @@ class Training:
         learner.schedule.fragments[fid].waited(waited)
         self.ledger.add("blocked", learner.island.share_seconds(learner.blocked_since, self.clock.now))
         learner.blocked_since = None
+        if learner.schedule.waiting_ended():  # the shards count it as waiting elsewhere: it tells them at once
+            self._beat(learner)
 
     def _wait_over(self, learner: Learner, life: int, block: int) -> None:
         if learner.life != life or learner.blocks != block or learner.blocked_since is None:
@@ -198,13 +201,18 @@ class Training:
     def _heartbeat(self, learner: Learner, life: int) -> None:
         if learner.life != life:
             return
+        self._beat(learner)
+        self.queue.at(self.clock.now + self.cfg.trainer.heartbeat_seconds, lambda: self._heartbeat(learner, life))
+
+    def _beat(self, learner: Learner) -> None:
+        """One heartbeat call. Like the real learner's, it reports a wait only once it has lasted
+        a heartbeat interval (LearnerSchedule.waiting_elsewhere): shorter ones are the schedule's."""
         rate = learner.step_tokens() / learner.step_seconds
         self.core.heartbeat(learner.id, learner.incarnation, step=learner.steps, step_seconds=learner.step_seconds,
                             tokens_per_second=rate, sync_step=learner.steps + learner.schedule.sync_offset,
                             tokens=learner.tokens,
-                            waiting_for=learner.to_apply[0] if learner.blocked_since is not None else None,
+                            waiting_for=learner.schedule.waiting_elsewhere(),
                             standing_still=learner.island.standing_still)
         if self.inputs.target_tokens is not None:  # only a token budget reads the run's count
             run_tokens, run_rate = self.core.run_tokens()
             learner.schedule.heard_run_tokens(run_tokens, run_rate, learner.tokens, rate)
-        self.queue.at(self.clock.now + self.cfg.trainer.heartbeat_seconds, lambda: self._heartbeat(learner, life))
