@@ -34,6 +34,7 @@ class RoundCloser:
         """Closes every round that is due by time alone (grace passed, leases expired), and
         writes the fragments' full state where it is due. Returns the ids of the fragments
         that got a new version."""
+        self.membership.expire_leases(self.clock())  # counted at every tick, open rounds or not
         closed = []
         for state in states:
             with state.lock:
@@ -47,14 +48,14 @@ class RoundCloser:
         """Called with state.lock held."""
         if state.failure is not None:
             return False
+        if state.round.count == 0:  # most fragments at a tick
+            return False
         started = self.clock()
         # Whom a round waits for: the live learners that had joined when it opened, or with
         # wait_for_all (synchronous data parallel) every learner still in the run, also while
         # it is down.
         live_ids = (self.membership.member_ids() if self.wait_for_all
                     else self.membership.awaited_ids(started, state.round.first_at))
-        if state.round.count == 0:  # most fragments at a tick (who is live was asked: that counts ended leases)
-            return False
         if self.wait_for_all:
             reason = state.round.synchronous_close_reason(live_ids, self.membership.departed_ids())
         else:

@@ -204,6 +204,11 @@ class Membership:
                                and at <= round_opened_at)
             return placed or live
 
+    def expire_leases(self, now: float) -> None:
+        """Marks every learner whose lease has ended by `now` (counted as learners.expired)."""
+        with self._lock:
+            self._refresh_all(now)
+
     def waiting_elsewhere(self, fragment_id: int) -> frozenset[str]:
         """Live learners whose last heartbeat said their training waits for another fragment's
         result, or stands still (an island regrouping), or that they skip this fragment's open
