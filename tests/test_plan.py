@@ -206,6 +206,25 @@ def test_a_learners_heartbeats_keep_their_own_time_not_its_steps():
     assert len({min(s) for s in into_step.values()}) == 4  # each learner's at its own moment
 
 
+def test_a_learner_reports_a_wait_to_the_shards_only_once_it_has_lasted_a_heartbeat_interval():
+    # As the real learner does (LearnerSchedule.waiting_elsewhere): a shorter wait is the
+    # schedule's own, and reported it would close the other fragments' rounds without the learner.
+    inputs = plan(hours=0.01, step_seconds=(0.1,), heartbeat_seconds=0.25, wan_gbps=(0.01,))
+    run = DilocoRun(inputs, FailureModel.from_inputs(inputs))
+    waited_when_reported = []
+    heartbeat = run.core.heartbeat
+
+    def heard(learner_id, *args, waiting_for=None, **kwargs):
+        learner = next(l for l in run.learners if l.id == learner_id)
+        if waiting_for is not None:
+            waited_when_reported.append(run.clock.now - learner.blocked_since)
+        return heartbeat(learner_id, *args, waiting_for=waiting_for, **kwargs)
+
+    run.core.heartbeat = heard
+    run.run(lambda _: None)
+    assert waited_when_reported and min(waited_when_reported) >= 0.25
+
+
 def test_diloco_rounds_are_closed_by_the_shard_core():
     result = simulate(plan(hours=0.05), "diloco")
     syncer = result.syncer
