@@ -1,8 +1,8 @@
 """Islands of replica groups as real processes (learner/island/replica_groups.py, torchft over gloo on
 loopback): SIGKILL a group other than the leader and the island trains on without it within
 seconds, the other learner never waits, the group rejoins with the island's state after its
-restart, and every group and the shards agree on the bits at the end; SIGKILL the leader and
-another group takes the lead from the island's last checkpoint, in its running process; an
+restart; SIGKILL the leader then and another group takes the lead from the island's last
+checkpoint, in its running process; every group and the shards agree on the bits at the end; an
 island whose every group dies is a learner failure, restarted from its checkpoint as any
 learner is."""
 from __future__ import annotations
@@ -28,6 +28,7 @@ TAKEOVER_BOUND = 20.0  # the same, then the new leader restores the checkpoint, 
 # A budget that leaves the island training well past a group's rejoin (killed past step 60, the
 # group rejoined at about step 250 here).
 STEPS = 500
+TWO_KILLS_STEPS = 700  # a group killed and rejoined, then the leader: STEPS and time for the second
 
 
 def island_cluster(tmp_path, cluster_factory, steps: int):
@@ -41,8 +42,9 @@ def island_cluster(tmp_path, cluster_factory, steps: int):
 
 
 @pytest.mark.slow
-def test_an_island_trains_on_without_a_killed_group_which_rejoins_with_its_state(tmp_path, cluster_factory):
-    cfg, cluster = island_cluster(tmp_path, cluster_factory, steps=STEPS)
+def test_an_island_trains_on_without_a_killed_group_and_another_group_takes_the_lead_when_its_leader_is_killed(
+        tmp_path, cluster_factory):
+    cfg, cluster = island_cluster(tmp_path, cluster_factory, steps=TWO_KILLS_STEPS)
     island, other = cluster.learners
     group = cluster.islands.groups[0]  # us-east-0's group 1
     assert group.name == f"{island.name}-group-1"
@@ -57,63 +59,52 @@ def test_an_island_trains_on_without_a_killed_group_which_rejoins_with_its_state
     wait_until(lambda: _step_of(cfg, other.name) > other_at_kill + 10, max(0.1, killed_at + PAUSE_BOUND - time.time()),
                "the other learner to train through the island's pause")
     # The leader recorded the loss (its report shows it at its next checkpoint) before the rejoin.
-    wait_until(lambda: [c for c in read_report(cluster, island.name).get("island", {}).get("changes", [])
-                        if c["time"] > killed_at and c["groups"] == 1], TIMEOUT, "the island to record the loss")
+    wait_until(lambda: changes(cluster, island.name, killed_at, groups=1), TIMEOUT, "the island to record the loss")
     group.start()  # repaired: it heals from the leader and trains with it again
-    wait_until(lambda: [c for c in read_report(cluster, island.name).get("island", {}).get("changes", [])
-                        if c["time"] > killed_at and c["groups"] == 2], TIMEOUT, "the group to rejoin")
-    reports = wait_for_learners_to_finish(cluster)
-    wait_until(lambda: group.returncode is not None, 30, "the group to end with its island")
-    assert group.returncode == 0, f"the rejoined group failed: see {group.log_path}"
-
-    record = reports[island.name]["island"]
-    # The leader's sync took the others' phase again after the loss and after the rejoin.
-    assert reports[island.name]["incarnations"][-1]["rephased"] >= 2
-    fewer = next(c for c in record["changes"] if c["time"] > killed_at and c["groups"] == 1)
+    wait_until(lambda: changes(cluster, island.name, killed_at, groups=2), TIMEOUT, "the group to rejoin")
+    fewer = changes(cluster, island.name, killed_at, groups=1)[0]
     assert fewer["time"] - killed_at < PAUSE_BOUND
-    assert record["verified"]["groups"] == 2  # both groups ended holding the same bits
-    assert len(reports[island.name]["incarnations"]) == 1  # the learner never restarted
-    # The pauses (the lighthouse dropping the dead group, the rejoin) are restore, not compute
-    # (how long they last depends on when in a step the group died: 0.18 s to seconds).
-    assert reports[island.name]["incarnations"][0]["regroup_seconds"] > 0
-    # Tokens pushed are those trained: one group's for the steps it trained alone, two otherwise.
-    per_group = cfg.tokens_per_step()
-    assert per_group * STEPS < reports[island.name]["tokens"] < 2 * per_group * STEPS
-    for learner_id, report in reports.items():
-        assert report["phase"] == "done" and report["steps"] == STEPS
-        assert held_fragments(report) == served_fragments(cfg, learner_id)
+    # The leader's sync takes the others' phase again after the loss and after the rejoin; the
+    # pauses (the lighthouse dropping the dead group, the rejoin) are restore, not compute.
+    wait_until(lambda: (read_report(cluster, island.name).get("incarnations") or [{}])[-1].get("rephased", 0) >= 2,
+               TIMEOUT, "the island to take the others' phase after the rejoin")
+    first_life = read_report(cluster, island.name)["incarnations"]
+    assert len(first_life) == 1 and first_life[0]["regroup_seconds"] > 0  # the learner never restarted
 
-
-@pytest.mark.slow
-def test_another_group_takes_the_lead_of_an_island_whose_leader_is_killed(tmp_path, cluster_factory):
-    cfg, cluster = island_cluster(tmp_path, cluster_factory, steps=STEPS)
-    island, _ = cluster.learners
-    group = cluster.islands.groups[0]
-    wait_until(lambda: _step_of(cfg, island.name) >= 60, TIMEOUT, "the island to pass step 60")
-    island.kill()  # group 0, the leader
-    killed_at, step_at_kill = time.time(), _step_of(cfg, island.name)
-    # Group 1 takes the lead from the last checkpoint (at most checkpoint_every = 25 steps back),
-    # in its running process, and the learner's steps pass where the leader died.
+    # Now the leader (group 0): group 1 takes the lead from the last checkpoint (at most
+    # checkpoint_every = 25 steps back), in its running process, and the learner's steps pass
+    # where the leader died.
+    island.kill()
+    leader_killed_at, step_at_kill = time.time(), _step_of(cfg, island.name)
     wait_until(lambda: _step_of(cfg, island.name) >= step_at_kill + 10, TAKEOVER_BOUND, "group 1 to lead the island on")
     assert group.running
     island.start()  # group 0 back: it follows the new leader, healing from it
-    wait_until(lambda: [c for c in read_report(cluster, island.name).get("island", {}).get("changes", [])
-                        if c["time"] > killed_at and c["groups"] == 2], TIMEOUT, "group 0 to rejoin")
+    wait_until(lambda: changes(cluster, island.name, leader_killed_at, groups=2), TIMEOUT, "group 0 to rejoin")
     reports = wait_for_learners_to_finish(cluster)
     wait_until(lambda: group.returncode is not None, 30, "the new leader to end")
     assert group.returncode == 0, f"the new leader failed: see {group.log_path}"
 
     record = reports[island.name]["island"]
-    assert record["leader_group"] == 1 and record["took_lead_at"] > killed_at
+    assert record["leader_group"] == 1 and record["took_lead_at"] > leader_killed_at
     lives = reports[island.name]["incarnations"]
-    # One more life of the learner, which went back to a checkpoint past the first (step 25:
-    # it was killed past step 60), not to step 0. The shards' last heard step lags the leader's
-    # by up to a heartbeat, so it bounds the restored step neither way.
+    # One more life of the learner, which went back to a checkpoint past the first (step 25: it
+    # was killed past step 60), not to step 0. The shards' last heard step lags the leader's by
+    # up to a heartbeat, so it bounds the restored step neither way.
     assert len(lives) == 2 and lives[1]["restored_step"] >= 50, (step_at_kill, lives)
-    assert record["verified"]["groups"] == 2  # group 0 ended holding the new leader's bits
+    assert record["verified"]["groups"] == 2  # both groups ended holding the new leader's bits
+    # Tokens pushed are those trained: one group's for the steps it trained alone, two otherwise.
+    per_group = cfg.tokens_per_step()
+    assert per_group * TWO_KILLS_STEPS < reports[island.name]["tokens"] < 2 * per_group * TWO_KILLS_STEPS
     for learner_id, report in reports.items():
-        assert report["phase"] == "done" and report["steps"] == STEPS
+        assert report["phase"] == "done" and report["steps"] == TWO_KILLS_STEPS
         assert held_fragments(report) == served_fragments(cfg, learner_id)
+
+
+def changes(cluster, learner_id: str, since: float, groups: int) -> list[dict]:
+    """The island's recorded changes to `groups` groups after `since` (its report's, as of its
+    last checkpoint)."""
+    return [c for c in read_report(cluster, learner_id).get("island", {}).get("changes", [])
+            if c["time"] > since and c["groups"] == groups]
 
 
 @pytest.mark.slow
