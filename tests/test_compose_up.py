@@ -54,7 +54,7 @@ BASES_TIMEOUT, WHEELS_TIMEOUT, BUILD_TIMEOUT, RUN_TIMEOUT = 480, 180, 480, 240
 
 # test_compose.py's tiny run, with enough steps that a learner can be stopped and started mid-run
 # and the links read while every learner trains.
-FAST = deep_merge(LOCAL_RUN, {"trainer": {"max_steps": 1500, "eval_every": 500}})
+FAST = deep_merge(LOCAL_RUN, {"trainer": {"max_steps": 1000, "eval_every": 500}})
 # The host's tc shapes the containers' links where the test may enter their namespaces.
 SHAPES_LINKS = os.geteuid() == 0 and all(shutil.which(tool) for tool in ("ip", "tc", "nsenter"))
 
