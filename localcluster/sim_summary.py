@@ -84,6 +84,7 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
                           "refused": int(refused)},
         # What the shards answered pulls with: the downlink's encoding work is delta_encoded.
         "pulls": {answer: int(counters.get(f"pulls.{answer}", 0)) for answer in PULL_ANSWERS},
+        "pull_bytes": {answer: int(counters.get(f"pull_bytes.{answer}", 0)) for answer in PULL_ANSWERS},
         # Of those, the updates or snapshots that went where the anchor's value had been dropped
         # (syncer.kept_anchors), so one delta would have done.
         "anchor_values_missed": int(counters.get("anchor_values_missed", 0)),
@@ -237,7 +238,8 @@ def print_summary(report: dict, report_path: pathlib.Path) -> None:
         ("goodput", f"{report['goodput']:.1%}"),
         ("badput", ", ".join(f"{k} {v:.1f}s" for k, v in badput.items())),
         ("contributions", ", ".join(f"{k} {v}" for k, v in report["contributions"].items())),
-        *((("pulls answered", ", ".join(f"{k} {v}" for k, v in report["pulls"].items() if v)
+        *((("pulls answered", ", ".join(f"{k} {v}" + (f" ({mb:.1f} MB)" if (mb := report.get("pull_bytes", {}).get(k, 0) / 1e6)
+                                                       else "") for k, v in report["pulls"].items() if v)
             + (f" ({missed} from an anchor whose value the shards had dropped: syncer.kept_anchors)"
                if (missed := report.get("anchor_values_missed")) else "")),)
           if any(report.get("pulls", {}).values()) else ()),

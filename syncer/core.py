@@ -193,6 +193,7 @@ class ShardCore:
             state = self.owned.get(fragment_id)
             plan = state.pulls.plan(state.committed, base_version, learner_id, anchor_hash)
         self.counters.add(f"pulls.{plan.answer}")
+        self.counters.add(f"pull_bytes.{plan.answer}", sum(len(item.payload) for item in plan.items))
         if plan.anchor_value_dropped:
             self.counters.add("anchor_values_missed")
         return plan

@@ -13,8 +13,9 @@ outliers.<learner id> (its pushes refused as outliers: syncer/outliers.py), revo
 id> (its calls refused: its certificate is revoked), kept_compute_seconds, journal_bytes
 (written to the state folder), snapshots (full writes of a fragment's state), replayed_rounds
 (closed again from the log at a restart), pulls.<answer> (syncer/pull.py's PULL_ANSWERS: what
-encoding work the downlink cost), anchor_values_missed (pulls from an anchor whose value was
-dropped, syncer.kept_anchors: the updates since or a snapshot where one delta would have done).
+encoding work the downlink cost), pull_bytes.<answer> (their payload bytes: where the downlink
+goes), anchor_values_missed (pulls from an anchor whose value was dropped, syncer.kept_anchors:
+the updates since or a snapshot where one delta would have done).
 """
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ SYNCER_COUNTER_FAMILIES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "snapshots": (None, ()),
     "replayed_rounds": (None, ()),
     "pulls": ("answer", PULL_ANSWERS),
+    "pull_bytes": ("answer", PULL_ANSWERS),
     "anchor_values_missed": (None, ()),
 }
 SYNCER_COUNTER_HELP = {
@@ -46,6 +47,8 @@ SYNCER_COUNTER_HELP = {
     "pulls": "Pulls answered, by what they got: nothing new, the lineage's shared update, a delta "
              "encoded for them or reused from another pull of the same anchor and value, the updates "
              "since their version, a snapshot.",
+    "pull_bytes": "Payload bytes of the pulls' answers, by answer (as diloco_syncer_pulls_total): where "
+                  "the downlink goes.",
     "anchor_values_missed": "Pulls from an anchor whose value the shard had dropped (syncer.kept_anchors): "
                             "answered with the updates since or a snapshot where one delta would have done.",
 }

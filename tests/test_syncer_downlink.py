@@ -187,12 +187,15 @@ def test_sixteen_learners_holding_the_same_bits_cost_one_encode_and_then_share_o
     shard = Shard(cfg, joined=("a",))
     learners = [Puller(shard, learner_id) for learner_id in pullers]
     pulls = shard.core.fragments[0].pulls
+    delta_bytes = 0
     for expected in (1, 2):
         rounds(shard, 3)  # several rounds: a delta from each one's anchor, not the lineage's last update
-        for learner in learners:
-            learner.pull()
+        plans = [learner.pull() for learner in learners]
+        delta_bytes += len(plans[0].items[0].payload)
         counters = shard.core.counters_snapshot()  # one encode per (anchor, value) pair, whoever asks
         assert (counters["pulls.delta_encoded"], counters["pulls.delta_reused"]) == (expected, 15 * expected)
+        # each of the sixteen got that one delta's bytes (diloco_syncer_pull_bytes_total)
+        assert counters["pull_bytes.delta_encoded"] + counters["pull_bytes.delta_reused"] == 16 * delta_bytes
         held = {state_hash(learner.value) for learner in learners}
         assert len(held) == 1
         anchors = {id(anchor.value) for anchor in pulls.served.records().values() if not anchor.on_lineage}
