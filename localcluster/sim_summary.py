@@ -83,6 +83,9 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
                           "stale_merged": int(counters.get("contributions.stale_merged", 0)),
                           "refused": int(refused)},
         # What the shards answered pulls with: the downlink's encoding work is delta_encoded.
+        # Why the shards' rounds closed (docs/monitoring.md, diloco_syncer_rounds_total).
+        "rounds": {name.removeprefix("rounds."): int(n) for name, n in sorted(counters.items())
+                   if name.startswith("rounds.")},
         "pulls": {answer: int(counters.get(f"pulls.{answer}", 0)) for answer in PULL_ANSWERS},
         "pull_bytes": {answer: int(counters.get(f"pull_bytes.{answer}", 0)) for answer in PULL_ANSWERS},
         # Of those, the updates or snapshots that went where the anchor's value had been dropped
