@@ -82,10 +82,11 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         "contributions": {"accepted": int(counters.get("contributions.accepted", 0)),
                           "stale_merged": int(counters.get("contributions.stale_merged", 0)),
                           "refused": int(refused)},
-        # What the shards answered pulls with: the downlink's encoding work is delta_encoded.
         # Why the shards' rounds closed (docs/monitoring.md, diloco_syncer_rounds_total).
         "rounds": {name.removeprefix("rounds."): int(n) for name, n in sorted(counters.items())
                    if name.startswith("rounds.")},
+        # What the shards answered pulls with (the downlink's encoding work is delta_encoded),
+        # and the payload bytes of each kind of answer.
         "pulls": {answer: int(counters.get(f"pulls.{answer}", 0)) for answer in PULL_ANSWERS},
         "pull_bytes": {answer: int(counters.get(f"pull_bytes.{answer}", 0)) for answer in PULL_ANSWERS},
         # Of those, the updates or snapshots that went where the anchor's value had been dropped
@@ -241,8 +242,8 @@ def print_summary(report: dict, report_path: pathlib.Path) -> None:
         ("goodput", f"{report['goodput']:.1%}"),
         ("badput", ", ".join(f"{k} {v:.1f}s" for k, v in badput.items())),
         ("contributions", ", ".join(f"{k} {v}" for k, v in report["contributions"].items())),
-        *((("pulls answered", ", ".join(f"{k} {v}" + (f" ({mb:.1f} MB)" if (mb := report.get("pull_bytes", {}).get(k, 0) / 1e6)
-                                                       else "") for k, v in report["pulls"].items() if v)
+        *((("pulls answered", ", ".join(_pulls(report, answer, count) for answer, count in report["pulls"].items()
+                                        if count)
             + (f" ({missed} from an anchor whose value the shards had dropped: syncer.kept_anchors)"
                if (missed := report.get("anchor_values_missed")) else "")),)
           if any(report.get("pulls", {}).values()) else ()),
@@ -276,6 +277,12 @@ def _global_vs_local(curve: list[list[float]]) -> str:
     gaps = [held / own - 1 for _, own, held in curve[1:]] or [0.0]
     return (f"step {last[0]:.0f}: global {last[2]:.3f}, learners' own {last[1]:.3f} ({last[2] / last[1] - 1:+.1%}); "
             f"mean gap over {len(gaps)} evaluations {sum(gaps) / len(gaps):+.1%}")
+
+
+def _pulls(report: dict, answer: str, count: int) -> str:
+    """One kind of pull answer: how many, and their megabytes where the report has them."""
+    megabytes = report.get("pull_bytes", {}).get(answer, 0) / 1e6
+    return f"{answer} {count}" + (f" ({megabytes:.1f} MB)" if megabytes else "")
 
 
 def _link(link: dict) -> str:
