@@ -10,7 +10,7 @@ from tests.sim_command import run_sim
 # Of a learner's training time. At these 5 ms steps a fast learner's own round trip on loopback
 # is about tau, so on a loaded machine it waits a few ms at some syncs (0.0-0.3 s of its ~2 s);
 # what the test guards against costs seconds: waiting for the slow learner's push at every sync
-# (about 50 ms each), or the slow learner waiting for its own link (1.6 s measured).
+# (about 50 ms each), or the slow learner waiting for its own link (1.2-1.6 s measured).
 BLOCKED_SHARE = 0.2
 
 
