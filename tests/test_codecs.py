@@ -492,6 +492,27 @@ def test_the_compiled_kernels_give_torchs_bytes_and_decoded_values(name, numel, 
 
 
 @pytest.mark.skipif(codecs._codec_kernels is None, reason="the compiled kernels are not built")
+@pytest.mark.parametrize("name", QUANTISED)
+@pytest.mark.parametrize("numel", [1, 1001, (1 << 16) + 5])
+@pytest.mark.parametrize("block_size", [3, 128])
+@pytest.mark.parametrize("threads", [2, 7])
+def test_the_compiled_kernels_split_over_threads_give_one_threads_bytes(name, numel, block_size, threads,
+                                                                        monkeypatch):
+    codec, values = get_codec(name), awkward_values(numel, block_size)
+    residual = torch.randn(numel, generator=torch.Generator().manual_seed(2))
+    payload = codec.encode(values, block_size)
+    decoded = codec.decode(payload, numel, block_size)
+    kept = codec.decode(payload, numel, block_size, out=residual.clone(), subtract=True)
+    monkeypatch.setattr(codecs, "_KERNEL_VALUES_PER_THREAD", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert codec.encode(values, block_size) == payload
+    assert torch.equal(codec.decode(payload, numel, block_size), decoded)
+    assert torch.equal(codec.decode(payload, numel, block_size, out=residual, subtract=True), kept)
+    values[-1] = math.nan  # in the last thread's range
+    assert not bool(codec.encode_to_tensor(values, block_size)[1])
+
+
+@pytest.mark.skipif(codecs._codec_kernels is None, reason="the compiled kernels are not built")
 def test_the_compiled_kernels_refuse_a_payload_of_the_wrong_length():
     kernels = codecs._codec_kernels
     with pytest.raises(ValueError, match="payload of 9 bytes for 10 values: expected 13"):

@@ -3,8 +3,11 @@
  * (tests/test_codecs.py): the same fp32 divisions, products and round-half-even, the same
  * scale rule. codecs.py falls back to its torch operations where this module is not built.
  *
- *   encode(kind, values, payload, block_size) -> bool   every value finite
- *   decode(kind, payload, out, block_size, subtract)     out = decoded, or out -= decoded
+ *   encode(kind, values, payload, block_size, threads=1) -> bool   every value finite
+ *   decode(kind, payload, out, block_size, subtract, threads=1)     out = decoded, or out -= decoded
+ *
+ * threads > 1 splits the values into that many ranges of whole blocks, each on its own thread
+ * (a shard's close and a pull's decode are on the round trip a learner waits for).
  *
  * kind: INT8, INT4 or FP4_E3M0. values and out: fp32 buffers; payload: the codec's layout
  * (block scales, then codes), of exactly the encoded size for len(values) or len(out).
@@ -14,6 +17,7 @@
 
 #include <float.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -91,15 +95,18 @@ VECTORISED static void pack_nibbles(const uint8_t *codes, Py_ssize_t count, uint
 
 enum { CHUNK = 4096 }; /* values worked on together, in the first level of cache */
 
-static int encode_blocks(int kind, const float *values, Py_ssize_t numel, Py_ssize_t block_size, uint8_t *payload) {
+/* Encodes values [first, last) of the numel in `values`; first is a multiple of 2 * block_size and
+ * last one too or numel, so that a range holds whole blocks and whole bytes of 4-bit codes. */
+static int encode_range(int kind, const float *values, Py_ssize_t numel, Py_ssize_t block_size, uint8_t *payload,
+                        Py_ssize_t first, Py_ssize_t last) {
     Py_ssize_t blocks = (numel + block_size - 1) / block_size;
     uint8_t *codes = payload + 4 * blocks;
     double top = top_of_kind(kind);
     float largest = largest_scale(top), divisor = 1.0f;
     uint8_t chunk_codes[CHUNK];
     int finite = 1;
-    for (Py_ssize_t start = 0; start < numel; start += CHUNK) {
-        Py_ssize_t end = numel - start < CHUNK ? numel : start + CHUNK;
+    for (Py_ssize_t start = first; start < last; start += CHUNK) {
+        Py_ssize_t end = last - start < CHUNK ? last : start + CHUNK;
         for (Py_ssize_t at = start; at < end;) {
             Py_ssize_t block = at / block_size;
             if (at == block * block_size) { /* a block begins: its scale, from all of its values */
@@ -158,12 +165,14 @@ VECTORISED static void scale_into(const float *unscaled, Py_ssize_t count, float
         for (Py_ssize_t i = 0; i < count; i++) out[i] = unscaled[i] * scale;
 }
 
-static void decode_blocks(int kind, const uint8_t *payload, float *out, Py_ssize_t numel, Py_ssize_t block_size, int subtract) {
+/* Decodes values [first, last), bounded as encode_range's. */
+static void decode_range(int kind, const uint8_t *payload, float *out, Py_ssize_t numel, Py_ssize_t block_size,
+                         int subtract, Py_ssize_t first, Py_ssize_t last) {
     Py_ssize_t blocks = (numel + block_size - 1) / block_size;
     const uint8_t *codes = payload + 4 * blocks;
     float unscaled[CHUNK];
-    for (Py_ssize_t start = 0; start < numel; start += CHUNK) {
-        Py_ssize_t end = numel - start < CHUNK ? numel : start + CHUNK;
+    for (Py_ssize_t start = first; start < last; start += CHUNK) {
+        Py_ssize_t end = last - start < CHUNK ? last : start + CHUNK;
         if (kind == INT8) int8_values(codes + start, end - start, unscaled);
         else if (kind == INT4) int4_values(codes + start / 2, end - start, unscaled);
         else fp4_values(codes + start / 2, end - start, unscaled);
@@ -176,6 +185,55 @@ static void decode_blocks(int kind, const uint8_t *payload, float *out, Py_ssize
             at = stop;
         }
     }
+}
+
+/* One thread's share of an encode or a decode. */
+typedef struct {
+    int kind, subtract, finite;
+    const float *values;
+    float *out;
+    const uint8_t *source;
+    uint8_t *payload;
+    Py_ssize_t numel, block_size, first, last;
+} Range;
+
+static void *encode_thread(void *arg) {
+    Range *r = arg;
+    r->finite = encode_range(r->kind, r->values, r->numel, r->block_size, r->payload, r->first, r->last);
+    return NULL;
+}
+
+static void *decode_thread(void *arg) {
+    Range *r = arg;
+    decode_range(r->kind, r->source, r->out, r->numel, r->block_size, r->subtract, r->first, r->last);
+    return NULL;
+}
+
+enum { MAX_THREADS = 64 };
+
+/* Splits [0, numel) into `threads` ranges of whole pairs of blocks and runs `work` on each, the
+ * last on the calling thread; a thread that cannot start leaves its range to the caller. */
+static void run_ranges(Range *ranges, int threads, void *(*work)(void *)) {
+    Range *first = &ranges[0];
+    Py_ssize_t unit = 2 * first->block_size, units = (first->numel + unit - 1) / unit;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > units) threads = (int)units;
+    if (threads < 1) threads = 1;
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int t = 0; t < threads; t++) {
+        ranges[t] = *first;
+        ranges[t].first = units * t / threads * unit;
+        Py_ssize_t last = units * (t + 1) / threads * unit;
+        ranges[t].last = last < first->numel ? last : first->numel;
+    }
+    for (int t = 0; t < threads - 1; t++) started[t] = pthread_create(&ids[t], NULL, work, &ranges[t]) == 0;
+    work(&ranges[threads - 1]);
+    for (int t = 0; t < threads - 1; t++) {
+        if (started[t]) pthread_join(ids[t], NULL);
+        else work(&ranges[t]);
+    }
+    for (int t = threads; t < MAX_THREADS; t++) ranges[t].finite = 1;
 }
 
 static Py_ssize_t encoded_size(int kind, Py_ssize_t numel, Py_ssize_t block_size) {
@@ -205,14 +263,17 @@ static int check(int kind, Py_ssize_t block_size, Py_ssize_t float_bytes, Py_ssi
 }
 
 static PyObject *encode(PyObject *self, PyObject *args) {
-    int kind, finite = 0;
+    int kind, threads = 1, finite = 1;
     Py_ssize_t block_size;
     Py_buffer values, payload;
-    if (!PyArg_ParseTuple(args, "iy*w*n", &kind, &values, &payload, &block_size)) return NULL;
+    if (!PyArg_ParseTuple(args, "iy*w*n|i", &kind, &values, &payload, &block_size, &threads)) return NULL;
     int ok = check(kind, block_size, values.len, payload.len);
     if (ok) {
         Py_BEGIN_ALLOW_THREADS
-        finite = encode_blocks(kind, values.buf, values.len / 4, block_size, payload.buf);
+        Range ranges[MAX_THREADS] = {{.kind = kind, .values = values.buf, .payload = payload.buf,
+                                      .numel = values.len / 4, .block_size = block_size}};
+        run_ranges(ranges, threads, encode_thread);
+        for (int t = 0; t < MAX_THREADS; t++) finite &= ranges[t].finite;
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&values);
@@ -221,14 +282,16 @@ static PyObject *encode(PyObject *self, PyObject *args) {
 }
 
 static PyObject *decode(PyObject *self, PyObject *args) {
-    int kind, subtract;
+    int kind, subtract, threads = 1;
     Py_ssize_t block_size;
     Py_buffer payload, out;
-    if (!PyArg_ParseTuple(args, "iy*w*np", &kind, &payload, &out, &block_size, &subtract)) return NULL;
+    if (!PyArg_ParseTuple(args, "iy*w*np|i", &kind, &payload, &out, &block_size, &subtract, &threads)) return NULL;
     int ok = check(kind, block_size, out.len, payload.len);
     if (ok) {
         Py_BEGIN_ALLOW_THREADS
-        decode_blocks(kind, payload.buf, out.buf, out.len / 4, block_size, subtract);
+        Range ranges[MAX_THREADS] = {{.kind = kind, .subtract = subtract, .source = payload.buf, .out = out.buf,
+                                      .numel = out.len / 4, .block_size = block_size}};
+        run_ranges(ranges, threads, decode_thread);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&payload);
@@ -238,8 +301,8 @@ static PyObject *decode(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"encode", encode, METH_VARARGS, "encode(kind, values, payload, block_size) -> every value finite"},
-    {"decode", decode, METH_VARARGS, "decode(kind, payload, out, block_size, subtract)"},
+    {"encode", encode, METH_VARARGS, "encode(kind, values, payload, block_size, threads=1) -> every value finite"},
+    {"decode", decode, METH_VARARGS, "decode(kind, payload, out, block_size, subtract, threads=1)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -69,6 +69,9 @@ DEFAULT_BLOCK_SIZE = 128
 _CPU_CHUNK_VALUES = 1 << 20
 _DEVICE_CHUNK_VALUES = 1 << 22
 WORKSPACE_BYTES_PER_CHUNK_VALUE = 12
+# The compiled kernels split a call over torch's intra-op threads (a shard's, by default every
+# core), giving each at least this many values: starting a thread costs tens of microseconds.
+_KERNEL_VALUES_PER_THREAD = 1 << 19
 
 
 def workspace_bytes(device: torch.device) -> int:
@@ -76,6 +79,10 @@ def workspace_bytes(device: torch.device) -> int:
     return WORKSPACE_BYTES_PER_CHUNK_VALUE * _chunk_values(device)
 
 Payload = bytes | memoryview | torch.Tensor  # a tensor: uint8, 1-D, on any device
+
+
+def _kernel_threads(numel: int) -> int:
+    return max(1, min(torch.get_num_threads(), numel // _KERNEL_VALUES_PER_THREAD))
 
 
 def _chunk_values(device: torch.device) -> int:
@@ -282,7 +289,8 @@ class BlockCodec(Codec):
         payload = torch.empty(4 * blocks + self._code_bytes(numel), dtype=torch.uint8, device=device)
         kernel = self._kernel(device)
         if kernel is not None:
-            finite = _codec_kernels.encode(kernel, values.detach().numpy(), payload.numpy(), block_size)
+            finite = _codec_kernels.encode(kernel, values.detach().numpy(), payload.numpy(), block_size,
+                                           _kernel_threads(numel))
             return payload, torch.tensor(finite)
         scales, codes = payload[: 4 * blocks].view(torch.float32), payload[4 * blocks :]
         finite = torch.ones((), dtype=torch.bool, device=device)
@@ -325,7 +333,7 @@ class BlockCodec(Codec):
         kernel = self._kernel(out.device)
         if kernel is not None:
             data = payload.numpy() if isinstance(payload, torch.Tensor) else payload
-            _codec_kernels.decode(kernel, data, out.detach().numpy(), block_size, subtract)
+            _codec_kernels.decode(kernel, data, out.detach().numpy(), block_size, subtract, _kernel_threads(len(out)))
             return out
         numel = len(out)
         blocks = -(-numel // block_size)
