@@ -184,12 +184,15 @@ def timed_run(cfg: Config, batches: list, enabled: bool, device: torch.device, s
     return run
 
 
-def measure(size: Size, pairs: int, device: torch.device, step_kind: str = "model", steps: int | None = None) -> dict:
+def measure(size: Size, pairs: int, device: torch.device, step_kind: str = "model", steps: int | None = None,
+            tau: int | None = None) -> dict:
     runs: dict[bool, list[Run]] = {False: [], True: []}  # by sync enabled
+    sections = {**size.config, "sync": {**size.config.get("sync", {}),
+                                        **({"overlap_steps": tau} if tau is not None else {})}}
     for pair in range(pairs):
         with tempfile.TemporaryDirectory() as tmp:
             cfg = one_learner_config(DEMO_CONFIG, pathlib.Path(tmp) / "state", steps or size.steps, size.shards,
-                                     **size.config)
+                                     **sections)
             batches = random_batches(cfg, device)
             if pair == 0:
                 warm_up(cfg, batches, device)
@@ -263,12 +266,14 @@ def main() -> int:
                         help="model: the GPT's forward, backward and AdamW; gpu-shaped: a 20 ms wait that holds no "
                              "core, then each parameter changed in place (a GPU step as the host sees it)")
     parser.add_argument("--steps", type=int, help="steps per run (default: the size's)")
+    parser.add_argument("--tau", type=int, help="sync.overlap_steps: the steps a result has to arrive in "
+                                                "(default: the demo config's)")
     parser.add_argument("--json", help="also write the figures here (bench/run_all.py reads them)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     device = torch.device(args.device)
     load_before = os.getloadavg()[0]
-    rows = [measure(SIZES[name], args.pairs, device, args.step, args.steps) for name in args.sizes]
+    rows = [measure(SIZES[name], args.pairs, device, args.step, args.steps, args.tau) for name in args.sizes]
     load_after = os.getloadavg()[0]
     print(f"user loop on {device}, {args.step} step: sync on vs enabled=False, median of {args.pairs} alternating pairs, 1 torch thread; "
           f"load average {load_before:.2f} at the start, {load_after:.2f} at the end")
