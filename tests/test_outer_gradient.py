@@ -69,6 +69,20 @@ def test_only_the_payload_and_a_finite_flag_cross_from_a_gpu(device):
     assert outer.device_to_host_bytes == (len(payload) + 1 if device == "cuda" else 0)
 
 
+@pytest.mark.parametrize("name", [pytest.param(name, marks=CUDA) for name in ("int8", "int4", "fp4_e3m0", "bf16")])
+def test_starting_a_push_on_a_gpu_never_waits_for_the_device(name):
+    params, fragment = model_and_fragment("cuda")
+    feedback = ErrorFeedback(get_codec(name), fragment.numel, 16, "cuda")
+    anchor = gather(fragment, params) + 0.5
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a synchronizing call raises: the training thread would wait
+    try:
+        outer = OuterGradient(fragment, params, anchor, feedback)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(outer.payload()) == get_codec(name).encoded_size(fragment.numel, 16)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_nan_in_the_model_is_refused_and_the_residual_rolled_back(device):
     params, fragment = model_and_fragment(device)

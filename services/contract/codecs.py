@@ -248,7 +248,7 @@ def _block_scales(absmax: torch.Tensor, top: float) -> torch.Tensor:
     need no clamping, even when the scale is subnormal) and `top * scale` never overflows."""
     exact = absmax.double() / top
     scale = exact.float()
-    scale = torch.where(scale.double() < exact, scale.nextafter(scale.new_tensor(math.inf)), scale)  # round up
+    scale = torch.where(scale.double() < exact, scale.nextafter(torch.full_like(scale, math.inf)), scale)  # round up
     return scale.clamp_(max=_largest_scale(top))
 
 
