@@ -20,6 +20,7 @@ so in one line and exits 0.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import pathlib
@@ -117,6 +118,7 @@ def memory(work: pathlib.Path, steps: int) -> Check:
                     copies.append((time.perf_counter() - started, fragment.numel))
             syncs = sync.sync.stats.syncs_applied
         del trainer, sync
+        gc.collect()  # the sync's objects hold device tensors in reference cycles: freed now, not during the restore
         torch.cuda.empty_cache()
         restored = Trainer.from_config(cfg, learner, cache_dir=work / "cache", device=device)
         restore_peak, _ = peak_during(lambda: restored.restore(checkpoint), device)
@@ -191,11 +193,11 @@ def island(work: pathlib.Path, steps: int) -> Check:
                                                                        "island_checks": report["island_checks"]})
 
 
-def user_loop(work: pathlib.Path, pairs: int) -> Check:
+def user_loop(work: pathlib.Path, pairs: int, tau: int) -> Check:
     work.mkdir(parents=True)
     path = work / "user_loop.json"
     result = run([sys.executable, "bench/user_loop.py", "--device", "cuda", "--pairs", str(pairs), "--sizes", "demo",
-                  "25M", "85M", "350M", "--json", str(path)], timeout=900)
+                  "25M", "85M", "350M", "--tau", str(tau), "--json", str(path)], timeout=900)
     if not path.exists():
         return Check("user loop", False, tail(result))
     sizes = json.loads(path.read_text())["sizes"]
@@ -203,7 +205,8 @@ def user_loop(work: pathlib.Path, pairs: int) -> Check:
                         f"ms/step off, {r['sync_on_step_seconds'] * 1e3:.1f} on, ratio {r['ratio']:.3f} (sync.step() "
                         f"{r['step_calls_seconds_per_step'] * 1e3:.2f} ms/step, blocked "
                         f"{r['blocked_seconds_per_step'] * 1e3:.2f}; per sync {r['device_to_host_bytes_per_sync'] / 1e6:.2f} "
-                        f"MB to the host, payload {r['encoded_bytes_per_sync'] / 1e6:.2f} MB)" for r in sizes)
+                        f"MB to the host, payload {r['encoded_bytes_per_sync'] / 1e6:.2f} MB, "
+                        f"{r['host_to_device_bytes_per_sync'] / 1e6:.2f} MB back)" for r in sizes)
     # The ratio is a figure to read, not a pass condition: the loop ran and synced.
     passed = all(r["syncs_per_run"] > 0 for r in sizes)
     return Check("user loop", passed, summary, {"sizes": sizes})
@@ -214,6 +217,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60, help="inner steps of the memory check's learner")
     parser.add_argument("--sim-steps", type=int, default=200, help="inner steps per learner of the two-learner run")
     parser.add_argument("--pairs", type=int, default=3, help="pairs of runs of the user-loop benchmark")
+    # A result is due tau steps after its sync starts: at H=16 with the shards on the same host a
+    # round trip takes 6 to 7 GPU steps at 85M and 350M (docs/gpus.md), so tau=3 blocks.
+    parser.add_argument("--tau", type=int, default=8, help="sync.overlap_steps of the user-loop benchmark")
     parser.add_argument("--json", help="also write every check and figure here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -229,7 +235,7 @@ def main() -> int:
         for name, check in (("tests", cuda_tests), ("memory", lambda: memory(work / "memory", args.steps)),
                             ("learners", lambda: two_learners(work / "learners", args.sim_steps)),
                             ("island", lambda: island(work / "island", 60)),
-                            ("user loop", lambda: user_loop(work / "user-loop", args.pairs))):
+                            ("user loop", lambda: user_loop(work / "user-loop", args.pairs, args.tau))):
             started = time.monotonic()
             try:
                 result = check()
