@@ -4,6 +4,7 @@ AdamW, batches of random bytes) with `DecoupledDiLoCo` syncing, against the same
 
     python bench/user_loop.py [--pairs 3] [--sizes demo 25M] [--device cuda] [--json PATH]
     python bench/user_loop.py --step gpu-shaped --sizes 25M 85M --steps 96   # a GPU's step, on the CPU
+    python bench/user_loop.py --device cuda --sizes 85M --tau 3 --set sync.wait_for_own_link=false
 
 Sizes: the demo's model and sync settings (examples/local-4-regions.yaml: 446k parameters,
 H=50, P=4, tau=3, int4), and GPTs of 25M, 85M and 350M parameters with H=16, so that short runs
@@ -29,6 +30,7 @@ shards. Exits 1 when a size misses its target.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import pathlib
@@ -48,6 +50,7 @@ from diloco import DecoupledDiLoCo  # noqa: E402
 from diloco.learner.trainer.model import build_model  # noqa: E402
 from diloco.learner.sync.synced_parameters import manifest  # noqa: E402
 from diloco.localcluster.cluster import LocalCluster  # noqa: E402
+from diloco.localcluster.sim import apply_override  # noqa: E402
 from diloco.services.contract.codecs import get_codec  # noqa: E402
 from diloco.services.contract.fragments import plan_for_config  # noqa: E402
 from diloco.services.contract.config import Config  # noqa: E402
@@ -185,10 +188,11 @@ def timed_run(cfg: Config, batches: list, enabled: bool, device: torch.device, s
 
 
 def measure(size: Size, pairs: int, device: torch.device, step_kind: str = "model", steps: int | None = None,
-            tau: int | None = None) -> dict:
+            overrides: list[str] = ()) -> dict:
     runs: dict[bool, list[Run]] = {False: [], True: []}  # by sync enabled
-    sections = {**size.config, "sync": {**size.config.get("sync", {}),
-                                        **({"overlap_steps": tau} if tau is not None else {})}}
+    sections = copy.deepcopy(size.config)
+    for override in overrides:
+        apply_override(sections, override)
     for pair in range(pairs):
         with tempfile.TemporaryDirectory() as tmp:
             cfg = one_learner_config(DEMO_CONFIG, pathlib.Path(tmp) / "state", steps or size.steps, size.shards,
@@ -219,7 +223,7 @@ def measure(size: Size, pairs: int, device: torch.device, step_kind: str = "mode
             "layers": cfg.model.n_layer, "width": cfg.model.n_embd, "seq_len": cfg.model.seq_len,
             "batch_size": cfg.trainer.batch_size, "steps": cfg.trainer.max_steps, "step": step_kind,
             "target_ratio": target_ratio(size, device, step_kind), "H": cfg.sync.interval_steps,
-            "P": cfg.sync.fragments, "tau": cfg.sync.overlap_steps, "codec": cfg.sync.codec,
+            "P": cfg.sync.fragments, "tau": cfg.sync.overlap_steps, "codec": cfg.sync.codec, "overrides": list(overrides),
             "sync_off_step_seconds": off_median, "sync_on_step_seconds": on_median, "ratio": on_median / off_median,
             "pair_ratios": [b / a for a, b in zip(off, on)], "runs_off": off, "runs_on": on,
             "syncs_per_run": statistics.median(run.syncs for run in runs[True]),
@@ -268,12 +272,16 @@ def main() -> int:
     parser.add_argument("--steps", type=int, help="steps per run (default: the size's)")
     parser.add_argument("--tau", type=int, help="sync.overlap_steps: the steps a result has to arrive in "
                                                 "(default: the demo config's)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="a config key for every size's runs, as diloco sim takes it, e.g. "
+                             "sync.wait_for_own_link=false (repeatable)")
     parser.add_argument("--json", help="also write the figures here (bench/run_all.py reads them)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     device = torch.device(args.device)
     load_before = os.getloadavg()[0]
-    rows = [measure(SIZES[name], args.pairs, device, args.step, args.steps, args.tau) for name in args.sizes]
+    overrides = [*args.overrides, *([f"sync.overlap_steps={args.tau}"] if args.tau is not None else [])]
+    rows = [measure(SIZES[name], args.pairs, device, args.step, args.steps, overrides) for name in args.sizes]
     load_after = os.getloadavg()[0]
     print(f"user loop on {device}, {args.step} step: sync on vs enabled=False, median of {args.pairs} alternating pairs, 1 torch thread; "
           f"load average {load_before:.2f} at the start, {load_after:.2f} at the end")

@@ -193,11 +193,12 @@ def island(work: pathlib.Path, steps: int) -> Check:
                                                                        "island_checks": report["island_checks"]})
 
 
-def user_loop(work: pathlib.Path, pairs: int, tau: int) -> Check:
+def user_loop(work: pathlib.Path, pairs: int, tau: int, overrides: list[str]) -> Check:
     work.mkdir(parents=True)
     path = work / "user_loop.json"
     result = run([sys.executable, "bench/user_loop.py", "--device", "cuda", "--pairs", str(pairs), "--sizes", "demo",
-                  "25M", "85M", "350M", "--tau", str(tau), "--json", str(path)], timeout=900)
+                  "25M", "85M", "350M", "--tau", str(tau), *(f"--set={o}" for o in overrides), "--json", str(path)],
+                 timeout=900)
     if not path.exists():
         return Check("user loop", False, tail(result))
     sizes = json.loads(path.read_text())["sizes"]
@@ -220,6 +221,8 @@ def main() -> int:
     # A result is due tau steps after its sync starts: at H=16 with the shards on the same host a
     # round trip takes 6 to 7 GPU steps at 85M and 350M (docs/gpus.md), so tau=3 blocks.
     parser.add_argument("--tau", type=int, default=8, help="sync.overlap_steps of the user-loop benchmark")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="a config key of the user-loop benchmark, e.g. sync.wait_for_own_link=false")
     parser.add_argument("--json", help="also write every check and figure here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -235,7 +238,7 @@ def main() -> int:
         for name, check in (("tests", cuda_tests), ("memory", lambda: memory(work / "memory", args.steps)),
                             ("learners", lambda: two_learners(work / "learners", args.sim_steps)),
                             ("island", lambda: island(work / "island", 60)),
-                            ("user loop", lambda: user_loop(work / "user-loop", args.pairs, args.tau))):
+                            ("user loop", lambda: user_loop(work / "user-loop", args.pairs, args.tau, args.overrides))):
             started = time.monotonic()
             try:
                 result = check()
