@@ -130,3 +130,23 @@ def test_merging_replaces_only_the_sections_run_and_names_the_run_that_made_them
     assert [(r["sections"], r["machine"]["commit"]) for r in once["later_runs"]] == [(["hf"], "b")]
     twice = merged(once, run("c", hf={"h": 3}, quality={"q": 3}), ["quality", "hf"])
     assert [(r["sections"], r["machine"]["commit"]) for r in twice["later_runs"]] == [(["quality", "hf"], "c")]
+
+
+def test_a_gpu_run_is_recorded_from_a_gpu_check_file_and_rendered_with_its_command(tmp_path, monkeypatch):
+    from bench import gpu_runs
+    results = tmp_path / "results.json"
+    committed = json.loads((ROOT / "bench" / "results.json").read_text())
+    results.write_text(json.dumps({k: v for k, v in committed.items() if k != "gpu_user_loop"}))
+    row = committed["gpu_user_loop"][-1]["sizes"][0]
+    check = tmp_path / "gpu-check.json"
+    check.write_text(json.dumps({"checks": [{"name": "tests", "figures": {}},
+                                            {"name": "user loop", "figures": {"sizes": [row]}}]}))
+    monkeypatch.setattr(gpu_runs, "RESULTS", results)
+    monkeypatch.setattr(sys, "argv", ["gpu_runs.py", str(check), "--device", "NVIDIA H100", "--cpu-cores", "16",
+                                      "--torch", "2.11.0+cu130", "--commit", "abc1234", "--command", "make gpu-check"])
+    assert gpu_runs.main() == 0
+    (run,) = json.loads(results.read_text())["gpu_user_loop"]
+    assert run["sizes"] == [row] and run["commit"] == "abc1234"
+    render(json.loads(results.read_text()), tmp_path)
+    section = (tmp_path / "BENCHMARKS.md").read_text().split(f"## {TITLES['gpu_user_loop']}")[1].split("\n## ")[0]
+    assert "| NVIDIA H100 (16), abc1234 |" in section and "`make gpu-check`" in section
