@@ -420,7 +420,8 @@ def gpu_shaped(section: dict) -> list[str]:
              "steps); learner and shard share this machine's 2 cores.", ""]
     lines += table(["model", "steps a run (syncs)", "H, P, tau", "sync off ms/step", "sync on ms/step",
                     "ratio (pairs)", "target", "blocked ms/step", "user's step off / on ms",
-                    "CPU ms per sync: training thread / sync threads / shard", "a sync starts every", "command"],
+                    "CPU ms per sync: training thread / sync threads / shard", "a sync starts every",
+                    "a sync's round trip ms (push) / tau steps' ms", "command"],
                    [[f"{s['size']} ({s['model_parameters'] / 1e6:.1f}M)", f"{s['steps']} ({s['syncs_per_run']:.0f})",
                      f"{s['H']}, {s['P']}, {s['tau']} ({s['codec']})", f"{s['sync_off_step_seconds'] * 1e3:.1f}",
                      f"{s['sync_on_step_seconds'] * 1e3:.1f}", f"{s['ratio']:.3f} ({pair_range(s)})",
@@ -430,8 +431,18 @@ def gpu_shaped(section: dict) -> list[str]:
                      f"{s['user_step_seconds']['off'] * 1e3:.2f} / {s['user_step_seconds']['on'] * 1e3:.2f}",
                      " / ".join(f"{s['cpu_seconds_per_sync'][k] * 1e3:.0f}"
                                 for k in ("training_thread", "sync_threads", "shards")),
-                     f"{s['seconds_between_syncs'] * 1e3:.0f} ms", code(section["command"])] for s in sizes])
+                     f"{s['seconds_between_syncs'] * 1e3:.0f} ms", round_trip(s), code(section["command"])]
+                    for s in sizes])
     return lines
+
+
+def round_trip(size: dict) -> str:
+    """A user-loop row's mean round trip of a sync (its push's answer) against tau steps' time;
+    '-' for rows measured before the benchmark reported it."""
+    if "round_trip_seconds" not in size:
+        return "-"
+    return (f"{size['round_trip_seconds'] * 1e3:.0f} ({size['push_seconds'] * 1e3:.0f}) / "
+            f"{size['tau_steps_seconds'] * 1e3:.0f}")
 
 
 def gpu_user_loop(runs: list[dict], out: pathlib.Path) -> list[str]:
@@ -440,17 +451,20 @@ def gpu_user_loop(runs: list[dict], out: pathlib.Path) -> list[str]:
              "recorded where a session was lent a GPU (`bench/gpu_runs.py`), so each row names its machine, "
              "commit and command. Blocked: `sync.step()` waiting for results past tau, per step; `sync.step()`: "
              "all of its calls per step on the training thread, blocked included. A result is due tau steps after "
-             "its sync starts; its round trip (push, the shard's close, pull, decode) is what tau has to cover "
-             "(docs/gpus.md).", ""]
+             "its sync starts; its round trip (from its start until the result is in, decoded and checked; in "
+             "brackets until the shard answered its push, which with one learner includes the round's close) "
+             "is what tau steps of the loop without sync have to cover (docs/gpus.md).", ""]
     lines += table(["GPU (machine's cores), commit", "model", "steps a run (syncs)", "H, P, tau", "sync off ms/step",
                     "sync on ms/step", "ratio (pairs)", "target", "blocked ms/step", "`sync.step()` ms/step",
-                    "MB per sync off the GPU (payload) / onto it", "command"],
+                    "a sync's round trip ms (push) / tau steps' ms", "MB per sync off the GPU (payload) / onto it",
+                    "command"],
                    [[f"{run['device']} ({run['cpu_cores']}), {run['commit']}",
                      f"{s['size']} ({s['model_parameters'] / 1e6:.1f}M)", f"{s['steps']} ({s['syncs_per_run']:.0f})",
                      f"{s['H']}, {s['P']}, {s['tau']} ({s['codec']})", f"{s['sync_off_step_seconds'] * 1e3:.1f}",
                      f"{s['sync_on_step_seconds'] * 1e3:.1f}", f"{s['ratio']:.3f} ({len(s['runs_on'])}: {pair_range(s)})",
                      f"<= {s['target_ratio']} " + verdict(s["ratio"] <= s["target_ratio"]),
                      f"{s['blocked_seconds_per_step'] * 1e3:.1f}", f"{s['step_calls_seconds_per_step'] * 1e3:.1f}",
+                     round_trip(s),
                      f"{s['device_to_host_bytes_per_sync'] / 1e6:.2f} ({s['encoded_bytes_per_sync'] / 1e6:.2f}) / "
                      f"{s['host_to_device_bytes_per_sync'] / 1e6:.2f}", code(run["command"])]
                     for run in runs for s in run["sizes"] if s["size"] != "demo"])

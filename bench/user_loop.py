@@ -141,6 +141,11 @@ class Run:
     training_thread_cpu_seconds: float = 0.0  # CPU time of the loop's thread
     other_threads_cpu_seconds: float = 0.0  # of this process's other threads: the sync's
     shard_cpu_seconds: float = 0.0  # of the shard processes
+    # A sync's own time, mean over the run's pushes: from its start until the shard answered the
+    # push (with one learner the shard closes the round before answering), and until its result
+    # was in, decoded and checked: what tau steps have to cover for the loop never to wait.
+    push_seconds: float = 0.0
+    round_trip_seconds: float = 0.0
 
 
 def cpu_seconds(pid: int) -> float:
@@ -159,6 +164,8 @@ def timed_run(cfg: Config, batches: list, enabled: bool, device: torch.device, s
         started = time.perf_counter()
         cpu_started, thread_started = time.process_time(), time.thread_time()
         shards_started = sum(cpu_seconds(pid) for pid in shard_pids)
+        stats = sync.sync.stats if sync.sync else None
+        pushes_before = (stats.pushes, stats.push_seconds, stats.transfer_seconds) if stats else None
         while not sync.should_stop:
             x, y = batches[len(run.step_calls) % len(batches)]
             stepped = time.perf_counter()
@@ -181,6 +188,11 @@ def timed_run(cfg: Config, batches: list, enabled: bool, device: torch.device, s
         run.shard_cpu_seconds = sum(cpu_seconds(pid) for pid in shard_pids) - shards_started
         run.syncs = sync.sync.stats.syncs_started if sync.sync else 0
         run.blocked_seconds = sync.sync.stats.blocked_seconds if sync.sync else 0.0
+        if stats:
+            pushes, push_seconds, transfer_seconds = (after - before for after, before in zip(
+                (stats.pushes, stats.push_seconds, stats.transfer_seconds), pushes_before))
+            run.push_seconds = push_seconds / max(1, pushes)
+            run.round_trip_seconds = transfer_seconds / max(1, pushes)
         if sync.sync:
             run.device_to_host_bytes = sync.sync.stats.device_to_host_bytes
             run.host_to_device_bytes = sync.sync.stats.host_to_device_bytes
@@ -247,7 +259,10 @@ def measure(size: Size, pairs: int, device: torch.device, step_kind: str = "mode
                                          for off, on in zip(runs[False], runs[True]) if on.syncs)
                 for where, attr in (("training_thread", "training_thread_cpu_seconds"),
                                     ("sync_threads", "other_threads_cpu_seconds"), ("shards", "shard_cpu_seconds"))},
-            "seconds_between_syncs": on_median * cfg.sync.interval_steps / cfg.sync.fragments}
+            "seconds_between_syncs": on_median * cfg.sync.interval_steps / cfg.sync.fragments,
+            "push_seconds": statistics.median(run.push_seconds for run in runs[True]),
+            "round_trip_seconds": statistics.median(run.round_trip_seconds for run in runs[True]),
+            "tau_steps_seconds": cfg.sync.overlap_steps * off_median}
 
 
 def target_ratio(size: Size, device: torch.device, step_kind: str) -> float | None:
@@ -301,7 +316,9 @@ def main() -> int:
               f"{r['encoded_bytes_per_sync'] / 1e6:.2f} MB), {r['host_to_device_bytes_per_sync'] / 1e6:.2f} MB back; "
               f"the user's step {r['user_step_seconds']['off'] * 1e3:.2f} ms off, {r['user_step_seconds']['on'] * 1e3:.2f} "
               f"on; CPU ms per sync (a sync starts every {r['seconds_between_syncs'] * 1e3:.0f} ms): "
-              + ", ".join(f"{where} {seconds * 1e3:.1f}" for where, seconds in r["cpu_seconds_per_sync"].items()))
+              + ", ".join(f"{where} {seconds * 1e3:.1f}" for where, seconds in r["cpu_seconds_per_sync"].items())
+              + f"; a sync's round trip {r['round_trip_seconds'] * 1e3:.0f} ms (its push answered in "
+              f"{r['push_seconds'] * 1e3:.0f}) against tau steps' {r['tau_steps_seconds'] * 1e3:.0f} ms")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({
             "target_ratio": TARGET_RATIO, "step": args.step, "pairs": args.pairs, "torch_threads": 1,

@@ -207,7 +207,9 @@ def user_loop(work: pathlib.Path, pairs: int, tau: int, overrides: list[str]) ->
                         f"{r['step_calls_seconds_per_step'] * 1e3:.2f} ms/step, blocked "
                         f"{r['blocked_seconds_per_step'] * 1e3:.2f}; per sync {r['device_to_host_bytes_per_sync'] / 1e6:.2f} "
                         f"MB to the host, payload {r['encoded_bytes_per_sync'] / 1e6:.2f} MB, "
-                        f"{r['host_to_device_bytes_per_sync'] / 1e6:.2f} MB back)" for r in sizes)
+                        f"{r['host_to_device_bytes_per_sync'] / 1e6:.2f} MB back; round trip "
+                        f"{r['round_trip_seconds'] * 1e3:.0f} ms against tau steps' {r['tau_steps_seconds'] * 1e3:.0f})"
+                        for r in sizes)
     # The ratio is a figure to read, not a pass condition: the loop ran and synced.
     passed = all(r["syncs_per_run"] > 0 for r in sizes)
     return Check("user loop", passed, summary, {"sizes": sizes})
