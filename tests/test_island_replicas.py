@@ -120,7 +120,7 @@ def test_an_island_whose_every_group_dies_is_a_learner_failure_led_by_the_first_
     # The island has had a leader: a free lease means it left, and waiting for group 0
     # (island.leader_wait_seconds, 60) would only stall the island.
     wait_until(lambda: (read_report(cluster, island.name).get("island", {}).get("took_lead_at") or 0) > restarted_at,
-               TAKEOVER_BOUND, "group 1 to take the lead")
+               TAKEOVER_BOUND, f"group 1 to take the lead (its log: {group.log_path})")
     island.start()  # group 0 back later: it follows group 1, healing from it
     reports = wait_for_learners_to_finish(cluster)
     wait_until(lambda: group.returncode is not None, 30, "the new leader to end")
