@@ -165,19 +165,20 @@ def timed_run(cfg: Config, batches: list, enabled: bool, device: torch.device, s
         cpu_started, thread_started = time.process_time(), time.thread_time()
         shards_started = sum(cpu_seconds(pid) for pid in shard_pids)
         stats = sync.sync.stats if sync.sync else None
-        pushes_before = (stats.pushes, stats.push_seconds, stats.transfer_seconds) if stats else None
+        pushes_at_start, push_seconds_at_start, transfer_seconds_at_start = (
+            (stats.pushes, stats.push_seconds, stats.transfer_seconds) if stats else (0, 0.0, 0.0))
         while not sync.should_stop:
             x, y = batches[len(run.step_calls) % len(batches)]
             stepped = time.perf_counter()
             step(model, optimizer, x, y)
             user_seconds += time.perf_counter() - stepped
-            syncs_before = sync.sync.stats.syncs_started if sync.sync else 0
+            syncs_before = stats.syncs_started if stats else 0
             called = time.perf_counter()
             applied = sync.step(tokens=x.numel())
             run.step_calls.append(time.perf_counter() - called)
             if device.type == "cuda" and len(run.step_calls) % 10 == 0:
                 torch.cuda.synchronize(device)  # a loop that reads its loss now and then: the GPU never runs far ahead
-            if sync.sync and not applied and sync.sync.stats.syncs_started == syncs_before:
+            if stats and not applied and stats.syncs_started == syncs_before:
                 run.idle_calls.append(run.step_calls[-1])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -186,16 +187,12 @@ def timed_run(cfg: Config, batches: list, enabled: bool, device: torch.device, s
         run.training_thread_cpu_seconds = time.thread_time() - thread_started
         run.other_threads_cpu_seconds = time.process_time() - cpu_started - run.training_thread_cpu_seconds
         run.shard_cpu_seconds = sum(cpu_seconds(pid) for pid in shard_pids) - shards_started
-        run.syncs = sync.sync.stats.syncs_started if sync.sync else 0
-        run.blocked_seconds = sync.sync.stats.blocked_seconds if sync.sync else 0.0
-        if stats:
-            pushes, push_seconds, transfer_seconds = (after - before for after, before in zip(
-                (stats.pushes, stats.push_seconds, stats.transfer_seconds), pushes_before))
-            run.push_seconds = push_seconds / max(1, pushes)
-            run.round_trip_seconds = transfer_seconds / max(1, pushes)
-        if sync.sync:
-            run.device_to_host_bytes = sync.sync.stats.device_to_host_bytes
-            run.host_to_device_bytes = sync.sync.stats.host_to_device_bytes
+        if stats:  # the sync on: its counters (off, the run's defaults stand)
+            run.syncs, run.blocked_seconds = stats.syncs_started, stats.blocked_seconds
+            run.device_to_host_bytes, run.host_to_device_bytes = stats.device_to_host_bytes, stats.host_to_device_bytes
+            pushes = max(1, stats.pushes - pushes_at_start)
+            run.push_seconds = (stats.push_seconds - push_seconds_at_start) / pushes
+            run.round_trip_seconds = (stats.transfer_seconds - transfer_seconds_at_start) / pushes
     return run
 
 
