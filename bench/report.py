@@ -418,22 +418,31 @@ def gpu_shaped(section: dict) -> list[str]:
              "interpreter lock and the cores). CPU ms per sync: the CPU time a sync costs the training thread, "
              "the sync's threads and the shard, against the time between two syncs' starts (P syncs every H "
              "steps); learner and shard share this machine's 2 cores.", ""]
-    lines += table(["model", "steps a run (syncs)", "H, P, tau", "sync off ms/step", "sync on ms/step",
-                    "ratio (pairs)", "target", "blocked ms/step", "user's step off / on ms",
+    lines += table([*LOOP_COLUMNS, "user's step off / on ms",
                     "CPU ms per sync: training thread / sync threads / shard", "a sync starts every",
                     "a sync's round trip ms (push) / tau steps' ms", "command"],
-                   [[f"{s['size']} ({s['model_parameters'] / 1e6:.1f}M)", f"{s['steps']} ({s['syncs_per_run']:.0f})",
-                     f"{s['H']}, {s['P']}, {s['tau']} ({s['codec']})", f"{s['sync_off_step_seconds'] * 1e3:.1f}",
-                     f"{s['sync_on_step_seconds'] * 1e3:.1f}", f"{s['ratio']:.3f} ({pair_range(s)})",
-                     "-" if s["target_ratio"] is None else f"<= {s['target_ratio']} "
-                     + verdict(s["ratio"] <= s["target_ratio"]),
-                     f"{s['blocked_seconds_per_step'] * 1e3:.1f}",
+                   [[*loop_cells(s),
                      f"{s['user_step_seconds']['off'] * 1e3:.2f} / {s['user_step_seconds']['on'] * 1e3:.2f}",
                      " / ".join(f"{s['cpu_seconds_per_sync'][k] * 1e3:.0f}"
                                 for k in ("training_thread", "sync_threads", "shards")),
                      f"{s['seconds_between_syncs'] * 1e3:.0f} ms", round_trip(s), code(section["command"])]
                     for s in sizes])
     return lines
+
+
+LOOP_COLUMNS = ["model", "steps a run (syncs)", "H, P, tau", "sync off ms/step", "sync on ms/step",
+                "ratio (pairs: lowest-highest)", "target", "blocked ms/step"]
+
+
+def loop_cells(size: dict) -> list[str]:
+    """A user-loop row's LOOP_COLUMNS, for a GPU-shaped step's table and a GPU's."""
+    return [f"{size['size']} ({size['model_parameters'] / 1e6:.1f}M)", f"{size['steps']} ({size['syncs_per_run']:.0f})",
+            f"{size['H']}, {size['P']}, {size['tau']} ({size['codec']})", f"{size['sync_off_step_seconds'] * 1e3:.1f}",
+            f"{size['sync_on_step_seconds'] * 1e3:.1f}",
+            f"{size['ratio']:.3f} ({len(size['runs_on'])}: {pair_range(size)})",
+            "-" if size["target_ratio"] is None else f"<= {size['target_ratio']} "
+            + verdict(size["ratio"] <= size["target_ratio"]),
+            f"{size['blocked_seconds_per_step'] * 1e3:.1f}"]
 
 
 def round_trip(size: dict) -> str:
@@ -454,16 +463,11 @@ def gpu_user_loop(runs: list[dict], out: pathlib.Path) -> list[str]:
              "its sync starts; its round trip (from its start until the result is in, decoded and checked; in "
              "brackets until the shard answered its push, which with one learner includes the round's close) "
              "is what tau steps of the loop without sync have to cover (docs/gpus.md).", ""]
-    lines += table(["GPU (machine's cores), commit", "model", "steps a run (syncs)", "H, P, tau", "sync off ms/step",
-                    "sync on ms/step", "ratio (pairs)", "target", "blocked ms/step", "`sync.step()` ms/step",
+    lines += table(["GPU (machine's cores), commit", *LOOP_COLUMNS, "`sync.step()` ms/step",
                     "a sync's round trip ms (push) / tau steps' ms", "MB per sync off the GPU (payload) / onto it",
                     "command"],
-                   [[f"{run['device']} ({run['cpu_cores']}), {run['commit']}",
-                     f"{s['size']} ({s['model_parameters'] / 1e6:.1f}M)", f"{s['steps']} ({s['syncs_per_run']:.0f})",
-                     f"{s['H']}, {s['P']}, {s['tau']} ({s['codec']})", f"{s['sync_off_step_seconds'] * 1e3:.1f}",
-                     f"{s['sync_on_step_seconds'] * 1e3:.1f}", f"{s['ratio']:.3f} ({len(s['runs_on'])}: {pair_range(s)})",
-                     f"<= {s['target_ratio']} " + verdict(s["ratio"] <= s["target_ratio"]),
-                     f"{s['blocked_seconds_per_step'] * 1e3:.1f}", f"{s['step_calls_seconds_per_step'] * 1e3:.1f}",
+                   [[f"{run['device']} ({run['cpu_cores']}), {run['commit']}", *loop_cells(s),
+                     f"{s['step_calls_seconds_per_step'] * 1e3:.1f}",
                      round_trip(s),
                      f"{s['device_to_host_bytes_per_sync'] / 1e6:.2f} ({s['encoded_bytes_per_sync'] / 1e6:.2f}) / "
                      f"{s['host_to_device_bytes_per_sync'] / 1e6:.2f}", code(run["command"])]
