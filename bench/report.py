@@ -308,18 +308,30 @@ def scale(section: dict) -> list[str]:
     if section.get("anchors"):
         lines += ["", f"Anchors (issue 53): one fragment of {section['anchors'][0]['params'] / 1e6:.0f}M values, "
                   f"{section['anchors'][0]['learners']} learner identities; learner i takes a snapshot at version i "
-                  "(one pusher closes a round after each), then all pull from their anchors at once: unbounded, each "
-                  "would hold an off-lineage value of its own. syncer.kept_anchors bounds the values the shard keeps "
-                  "(4 B/param each); a learner whose value was dropped pulls the exact updates since, or a snapshot. "
-                  "Target: <= 24 B/param at rest at M = 16.", ""]
-        lines += table(["syncer.kept_anchors", "RSS B/param at rest", "target", "the 16 pulls' answers",
-                        "MB pulled per learner (median)", "one int4 update MB"],
-                       [[r["kept_anchors"], f"{r['rss_bytes_per_param']:.1f}",
-                         verdict(r["rss_bytes_per_param"] <= ANCHORS_TARGET) if r["kept_anchors"] == 1 else "-",
+                  "(one pusher closes a round after each), then all pull from their anchors at once, each leaving "
+                  "with an off-lineage value of its own. The shard keeps syncer.kept_anchors of those values in memory "
+                  "(4 B/param each); with syncer.spill_anchors the others go to its state folder and are read back "
+                  "for their learner's next pull, without it a learner whose value was dropped pulls the exact "
+                  "updates since, or a snapshot. On disk: the anchors' files once the pulls are done; written: "
+                  "during the run. Target: <= 24 B/param at rest at M = 16, with every learner's next pull one delta "
+                  "(the default settings).", ""]
+        lines += table(["syncer.kept_anchors", "syncer.spill_anchors", "RSS B/param at rest", "target",
+                        "anchors on disk B/param", "GB written", "the 16 pulls' answers",
+                        "MB pulled per learner (median)", "one int4 update MB", "the 16 pulls s"],
+                       [[r["kept_anchors"], str(r.get("spill_anchors", False)).lower(),
+                         f"{r['rss_bytes_per_param']:.1f}",
+                         verdict(r["rss_bytes_per_param"] <= ANCHORS_TARGET) if is_default_anchors(r) else "-",
+                         f"{r.get('disk_bytes_per_param', 0):.1f}", f"{r.get('spill_bytes_written', 0) / 1e9:.1f}",
                          ", ".join(f"{k} {v}" for k, v in sorted(r["answers"].items())),
-                         f"{r['pulled_bytes_per_learner'] / 1e6:.1f}", f"{r['int4_bytes'] / 1e6:.1f}"]
+                         f"{r['pulled_bytes_per_learner'] / 1e6:.1f}", f"{r['int4_bytes'] / 1e6:.1f}",
+                         f"{r['pull_seconds']:.1f}"]
                         for r in section["anchors"]])
     return lines + capacity(section)
+
+
+def is_default_anchors(run: dict) -> bool:
+    """The anchors run with the shard's default settings (kept_anchors 0, spill_anchors true)."""
+    return run["kept_anchors"] == 0 and run.get("spill_anchors", False)
 
 
 def capacity(section: dict) -> list[str]:
@@ -330,11 +342,15 @@ def capacity(section: dict) -> list[str]:
               f"128 GiB (80 % used), scaled linearly from this run: a round close of M = {plan['learners']} took "
               f"{measured['close_seconds_per_param'] * 1e9:.1f} ns per fragment parameter on {measured['cores']} cores, "
               f"{measured['rest_bytes_per_param']:.1f} B/param at rest"
-              + (f" plus 4 B/param for each anchor value a fragment keeps (syncer.kept_anchors = {plan['kept_anchors']})"
-                 if "kept_anchors" in plan else "")
+              + (f" plus 4 B/param for the lineage's value one version back and each anchor value a fragment keeps "
+                 f"in memory (syncer.kept_anchors = {plan['kept_anchors']})" if "kept_anchors" in plan else "")
               + f", and {measured['close_bytes_per_param']:.1f} B per "
               f"parameter of the closing fragment, disk {measured['disk_bytes_per_second'] / 1e6:.0f} MB/s. "
-              "Where one fragment's close does not fit a shard, P doubles.", ""]
+              "Where one fragment's close does not fit a shard, P doubles. Disk per shard: the state (a snapshot, "
+              "its replacement while written, a full log, the history)"
+              + (", plus the anchors' values out of memory with every learner out of phase (M x 4 B per owned "
+                 "parameter; none while every learner contributes to every round)"
+                 if "anchor_disk_gib_per_shard" in section["capacity"][0] else "") + ".", ""]
     return lines + table(["model", "P", "per fragment", "close on this machine", "cores to close within tau steps", "shards",
                     "memory per shard", "at rest, all shards", "WAN in", "disk writes", "snapshot write", "disk per shard"],
                    [[f"{r['params'] / 1e9:.0f}B", r["fragments"], f"{r['fragment_params'] / 1e6:.0f}M",
@@ -739,13 +755,12 @@ def summary_rows(results: dict) -> list[list[str]]:
                         f"round, {biggest['rss_bytes_per_param']:.1f} B/param at rest, durable writes "
                         f"{biggest['durable_bytes_per_round_per_fragment'] / biggest['received_bytes_per_round_per_fragment']:.1f}x "
                         f"what a round received")
-            anchors = {r["kept_anchors"]: r for r in t["scale"].get("anchors", [])}
-            if anchors:
-                bounded, unbounded = anchors[min(anchors)], anchors[max(anchors)]
-                summary += (f"; {bounded['learners']} learners on anchors of their own: "
-                            f"{bounded['rss_bytes_per_param']:.1f} B/param at rest with kept_anchors = "
-                            f"{bounded['kept_anchors']} ({unbounded['rss_bytes_per_param']:.1f} with "
-                            f"{unbounded['kept_anchors']})")
+            default = next((r for r in t["scale"].get("anchors", []) if is_default_anchors(r)), None)
+            if default:
+                summary += (f"; {default['learners']} learners on anchors of their own: "
+                            f"{default['rss_bytes_per_param']:.1f} B/param at rest, "
+                            f"{default['disk_bytes_per_param']:.1f} B/param of anchors on disk, their pulls "
+                            + ", ".join(f"{k} {v}" for k, v in sorted(default["answers"].items())))
         rows.append(["5. transport", summary,
                      f"push >= {t['target_push_vs_raw']}x raw, pull >= {t['target_pull_vs_raw']}x, round >= "
                      f"{t['target_round_vs_in_process']}x in-process", verdict(transport_targets_met(t, one))])
@@ -854,9 +869,9 @@ def summary_rows(results: dict) -> list[list[str]]:
                      f"{pct(o['blocked_target'])} blocked (issue 53)", verdict(o["met"])])
     if "split_downlink" in results:
         s = results["split_downlink"]
-        rows.append(["15. split rounds' downlink", "downlink / uplink median, by syncer.kept_anchors: " + "; ".join(
-            f"{kept} {m['ratio']:.2f} ({m['ratio_without_end']:.2f} without the exact final values)"
-            for kept, m in s["median"].items()), f"<= {s['target']} (issue 53)", verdict(s["met"])])
+        rows.append(["15. split rounds' downlink", "downlink / uplink median, by the shards' anchors: " + "; ".join(
+            f"{setting} {m['ratio']:.2f} ({m['ratio_without_end']:.2f} without the exact final values)"
+            for setting, m in s["median"].items()), f"<= {s['target']} at the default (issue 53)", verdict(s["met"])])
     return rows
 
 
@@ -994,21 +1009,36 @@ def own_link(section: dict, out: pathlib.Path) -> list[str]:
 
 def split_downlink(section: dict, out: pathlib.Path) -> list[str]:
     lines = [f"The demo's cluster (4 learners, 2 shards, P = 4, int4) with H = 25, quorum 2 and learner 2 slowed, so "
-             f"rounds close without it: {section['steps']} steps per learner, with the shards keeping one anchor value "
-             "per fragment (`syncer.kept_anchors: 1`, the default), 4 (one per learner) and 8 (every learner's two "
-             "anchors): 4 B per owned parameter each. Bytes on the "
+             f"rounds close without it: {section['steps']} steps per learner, with the shards' default anchors (no "
+             "value in memory beyond the lineage's, the others in the state folder: `syncer.kept_anchors: 0`, "
+             "`syncer.spill_anchors: true`) and, without the folder, one value kept per fragment (the default before "
+             "it) or one per learner: 4 B per owned parameter each. Bytes on the "
              "learners' links; without the exact final values: less the snapshots each learner takes once at the end "
              "to hold the shards' exact bits (at most one fp32 model per learner, whatever the run's length). Pulls: "
              f"what the shards answered with (docs/monitoring.md, `diloco_syncer_pulls_total`); from a dropped value: "
              "those that came from an anchor whose value the shard had dropped, and so got the updates since or a "
-             "snapshot instead of one delta (`diloco_syncer_anchor_values_missed_total`). "
+             "snapshot instead of one delta (`diloco_syncer_anchor_values_missed_total`); on disk: the anchors' values "
+             "the shards wrote to their state folders and read back (`diloco_syncer_anchor_spill_bytes_total`). "
              f"{code(section['command'])} runs them all.", ""]
-    body = [[str(r["seed"]), str(r["kept_anchors"]), f"{r['bytes_up'] / 1e6:.1f}", f"{r['bytes_down'] / 1e6:.1f}",
+    body = [[str(r["seed"]), anchors_setting(r), f"{r['bytes_up'] / 1e6:.1f}", f"{r['bytes_down'] / 1e6:.1f}",
              f"{r['end_bytes'] / 1e6:.1f}", f"{r['ratio']:.2f}", f"{r['ratio_without_end']:.2f}",
              ", ".join(f"{answer} {n}" for answer, n in r["pulls"].items() if n), str(r.get("anchor_values_missed", "-")),
-             _loss(r["final_eval_loss"]), code(r["command"])] for r in section["runs"]]
-    return lines + table(["seed", "kept anchors", "MB up", "MB down", "of which exact final values", "down / up",
-                          "without the final values", "pulls", "from a dropped value", "global loss", "command"], body)
+             spill_cell(r.get("anchor_spill")), _loss(r["final_eval_loss"]), code(r["command"])]
+            for r in section["runs"]]
+    return lines + table(["seed", "anchors", "MB up", "MB down", "of which exact final values", "down / up",
+                          "without the final values", "pulls", "from a dropped value",
+                          "on disk: values written / read (MB written)", "global loss", "command"], body)
+
+
+def anchors_setting(run: dict) -> str:
+    """A split-downlink run's anchor settings, as a table cell."""
+    return f"kept {run['kept_anchors']}, " + ("in the state folder" if run.get("spill_anchors") else "no folder")
+
+
+def spill_cell(spill: dict | None) -> str:
+    if not spill or not spill["values_written"]:
+        return "-"
+    return f"{spill['values_written']} / {spill['values_read']} ({spill['bytes_written'] / 1e6:.1f})"
 
 
 TITLES = {"quality": "1. Quality at equal tokens",

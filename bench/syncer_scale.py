@@ -169,15 +169,16 @@ def measure(params: int, rounds: int, code: Path, state_dir: Path, label: str) -
 ANCHOR_PULLERS = 16
 
 
-def measure_anchors(params: int, kept: int, code: Path, state_dir: Path) -> dict:
+def measure_anchors(params: int, kept: int, spill: bool, code: Path, state_dir: Path) -> dict:
     """Shard memory with 16 learner identities each anchored on a value of its own: one fragment
     of `params` values, one pusher closing rounds; puller i takes a snapshot at version i, then,
     once every puller has one, all pull from their anchors (without syncer.kept_anchors bounding
-    the values, each would then hold an off-lineage value of its own). RSS at rest per parameter,
-    the pulls' answers and the bytes they took."""
+    the values in memory, each would then hold an off-lineage value of its own; with
+    syncer.spill_anchors the others are on the state disk). RSS and the anchors' files at rest
+    per parameter, the pulls' answers, the bytes they took and the bytes written to disk."""
     pullers = [f"puller-{i}" for i in range(ANCHOR_PULLERS)]
-    with running_shard(code, state_dir, ["pusher", *pullers], 1, 1, kept_anchors=kept) as (address, cfg, process,
-                                                                                           clients):
+    with running_shard(code, state_dir, ["pusher", *pullers], 1, 1, kept_anchors=kept,
+                       spill_anchors=spill) as (address, cfg, process, clients):
         baseline_rss = proc(process.pid, "status", "VmRSS")
         manifest = [("w", (params,))]
         pusher = ShardClient(address, cfg.rpc, "pusher", 1, identity=None)
@@ -204,17 +205,21 @@ def measure_anchors(params: int, kept: int, code: Path, state_dir: Path) -> dict
         rss = proc(process.pid, "status", "VmRSS")
         answers = {key.removeprefix("pulls."): after[key] - before.get(key, 0) for key in after
                    if key.startswith("pulls.") and after[key] != before.get(key, 0)}
-        return {"params": params, "kept_anchors": kept, "learners": ANCHOR_PULLERS,
+        on_disk = sum(path.stat().st_size for path in state_dir.glob("shard-0/anchors/*/*"))
+        return {"params": params, "kept_anchors": kept, "spill_anchors": spill, "learners": ANCHOR_PULLERS,
                 "rss_bytes_per_param": (rss - baseline_rss) / params, "answers": answers,
+                "disk_bytes_per_param": on_disk / params, "spill_bytes_written": after.get("anchor_spill_bytes", 0),
                 "pulled_bytes_per_learner": statistics.median(pulled_bytes), "pull_seconds": seconds,
                 "int4_bytes": len(payload)}
 
 
 def report_anchors(run: dict) -> None:
     print(f"anchors: {run['learners']} learners on anchors of their own, one fragment of {run['params'] / 1e6:.0f}M "
-          f"values, syncer.kept_anchors={run['kept_anchors']}: shard RSS at rest {run['rss_bytes_per_param']:.1f} B "
-          f"per parameter; their pulls {run['answers']}, {run['pulled_bytes_per_learner'] / 1e6:.1f} MB each (median; "
-          f"one int4 update {run['int4_bytes'] / 1e6:.1f} MB), {run['pull_seconds']:.1f} s in all", flush=True)
+          f"values, syncer.kept_anchors={run['kept_anchors']}, spill_anchors={run['spill_anchors']}: shard RSS at "
+          f"rest {run['rss_bytes_per_param']:.1f} B per parameter, anchors on disk {run['disk_bytes_per_param']:.1f} "
+          f"({run['spill_bytes_written'] / 1e9:.1f} GB written); their pulls {run['answers']}, "
+          f"{run['pulled_bytes_per_learner'] / 1e6:.1f} MB each (median; one int4 update "
+          f"{run['int4_bytes'] / 1e6:.1f} MB), {run['pull_seconds']:.1f} s in all", flush=True)
 
 
 def close_seconds_per_param(contributions: int, numel: int = 16_000_000) -> float:
@@ -277,7 +282,7 @@ class Measured:
 # The run the table is for: the paper's settings, int4 with 128-value blocks, shard machines of
 # 16 cores and 128 GiB.
 PLAN = {"fragments": 24, "learners": 8, "interval_steps": 100, "overlap_steps": 2, "step_seconds": 1.0,
-        "kept_anchors": 1}
+        "kept_anchors": 0}
 SHARD_CORES, SHARD_MEMORY = 16, 128 * 2**30
 INT4_BYTES_PER_PARAM = INT4.encoded_size(BLOCK * 1024, BLOCK) / (BLOCK * 1024)
 
@@ -289,7 +294,8 @@ def capacity(measured: Measured, params: float) -> dict:
     fragments = PLAN["fragments"]
     while True:
         fragment = params / fragments
-        per_shard = lambda shards: ((measured.rest_bytes_per_param + 4 * PLAN["kept_anchors"]) * params / shards
+        # the anchors' values in memory: kept_anchors, and the lineage's one version back while a learner holds it
+        per_shard = lambda shards: ((measured.rest_bytes_per_param + 4 * (PLAN["kept_anchors"] + 1)) * params / shards
                                     + (measured.close_bytes_per_param + PLAN["learners"] * INT4_BYTES_PER_PARAM) * fragment)
         shards = next((s for s in range(1, fragments + 1) if per_shard(s) <= 0.8 * SHARD_MEMORY), None)
         if shards:
@@ -305,8 +311,10 @@ def capacity(measured: Measured, params: float) -> dict:
             "wan_in_mbytes_per_second": received * fragments / period / 1e6,
             "disk_mbytes_per_second": measured.durable_vs_received * received * fragments / period / 1e6,
             "snapshot_seconds": SNAPSHOT_BYTES_PER_PARAM * fragment / measured.disk_bytes_per_second,
-            # the snapshot, its replacement while it is written, a log up to its size, the history
-            "disk_gib_per_shard": (3 * SNAPSHOT_BYTES_PER_PARAM + 4) * params / shards / 2**30}
+            # the snapshot, its replacement while it is written, a log up to its size, the history;
+            # and every learner's anchor value out of memory (syncer.spill_anchors)
+            "disk_gib_per_shard": (3 * SNAPSHOT_BYTES_PER_PARAM + 4 + 4 * PLAN["learners"]) * params / shards / 2**30,
+            "anchor_disk_gib_per_shard": 4 * PLAN["learners"] * params / shards / 2**30}
 
 
 def print_capacity(measured: Measured) -> list[dict]:
@@ -347,8 +355,9 @@ def main() -> int:
     parser.add_argument("--compare-params", type=int, default=64_000_000, help="0: no comparison")
     parser.add_argument("--anchors-params", type=int, default=100_000_000,
                         help="the fragment of the anchors measurement (0: none)")
-    parser.add_argument("--anchors-kept", type=int, nargs="+", default=[1, 2 * ANCHOR_PULLERS],
-                        help="syncer.kept_anchors values to measure it with (32: every learner's two anchors kept)")
+    parser.add_argument("--anchors-kept", type=int, nargs="+", default=[0, 2 * ANCHOR_PULLERS],
+                        help="syncer.kept_anchors values to measure it with (0: the default; 32: every learner's two "
+                             "anchors in memory); the first also with syncer.spill_anchors false")
     parser.add_argument("--state-dir", help="where the shard keeps its state (default: a temporary folder)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
@@ -364,8 +373,9 @@ def main() -> int:
         runs.append(measure(args.params, args.rounds, head, state_root / "now", "now"))
         for run in runs:
             report(run)
-        anchors = [measure_anchors(args.anchors_params, kept, head, state_root / f"anchors-{kept}")
-                   for kept in (args.anchors_kept if args.anchors_params else [])]
+        settings = [(kept, True) for kept in args.anchors_kept] + [(args.anchors_kept[0], False)]
+        anchors = [measure_anchors(args.anchors_params, kept, spill, head, state_root / f"anchors-{kept}-{spill}")
+                   for kept, spill in (settings if args.anchors_params else [])]
         for run in anchors:
             report_anchors(run)
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -92,6 +92,11 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         # Of those, the updates or snapshots that went where the anchor's value had been dropped
         # (syncer.kept_anchors), so one delta would have done.
         "anchor_values_missed": int(counters.get("anchor_values_missed", 0)),
+        # Anchors' values the shards wrote to their state folders as they left memory, and read
+        # back for a pull (syncer.spill_anchors).
+        "anchor_spill": {"values_written": int(counters.get("anchor_values_spilled", 0)),
+                         "bytes_written": int(counters.get("anchor_spill_bytes", 0)),
+                         "values_read": int(counters.get("anchor_values_loaded", 0))},
         "goodput": goodput.share,
         "badput_seconds": dict(goodput.badput_seconds),
         "useful_seconds": useful,

@@ -15,6 +15,7 @@ counters have their own. Lock order: fragment, then membership / counters / plan
 """
 from __future__ import annotations
 
+import pathlib
 import time
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -40,7 +41,8 @@ from diloco.syncer.views import FragmentView, ShardStatus, fragment_view, learne
 class ShardCore:
     def __init__(self, cfg: Config, shard_index: int, *, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, journal: Journal | None = None,
-                 state_location: str = "its journal", counters: Counters | None = None):
+                 state_location: str = "its journal", counters: Counters | None = None,
+                 anchor_folder: pathlib.Path | None = None):
         cfg.shard(shard_index)  # validates the index
         self.cfg, self.shard_index = cfg, shard_index
         self.clock, self.wall_clock = clock, wall_clock
@@ -49,7 +51,8 @@ class ShardCore:
         self.claims = ClaimBounds.from_config(cfg)
         self.counters = counters or Counters()  # shared with the journal, which counts what it writes
         self.membership = Membership([l.id for l in cfg.learners], cfg.syncer.lease_seconds, self.counters)
-        self.owned = OwnedFragments(cfg, shard_index, self.journal)
+        # Anchors' values beyond syncer.kept_anchors go to anchor_folder (None: dropped).
+        self.owned = OwnedFragments(cfg, shard_index, self.journal, self.counters, anchor_folder)
         # Called with (fragment id, ClosedRound) for every round closed, under the fragment's
         # lock: the metrics exporter's round-duration histogram and outer-step counter.
         self.round_listeners: list[RoundListener] = []
@@ -58,7 +61,9 @@ class ShardCore:
         self.checks = PushChecks(cfg, self.claims, self.membership, self.owned, clock)
         self.admission = Admission(cfg, self.claims, self.membership, self.owned, self.journal, self.closer,
                                    self.counters, clock)
-        self.last_push_at: float | None = None  # when the last push ended, whatever its outcome
+        # When the last push or pull ended, whatever its outcome: the Ticker gives freed memory
+        # back once the shard has been idle a moment (a pull can read an anchor back from disk).
+        self.last_busy_at: float | None = None
 
     @property
     def fragments(self) -> dict[int, FragmentState]:
@@ -148,7 +153,7 @@ class ShardCore:
                     self.counters.add(f"outliers.{header.learner_id}")
                 raise
             finally:
-                self.last_push_at = self.clock()
+                self.last_busy_at = self.clock()
 
     def _push(self, header: pb.PushHeader, chunks: Iterator[pb.Chunk], transfer_seconds: float | None) -> PushOutcome:
         state = self.checks.check_header(header)
@@ -191,7 +196,10 @@ class ShardCore:
         `anchor_hash`) to the fragment's current value (syncer/pull.py)."""
         with self.counters.counting_refusals():
             state = self.owned.get(fragment_id)
-            plan = state.pulls.plan(state.committed, base_version, learner_id, anchor_hash)
+            try:
+                plan = state.pulls.plan(state.committed, base_version, learner_id, anchor_hash)
+            finally:
+                self.last_busy_at = self.clock()
         self.counters.add(f"pulls.{plan.answer}")
         self.counters.add(f"pull_bytes.{plan.answer}", sum(len(item.payload) for item in plan.items))
         if plan.anchor_value_dropped:

@@ -26,6 +26,7 @@ from diloco.services.contract.config import SyncConfig, SyncerConfig
 from diloco.services.contract.fragments import Fragment
 from diloco.services.contract.payload import describe
 from diloco.services.contract.wire import pb
+from diloco.syncer.anchor_spill import AnchorSpill
 from diloco.syncer.grace import GraceWindow
 from diloco.syncer.open_round import OpenRound, PendingContribution
 from diloco.syncer.outer import OuterOptimizer
@@ -37,7 +38,7 @@ from diloco.syncer.snapshot import SNAPSHOT_BYTES_PER_PARAM, ClosedRound, Contri
 
 class FragmentState:
     def __init__(self, fragment: Fragment, sync: SyncConfig, syncer: SyncerConfig, optimizer: OuterOptimizer,
-                 learner_ids: Iterable[str] = ()):
+                 learner_ids: Iterable[str] = (), spill: AnchorSpill | None = None):
         self.fragment = fragment
         self.lock = threading.Lock()  # held by the core around every change
         self.codec = get_codec(sync.codec)
@@ -48,7 +49,7 @@ class FragmentState:
                                  sync.overlap_steps)
         self._feedback = ErrorFeedback(self.codec, fragment.numel, self.block_size)
         self.committed: FragmentSnapshot | None = None  # None until seeded
-        self.pulls = Pulls(fragment, self.codec, self.block_size, ServedAnchors(learner_ids, syncer.kept_anchors))
+        self.pulls = Pulls(fragment, self.codec, self.block_size, ServedAnchors(learner_ids, syncer.kept_anchors, spill))
         self.round = OpenRound(1, fragment.numel, syncer)
         self.logged_bytes = 0  # payload bytes of the contributions logged since the last full write
         self.failure: str | None = None  # set while a close is part way (under the lock), and left set if it fails

@@ -29,6 +29,9 @@ SYNCER_COUNTER_FAMILIES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "pulls": ("answer", PULL_ANSWERS),
     "pull_bytes": ("answer", PULL_ANSWERS),
     "anchor_values_missed": (None, ()),
+    "anchor_values_spilled": (None, ()),
+    "anchor_spill_bytes": (None, ()),
+    "anchor_values_loaded": (None, ()),
 }
 SYNCER_COUNTER_HELP = {
     "contributions": "Outer-gradient pushes by what the shard did with them.",
@@ -51,6 +54,10 @@ SYNCER_COUNTER_HELP = {
                   "the downlink goes.",
     "anchor_values_missed": "Pulls from an anchor whose value the shard had dropped (syncer.kept_anchors): "
                             "answered with the updates since or a snapshot where one delta would have done.",
+    "anchor_values_spilled": "Anchors' values written to the state folder as they left memory "
+                             "(syncer.kept_anchors, syncer.spill_anchors).",
+    "anchor_spill_bytes": "Bytes of those values written to the state folder.",
+    "anchor_values_loaded": "Anchors' values read back from the state folder for a pull's delta.",
 }
 
 

@@ -3,10 +3,13 @@ manifest, and the state of each fragment the plan gives this shard.
 """
 from __future__ import annotations
 
+import pathlib
 import threading
 
 from diloco.services.contract.config import Config
-from diloco.services.contract.fragments import FragmentPlan, plan_for_config
+from diloco.services.contract.fragments import Fragment, FragmentPlan, plan_for_config
+from diloco.syncer.anchor_spill import AnchorSpill
+from diloco.syncer.counters import Counters
 from diloco.syncer.fragment_state import FragmentState
 from diloco.syncer.journal import Journal, Manifest
 from diloco.syncer.outer import OuterOptimizer
@@ -14,8 +17,13 @@ from diloco.syncer.refusal import Refusal
 
 
 class OwnedFragments:
-    def __init__(self, cfg: Config, shard_index: int, journal: Journal):
+    """`anchor_folder`: where each fragment keeps the values of its learners' anchors that leave
+    memory (syncer/anchor_spill.py); None: they are dropped."""
+
+    def __init__(self, cfg: Config, shard_index: int, journal: Journal, counters: Counters,
+                 anchor_folder: pathlib.Path | None = None):
         self.cfg, self.shard_index, self.journal = cfg, shard_index, journal
+        self.counters, self.anchor_folder = counters, anchor_folder
         self._lock = threading.Lock()
         self.manifest: Manifest | None = None
         self.plan: FragmentPlan | None = None
@@ -40,9 +48,14 @@ class OwnedFragments:
             # Readers take no lock: they must never see the plan without its fragments.
             optimizer = OuterOptimizer.of_run(self.cfg)
             self.states = {f.id: FragmentState(f, self.cfg.sync, self.cfg.syncer, optimizer,
-                                               [l.id for l in self.cfg.learners])
+                                               [l.id for l in self.cfg.learners], self._spill(f))
                            for f in plan.for_shard(self.shard_index)}
             self.plan, self.manifest = plan, manifest
+
+    def _spill(self, fragment: Fragment) -> AnchorSpill | None:
+        if self.anchor_folder is None:
+            return None
+        return AnchorSpill(self.anchor_folder / f"fragment-{fragment.id}", fragment.numel, self.counters)
 
     def get(self, fragment_id: int) -> FragmentState:
         if self.plan is None:

@@ -92,7 +92,7 @@ class Pulls:
             self._record(learner_id, _lineage(committed), committed)  # the shared update: the shards' bits
             return PullPlan(False, (committed.history[-1],), committed.state_hash, "lineage_update")
         delta = self._shared_delta(committed, anchor)
-        if delta is None:  # its value was dropped (syncer.kept_anchors) and no pull from it encoded one
+        if delta is None:  # its value was dropped (syncer.kept_anchors, no disk) and no pull from it encoded one
             if not anchor.on_lineage:
                 return dataclasses.replace(self._snapshot_for(learner_id, committed), anchor_value_dropped=True)
             self._record(learner_id, _lineage(committed), committed)  # the updates since: the shards' bits
@@ -102,13 +102,19 @@ class Pulls:
         return PullPlan(False, (item,), received.state_hash, "delta_encoded" if encoded else "delta_reused")
 
     def _record(self, learner_id: str, anchor: Anchor, committed: FragmentSnapshot) -> None:
-        """Records the learner's anchor; the deltas that led to values the served anchors
-        dropped go too (their values with them). A delta from a dropped value stays: learners
-        that hold those bits still share it."""
-        dropped = self.served.record(learner_id, anchor, committed.value)
-        if dropped:
-            with self._deltas_lock:
-                self._deltas = {h: entry for h, entry in self._deltas.items() if entry[1].state_hash not in dropped}
+        """Records the learner's anchor. The deltas go that no learner's newest anchor is the
+        source of any longer, or that led to a value the served anchors dropped; one whose value
+        went to the disk stays without it. A delta from a dropped value stays: learners that
+        hold those bits still share it."""
+        out = self.served.record(learner_id, anchor, committed.value, committed.version)
+        sources = {held.state_hash for held in self.served.records().values()}
+        with self._deltas_lock:
+            deltas = {}
+            for source, (item, result) in self._deltas.items():
+                if source not in sources or (result.state_hash in out and not self.served.retrievable(result.state_hash)):
+                    continue
+                deltas[source] = (item, dataclasses.replace(result, value=None) if result.state_hash in out else result)
+            self._deltas = deltas
 
     def _shared_delta(self, committed: FragmentSnapshot, anchor: Anchor) -> tuple[Encoded, Anchor, bool] | None:
         """The delta from `anchor` to the committed value, encoded by the first pull that asks
@@ -120,18 +126,19 @@ class Pulls:
             cached = self._deltas.get(anchor.state_hash)
             if cached is not None:
                 return (*cached, False)
-            if anchor.value is None:
+            held = self.served.value(anchor)  # from the disk where it left memory
+            if held is None:
                 return None
-            self._deltas[anchor.state_hash] = self._delta(committed, anchor)
+            self._deltas[anchor.state_hash] = self._delta(committed, held)
             return (*self._deltas[anchor.state_hash], True)
 
-    def _delta(self, committed: FragmentSnapshot, anchor: Anchor) -> tuple[Encoded, Anchor]:
-        """One encoded delta from `anchor` to the committed value, and what the learner holds
-        after adding it (the same apply_update it uses: the same bits)."""
-        asked = committed.value - anchor.value
+    def _delta(self, committed: FragmentSnapshot, held: torch.Tensor) -> tuple[Encoded, Anchor]:
+        """One encoded delta from the value a learner holds to the committed value, and what
+        the learner holds after adding it (the same apply_update it uses: the same bits)."""
+        asked = committed.value - held
         payload = self.codec.encode(asked, self.block_size)
         decoded = self.codec.decode(payload, self.fragment.numel, self.block_size)
-        value = apply_update(anchor.value, decoded, out=torch.empty_like(anchor.value))
+        value = apply_update(held, decoded, out=torch.empty_like(held))
         asked_rms = float(asked.norm())
         offset = float(asked.sub_(decoded).norm()) / asked_rms if asked_rms > 0 else 0.0
         item = Encoded(committed.version, describe(self.codec, self.fragment.numel, payload, self.block_size), payload)

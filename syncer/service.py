@@ -286,11 +286,11 @@ def _fragment_info(f: FragmentView) -> pb.FragmentInfo:
 class Ticker:
     """A thread that closes the rounds due by time alone (the core tells its round listeners),
     writes the snapshots due, and gives the memory of the last rounds back to the system once
-    pushes have stopped for IDLE_RELEASE_SECONDS (syncer/memory.py)."""
+    pushes and pulls have stopped for IDLE_RELEASE_SECONDS (syncer/memory.py)."""
 
     def __init__(self, core: ShardCore, interval: float = TICK_SECONDS):
         self.core, self.interval = core, interval
-        self._released_after: float | None = None  # the last push before the last release
+        self._released_after: float | None = None  # the last push or pull before the last release
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"shard-{core.shard_index}-ticker", daemon=True)
         self._thread.start()
@@ -301,10 +301,10 @@ class Ticker:
                 self.core.tick()
             except Exception:  # a bug: a full disk is the core's to report (syncer/disk.py), once
                 log.exception("closing a round failed")
-            last_push = self.core.last_push_at
-            if last_push != self._released_after and self.core.clock() - last_push >= IDLE_RELEASE_SECONDS:
+            last_busy = self.core.last_busy_at
+            if last_busy != self._released_after and self.core.clock() - last_busy >= IDLE_RELEASE_SECONDS:
                 release_freed_memory()
-                self._released_after = last_push
+                self._released_after = last_busy
 
     def stop(self) -> None:
         self._stopping.set()
@@ -375,7 +375,8 @@ def start_shard(cfg: Config, shard_index: int, listen: str = "127.0.0.1:0",
     store = ShardStore(shard_state_dir(cfg.run.state_dir if state_dir is None else state_dir, shard_index), counters)
     try:
         check_state_folder(store.directory)  # fails at start, naming it, not on the first Join
-        core = ShardCore(cfg, shard_index, journal=store, state_location=str(store.directory), counters=counters)
+        core = ShardCore(cfg, shard_index, journal=store, state_location=str(store.directory), counters=counters,
+                         anchor_folder=store.directory / "anchors" if cfg.syncer.spill_anchors else None)
         core.restore(store.load())
         certificates = ShardCertificates(identity, shard_name(shard_index), counters) if identity else None
         servicer = SyncerServicer(core, certificates)

@@ -38,9 +38,9 @@ def make_config(**syncer):
 class Shard:
     """A core with its clock, plus the calls a learner makes."""
 
-    def __init__(self, cfg, journal=None, joined=LEARNERS, seed=True):
+    def __init__(self, cfg, journal=None, joined=LEARNERS, seed=True, anchor_folder=None):
         self.cfg, self.clock = cfg, FakeClock()
-        self.core = ShardCore(cfg, 0, clock=self.clock, journal=journal)
+        self.core = ShardCore(cfg, 0, clock=self.clock, journal=journal, anchor_folder=anchor_folder)
         for learner in joined:
             self.core.join(learner, 1, "r", MANIFEST)
         self.seeds = {}

@@ -99,11 +99,15 @@ class SyncerConfig(Section):
     # L: encoded updates kept for catch-up pulls, at most; fewer while a chain of them would
     # be larger than the fp32 snapshot a learner pulls instead (about 7 in int4).
     history_versions: PositiveInt = 32
-    # Values a fragment keeps of what it served learners (their anchors) besides its committed
-    # value: 4 B per owned parameter each, whatever the number of learners (as many as learners
-    # keeps each one's newest). A learner whose anchor's value was dropped pulls the exact
-    # updates since (or a snapshot) instead of one delta.
-    kept_anchors: PositiveInt = 1
+    # Values a fragment keeps in memory of what it served learners (their anchors) besides its
+    # committed value and the one before it: 4 B per owned parameter each, whatever the number
+    # of learners (as many as learners keeps each one's newest).
+    kept_anchors: NonNegativeInt = 0
+    # Values of learners' newest anchors beyond kept_anchors go to <state folder>/anchors/ (4 B
+    # per owned parameter each, read back for that learner's next pull, not durable). false:
+    # they are dropped, and a learner whose anchor's value was dropped pulls the exact updates
+    # since (or a snapshot) instead of one delta; raise kept_anchors then.
+    spill_anchors: bool = True
     # A fragment's state is written in full once the contributions logged since the last full
     # write reach this many times its size (16 bytes per parameter); a restart replays them.
     # 0: after every round.
