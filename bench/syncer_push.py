@@ -43,7 +43,7 @@ decode every contribution, radial-directional merge, Nesterov step, int4 encode 
 feedback, apply.
 
 Reported: raw, push-path and pull-path MB/s of compressed bytes (targets: push path all at once
->= 0.8 x raw, pull path as served >= 0.6 x raw), and for whole rounds, contributions merged per
+>= 0.9 x raw, pull path as served >= 0.6 x raw), and for whole rounds, contributions merged per
 second and fp32 parameters per second (contributions x parameters per contribution) against
 the in-process arithmetic (target >= 0.5 x). The in-process arithmetic is also reported as a
 fraction of what the machine's memory bandwidth (measured in the same run: a large torch copy)
@@ -86,7 +86,7 @@ from diloco.syncer.memory import keep_freed_memory  # noqa: E402
 from diloco.syncer.merge import RoundAccumulator  # noqa: E402
 from diloco.syncer.outer import OuterOptimizer  # noqa: E402
 
-TARGET_PUSH_VS_RAW = 0.8
+TARGET_PUSH_VS_RAW = 0.9  # issue 53
 TARGET_PULL_VS_RAW = 0.6
 TARGET_ROUND_VS_IN_PROCESS = 0.5
 BLOCK = 128
