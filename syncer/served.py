@@ -119,10 +119,10 @@ class ServedAnchors:
         """Takes the values beyond `kept` out of memory (under the lock): their hashes, and
         those of them a newest anchor refers to and the disk does not hold yet, to write there."""
         self._forget_unreferenced_locked()
-        anchors = [a for held in self._anchors.values() for a in held]
+        every = [a for held in self._anchors.values() for a in held]
         newest = {held[0].state_hash for held in self._anchors.values()}
-        lineage = {a.state_hash for a in anchors if a.on_lineage}
-        one_back = {a.state_hash for a in anchors if a.on_lineage and a.version == own_version - 1}
+        lineage = {a.state_hash for a in every if a.on_lineage}
+        one_back = {a.state_hash for a in every if a.on_lineage and a.version == own_version - 1}
         extra = sorted((h for h, value in self._values.items() if value is not own and h not in one_back),
                        key=lambda h: (h in newest, h not in lineage))  # stable: least recently served first
         out = frozenset(extra[:max(0, len(extra) - self._kept)])

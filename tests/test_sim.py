@@ -162,6 +162,19 @@ def test_sim_run_token_budget_ends_a_slow_and_a_fast_learner_together(tmp_path):
     assert report["state_hashes_agree"] is True
 
 
+def test_learners_out_of_phase_pull_one_delta_each_from_values_the_shards_keep_on_disk(tmp_path):
+    """Rounds that close on a quorum of 2 while a learner is slow leave the learners on anchors
+    of their own; the shards keep none of those values in memory (syncer.kept_anchors 0) but
+    write them to their state folders, so no pull gets the updates since or a snapshot for want
+    of one (docs/protocol.md, "The downlink")."""
+    report = run_sim(tmp_path, "--learners", "3", "--shards", "1", "--steps", "150", "--seed", "1",
+                     "--set", "sync.interval_steps=10", "--set", "syncer.quorum=2", "--slow-learner", "2")
+    assert report["pulls"]["delta_encoded"] > 0
+    assert report["anchor_spill"]["values_written"] > 0 and report["anchor_spill"]["values_read"] > 0
+    assert report["anchor_values_missed"] == 0 and report["pulls"]["updates"] == 0
+    assert report["state_hashes_agree"] is True
+
+
 def test_sim_per_region_links_are_emulated_and_reported_as_configured(tmp_path):
     # us-west's 0.5 Mbit/s is a sixteenth of us-east's downlink: its pushes and pulls must
     # keep under it, and the report and the summary state each learner's link.
