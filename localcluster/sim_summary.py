@@ -90,7 +90,7 @@ def summarise(cfg: Config, args: argparse.Namespace, reports: dict[str, dict], o
         "pulls": {answer: int(counters.get(f"pulls.{answer}", 0)) for answer in PULL_ANSWERS},
         "pull_bytes": {answer: int(counters.get(f"pull_bytes.{answer}", 0)) for answer in PULL_ANSWERS},
         # Of those, the updates or snapshots that went where the anchor's value had been dropped
-        # (syncer.kept_anchors), so one delta would have done.
+        # (syncer.spill_anchors off, or a write the disk refused), so one delta would have done.
         "anchor_values_missed": int(counters.get("anchor_values_missed", 0)),
         # Anchors' values the shards wrote to their state folders as they left memory, and read
         # back for a pull (syncer.spill_anchors).

@@ -14,7 +14,7 @@ id> (its calls refused: its certificate is revoked), kept_compute_seconds, journ
 (written to the state folder), snapshots (full writes of a fragment's state), replayed_rounds
 (closed again from the log at a restart), pulls.<answer> (syncer/pull.py's PULL_ANSWERS: what
 encoding work the downlink cost), pull_bytes.<answer> (their payload bytes: where the downlink
-goes), anchor_values_missed (pulls from an anchor whose value was dropped, syncer.kept_anchors:
+goes), anchor_values_missed (pulls from an anchor whose value was dropped, syncer.spill_anchors:
 the updates since or a snapshot where one delta would have done), anchor_values_spilled and
 anchor_spill_bytes (anchors' values written to the state folder as they left memory),
 anchor_values_loaded (read back from it for a pull: syncer/anchor_spill.py).

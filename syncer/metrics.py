@@ -52,7 +52,7 @@ SYNCER_COUNTER_HELP = {
              "since their version, a snapshot.",
     "pull_bytes": "Payload bytes of the pulls' answers, by answer (as diloco_syncer_pulls_total): where "
                   "the downlink goes.",
-    "anchor_values_missed": "Pulls from an anchor whose value the shard had dropped (syncer.kept_anchors): "
+    "anchor_values_missed": "Pulls from an anchor whose value the shard had dropped (syncer.spill_anchors off): "
                             "answered with the updates since or a snapshot where one delta would have done.",
     "anchor_values_spilled": "Anchors' values written to the state folder as they left memory "
                              "(syncer.kept_anchors, syncer.spill_anchors).",

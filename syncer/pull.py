@@ -111,9 +111,12 @@ class Pulls:
         with self._deltas_lock:
             deltas = {}
             for source, (item, result) in self._deltas.items():
-                if source not in sources or (result.state_hash in out and not self.served.retrievable(result.state_hash)):
-                    continue
-                deltas[source] = (item, dataclasses.replace(result, value=None) if result.state_hash in out else result)
+                if result.state_hash in out:
+                    if not self.served.retrievable(result.state_hash):
+                        continue
+                    result = dataclasses.replace(result, value=None)  # on the disk: the delta stays, not the value
+                if source in sources:
+                    deltas[source] = (item, result)
             self._deltas = deltas
 
     def _shared_delta(self, committed: FragmentSnapshot, anchor: Anchor) -> tuple[Encoded, Anchor, bool] | None:

@@ -3,12 +3,12 @@ last pull left it holding, so the next pull can be one delta from it (docs/proto
 downlink"). Not durable: after a restart a learner's next pull is a snapshot.
 
 The values in memory are bounded whatever the number of learners: besides the committed value
-(the shard's own), at most `kept` of them per fragment. Values only a learner's anchor before
-its newest refers to go first (they serve only a pull whose reply was lost), then values on the
-lineage (a learner anchored there still gets exact updates), then the least recently served.
-A value that leaves memory while a learner's newest anchor refers to it goes to the disk, where
-the shard has a folder for them (syncer/anchor_spill.py), and stays there while one does; the
-others are dropped. A record
+(the shard's own) and the lineage's value one version before it, at most `kept` of them per
+fragment. Values only a learner's anchor before its newest refers to go first (they serve only
+a pull whose reply was lost), then values on the lineage (a learner anchored there still gets
+exact updates), then the least recently served. A value that leaves memory while a learner's
+newest anchor refers to it goes to the disk, where the shard has a folder for them
+(syncer/anchor_spill.py), and stays there while one does; the others are dropped. A record
 whose value was dropped keeps its version and hash; its learner's next pull is the updates
 since, or a snapshot.
 """
