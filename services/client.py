@@ -209,12 +209,13 @@ class ShardClient:
         return reply
 
     def pull(self, fragment_id: int, base_version: int | None = None, *, min_version: int = 0,
-             max_wait_seconds: float = 0.0, anchor_hash: str = "") -> PullResult:
+             max_wait_seconds: float = 0.0, anchor_hash: str = "", exact: bool = False) -> PullResult:
         """What takes the value held at base_version (its state hash `anchor_hash`; without it, the
         updates after base_version) to the fragment's current value, or a snapshot, waiting up
-        to max_wait_seconds for the fragment to reach min_version."""
+        to max_wait_seconds for the fragment to reach min_version. `exact`: to the shards' bits,
+        never one delta (the updates since, or a snapshot)."""
         request = pb.PullRequest(learner_id=self.learner_id, fragment_id=fragment_id, min_version=min_version,
-                                 max_wait_seconds=max_wait_seconds, anchor_hash=anchor_hash)
+                                 max_wait_seconds=max_wait_seconds, anchor_hash=anchor_hash, exact=exact)
         if base_version is not None:
             request.base_version = base_version
         started = time.perf_counter()

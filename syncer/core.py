@@ -191,13 +191,13 @@ class ShardCore:
     # ---- reads ---------------------------------------------------------------------------
 
     def pull(self, fragment_id: int, base_version: int | None, learner_id: str = "",
-             anchor_hash: str = "") -> PullPlan:
+             anchor_hash: str = "", exact: bool = False) -> PullPlan:
         """What takes `learner_id` from the value it holds at base_version (state hash
-        `anchor_hash`) to the fragment's current value (syncer/pull.py)."""
+        `anchor_hash`) to the fragment's current value (syncer/pull.py); `exact`: to its bits."""
         with self.counters.counting_refusals():
             state = self.owned.get(fragment_id)
             try:
-                plan = state.pulls.plan(state.committed, base_version, learner_id, anchor_hash)
+                plan = state.pulls.plan(state.committed, base_version, learner_id, anchor_hash, exact)
             finally:
                 self.last_busy_at = self.clock()
         self.counters.add(f"pulls.{plan.answer}")

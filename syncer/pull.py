@@ -64,9 +64,10 @@ class Pulls:
         self._deltas_lock = threading.Lock()
 
     def plan(self, committed: FragmentSnapshot | None, base_version: int | None, learner_id: str = "",
-             anchor_hash: str = "") -> PullPlan:
-        """What takes the caller from what it holds to the committed value. Needs no lock: the
-        committed record and the served anchors are immutable."""
+             anchor_hash: str = "", exact: bool = False) -> PullPlan:
+        """What takes the caller from what it holds to the committed value; `exact`: to its
+        bits (a learner ending its run), so never a delta. Needs no lock: the committed record
+        and the served anchors are immutable."""
         if committed is None:
             raise Refusal("unseeded", "FAILED_PRECONDITION", f"fragment {self.fragment.id} has not been seeded yet")
         if base_version is not None and base_version > committed.version:
@@ -91,6 +92,11 @@ class Pulls:
                 and committed.history[-1].version == committed.version:
             self._record(learner_id, _lineage(committed), committed)  # the shared update: the shards' bits
             return PullPlan(False, (committed.history[-1],), committed.state_hash, "lineage_update")
+        if exact:  # the updates since, on the lineage and within the history, else a snapshot
+            if not anchor.on_lineage:
+                return self._snapshot_for(learner_id, committed)
+            self._record(learner_id, _lineage(committed), committed)
+            return self._chain_or_snapshot(committed, base_version)
         delta = self._shared_delta(committed, anchor)
         if delta is None:  # its value was dropped (syncer.kept_anchors, no disk) and no pull from it encoded one
             if not anchor.on_lineage:

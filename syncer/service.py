@@ -198,7 +198,7 @@ class SyncerServicer(pb_grpc.SyncerServicer):
                 self._new_version.wait_for(reached, timeout=wait)
             self.guard.check_puller(context, request.learner_id)  # revoked meanwhile
         plan = self.core.pull(fragment_id, request.base_version if request.HasField("base_version") else None,
-                              request.learner_id, request.anchor_hash)
+                              request.learner_id, request.anchor_hash, exact=request.exact)
         kind = pb.PAYLOAD_KIND_SNAPSHOT if plan.snapshot else pb.PAYLOAD_KIND_UPDATE
         for index, item in enumerate(plan.items):
             last = index == len(plan.items) - 1

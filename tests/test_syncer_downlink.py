@@ -28,8 +28,8 @@ class Puller:
         assert plan.snapshot
         self.value, self.version = decode_payload(plan.items[0].header, plan.items[0].payload), plan.items[0].version
 
-    def pull(self):
-        plan = self.shard.core.pull(0, self.version, self.id, state_hash(self.value))
+    def pull(self, exact=False):
+        plan = self.shard.core.pull(0, self.version, self.id, state_hash(self.value), exact=exact)
         value = self.value.clone()
         for item in plan.items:
             value = decode_payload(item.header, item.payload) if plan.snapshot else apply_update(
@@ -310,3 +310,18 @@ def test_a_shard_starts_with_no_anchor_values_on_disk(tmp_path):
     leftover.write_bytes(b"x" * 64)
     Shard(make_config(codec="int4"), joined=("a",), anchor_folder=tmp_path / "anchors")
     assert not leftover.exists()
+
+
+def test_an_exact_pull_takes_the_updates_on_the_lineage_and_a_snapshot_off_it_never_a_delta(anchors):
+    """A learner ending its run asks for the shards' exact bits: from the lineage the updates
+    since (a delta would leave it a snapshot short of them), from off it a snapshot."""
+    shard = int4_shard(anchors)
+    on, off = Puller(shard, "b"), Puller(shard, "c")
+    rounds(shard, 2)
+    assert off.pull().answer == "delta_encoded"  # off the lineage now
+    rounds(shard, 3)
+    plan = on.pull(exact=True)
+    assert plan.answer == "updates" and [u.version for u in plan.items] == [1, 2, 3, 4, 5]
+    assert torch.equal(on.value, shard.value())
+    plan = off.pull(exact=True)
+    assert plan.snapshot and torch.equal(off.value, shard.value())

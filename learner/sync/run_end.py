@@ -19,6 +19,7 @@ from diloco.services.client import PullResult
 from diloco.learner.sync.stats import SyncStats
 from diloco.services.contract.config import Config
 from diloco.services.contract.state import StateHashMismatch
+from diloco.services.contract.wire import pb
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,8 @@ class RunEnd:
         stopped, then pull once, reaching every shard (one that is restarting is retried for up
         to FINAL_PULL_SECONDS), so this learner ends holding the run's final global values. It
         follows the shards' Status, not their values: one pull per fragment at the end, however
-        many rounds the others close meanwhile."""
+        many rounds the others close meanwhile, and to the shards' exact bits (the updates
+        since where it is on their lineage, else a snapshot)."""
         quiet_since, seen = time.monotonic(), None
         while not should_stop() and time.monotonic() - quiet_since < quiet_seconds:
             versions = self._shard_versions()
@@ -97,10 +99,11 @@ class RunEnd:
         self._take_the_shards_bits()
 
     def _take_the_shards_bits(self) -> None:
-        """After the final pulls: a fragment whose last pull was a delta from an anchor off the
-        shards' lineage holds the shards' value less that delta's encoding error (docs/protocol.md,
-        "The downlink"); one snapshot of each such fragment, once per run, leaves the learner
-        holding the shards' exact bits, the global model an export from the shards gives."""
+        """After the final pulls: a fragment that had no newer version, whose last pull was a
+        delta from an anchor off the shards' lineage, holds the shards' value less that delta's
+        encoding error (docs/protocol.md, "The downlink"); one snapshot of each such fragment,
+        once per run, leaves the learner holding the shards' exact bits, the global model an
+        export from the shards gives."""
         for session in self.sessions:
             try:
                 status = session.client.status(timeout=self.cfg.rpc.deadline_seconds)
@@ -127,7 +130,8 @@ class RunEnd:
 
     def _pull_newer_versions(self, give_up: Callable[[], bool]) -> bool:
         """Pulls every fragment's newer versions, retrying a shard that is down until
-        `give_up()`; whether every shard answered."""
+        `give_up()`; whether every shard answered. A snapshot among them is the end's cost of
+        the shards' exact bits (counted as exact_end_bytes, with _take_the_shards_bits')."""
         reached_all = True
         for pipeline in self.fragments.values():
             session = pipeline.session
@@ -145,15 +149,20 @@ class RunEnd:
                 continue
             if result.items:
                 pipeline.adopt(value, result.version)
+                if result.items[0].kind == pb.PAYLOAD_KIND_SNAPSHOT:
+                    self.stats.exact_end_bytes += result.payload_bytes
         return reached_all
 
 
 def pull_newer(pipeline: FragmentPipeline) -> tuple[PullResult, torch.Tensor | None]:
-    """The fragment's versions after the pipeline's, or the shard's value where it serves the
-    fragment below that version (re-anchored; an unseeded one: the pipeline keeps its own)."""
+    """The fragment's versions after the pipeline's, as the shards' exact bits (the updates
+    since where it is on their lineage, else a snapshot: a delta would leave it a snapshot
+    short of them), or the shard's value where it serves the fragment below that version
+    (re-anchored; an unseeded one: the pipeline keeps its own)."""
     session, fid, version = pipeline.session, pipeline.fragment.id, pipeline.version
     try:
-        return session.pull_checked(fid, version, pipeline.anchor, min_version=version + 1, max_wait_seconds=0.0)
+        return session.pull_checked(fid, version, pipeline.anchor, min_version=version + 1, max_wait_seconds=0.0,
+                                    exact=True)
     except grpc.RpcError as error:
         if remedy(error) is not Remedy.REJOIN:
             raise

@@ -216,7 +216,7 @@ class ShardSession:
         names `base` by its hash, so the shard can answer with one delta from it (docs/protocol.md,
         "The downlink"). A value that does not have the hash the shard sent (an update of the
         shard's that did not make its version, a wrong base) is pulled again as a snapshot,
-        counted. `wait`: min_version and max_wait_seconds of ShardClient.pull."""
+        counted. `wait`: min_version, max_wait_seconds and exact of ShardClient.pull."""
         base_hash = "" if base is None else self.hashes.of(fragment_id, base)
         result = self.client.pull(fragment_id, base_version, anchor_hash=base_hash, **wait)
         try:

@@ -286,20 +286,22 @@ class PushResponse(_message.Message):
     def __init__(self, result: _Optional[_Union[PushResult, str]] = ..., current_version: _Optional[int] = ..., staleness: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("learner_id", "fragment_id", "base_version", "min_version", "max_wait_seconds", "anchor_hash")
+    __slots__ = ("learner_id", "fragment_id", "base_version", "min_version", "max_wait_seconds", "anchor_hash", "exact")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_HASH_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     fragment_id: int
     base_version: int
     min_version: int
     max_wait_seconds: float
     anchor_hash: str
-    def __init__(self, learner_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., base_version: _Optional[int] = ..., min_version: _Optional[int] = ..., max_wait_seconds: _Optional[float] = ..., anchor_hash: _Optional[str] = ...) -> None: ...
+    exact: bool
+    def __init__(self, learner_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., base_version: _Optional[int] = ..., min_version: _Optional[int] = ..., max_wait_seconds: _Optional[float] = ..., anchor_hash: _Optional[str] = ..., exact: _Optional[bool] = ...) -> None: ...
 
 class PullItemHeader(_message.Message):
     __slots__ = ("kind", "version", "payload", "state_hash")
