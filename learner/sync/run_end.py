@@ -131,7 +131,7 @@ class RunEnd:
     def _pull_newer_versions(self, give_up: Callable[[], bool]) -> bool:
         """Pulls every fragment's newer versions, retrying a shard that is down until
         `give_up()`; whether every shard answered. A snapshot among them is the end's cost of
-        the shards' exact bits (counted as exact_end_bytes, with _take_the_shards_bits')."""
+        the shards' exact bits, counted in exact_end_bytes as _take_the_shards_bits' snapshots are."""
         reached_all = True
         for pipeline in self.fragments.values():
             session = pipeline.session
