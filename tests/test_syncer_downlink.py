@@ -168,7 +168,7 @@ def test_after_a_restart_the_next_pull_is_a_snapshot_of_the_bits_served_before(t
     rounds(shard, 3)
     learner.pull()
     before = shard.value().clone()
-    core = ShardCore(shard.cfg, 0, clock=shard.clock, journal=ShardStore(tmp_path))
+    core = ShardCore(shard.cfg, 0, clock=shard.clock, journal=ShardStore(tmp_path), anchor_folder=tmp_path / "anchors")
     core.restore(ShardStore(tmp_path).load())
     shard.core = core
     plan = learner.pull()
@@ -257,15 +257,15 @@ def test_a_learners_newest_anchor_outlasts_a_more_recent_one_only_a_lost_reply_w
     assert anchor_values_missed(shard) == 0
 
 
-def test_values_beyond_kept_anchors_go_to_the_disk_and_their_learners_still_pull_one_delta(tmp_path):
+def test_values_beyond_kept_anchors_go_to_the_disk_and_their_learners_still_pull_one_delta(anchors):
     """With an anchor folder, a value that leaves memory while a learner's newest anchor refers
     to it is written there and read back for that learner's next pull: one delta, the bits the
     shard recorded, where without the folder it was the updates since or a snapshot."""
-    shard = Shard(make_config(codec="int4", kept_anchors=1), joined=("a",), anchor_folder=tmp_path / "anchors")
+    shard = int4_shard(anchors, kept_anchors=1)
     b, c = Puller(shard, "b"), Puller(shard, "c")
     fragment = shard.core.fragments[0]
     served = fragment.pulls.served
-    on_disk = lambda: sorted(p.name for p in (tmp_path / "anchors" / "fragment-0").iterdir())  # noqa: E731
+    on_disk = lambda: sorted(p.name for p in (anchors / "fragment-0").iterdir())  # noqa: E731
 
     rounds(shard, 1)
     assert c.pull().answer == "lineage_update"
@@ -289,13 +289,13 @@ def test_values_beyond_kept_anchors_go_to_the_disk_and_their_learners_still_pull
     assert counters["anchor_spill_bytes"] == 4 * 4 * shard.numel()
 
 
-def test_a_value_the_disk_refuses_is_dropped_and_its_learner_still_pulls_exact_bits(tmp_path):
-    shard = Shard(make_config(codec="int4", kept_anchors=1), joined=("a",), anchor_folder=tmp_path / "anchors")
+def test_a_value_the_disk_refuses_is_dropped_and_its_learner_still_pulls_exact_bits(anchors):
+    shard = int4_shard(anchors, kept_anchors=1)
     b, c = Puller(shard, "b"), Puller(shard, "c")
     rounds(shard, 1)
     c.pull()
     rounds(shard, 2)
-    (tmp_path / "anchors" / "fragment-0").rmdir()  # the disk fails
+    (anchors / "fragment-0").rmdir()  # the disk fails
     assert b.pull().answer == "delta_encoded"
     plan = c.pull()  # its value could not be written
     assert plan.answer == "updates" and torch.equal(c.value, shard.value())
@@ -303,12 +303,12 @@ def test_a_value_the_disk_refuses_is_dropped_and_its_learner_still_pulls_exact_b
     assert "anchor_values_spilled" not in shard.core.counters_snapshot()
 
 
-def test_a_shard_starts_with_no_anchor_values_on_disk(tmp_path):
+def test_a_shard_starts_with_no_anchor_values_on_disk(anchors):
     """Anchors are not durable: what an earlier process left in the folder is nobody's now."""
-    leftover = tmp_path / "anchors" / "fragment-0" / "0123abcd"
+    leftover = anchors / "fragment-0" / "0123abcd"
     leftover.parent.mkdir(parents=True)
     leftover.write_bytes(b"x" * 64)
-    Shard(make_config(codec="int4"), joined=("a",), anchor_folder=tmp_path / "anchors")
+    int4_shard(anchors)
     assert not leftover.exists()
 
 
