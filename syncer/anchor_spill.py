@@ -9,7 +9,6 @@ process. A value the disk refuses (full, failing) is dropped, as it would be wit
 from __future__ import annotations
 
 import logging
-import os
 import pathlib
 import shutil
 
@@ -39,7 +38,7 @@ class AnchorSpill:
             path.unlink(missing_ok=True)
             return False
         self.counters.add("anchor_values_spilled")
-        self.counters.add("anchor_spill_bytes", value.numel() * value.element_size())
+        self.counters.add("anchor_spill_bytes", value.nbytes)
         return True
 
     def read(self, state_hash: str) -> torch.Tensor | None:
@@ -47,7 +46,7 @@ class AnchorSpill:
         value = torch.empty(self.numel, dtype=torch.float32)
         try:
             with open(self.directory / state_hash, "rb") as file:
-                complete = file.readinto(memoryview(value.numpy()).cast("B")) == value.numel() * 4
+                complete = file.readinto(memoryview(value.numpy()).cast("B")) == value.nbytes
         except OSError as error:
             log.warning("%s: an anchor's value could not be read back: %s", self.directory, error)
             return None
@@ -57,7 +56,4 @@ class AnchorSpill:
         return value
 
     def delete(self, state_hash: str) -> None:
-        try:
-            os.unlink(self.directory / state_hash)
-        except FileNotFoundError:
-            pass
+        (self.directory / state_hash).unlink(missing_ok=True)

@@ -96,8 +96,8 @@ class ServedAnchors:
                 del self._writing[state_hash]
                 if written:
                     self._on_disk.add(state_hash)
-            if written:
-                self._forget_unreferenced()
+        if to_disk:  # a learner may have moved off a value while it was written
+            self._forget_unreferenced()
         return out
 
     def records(self) -> dict[str, Anchor]:
