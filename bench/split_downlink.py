@@ -38,7 +38,7 @@ TARGET = 1.25
 
 
 def label(kept: int, spill: bool) -> str:
-    return f"kept {kept}, {'spilled' if spill else 'no folder'}"
+    return f"kept {kept}, {'in the state folder' if spill else 'no folder'}"
 
 
 def figures(command: list[str], report: dict, kept: int, spill: bool) -> dict:
