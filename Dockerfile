@@ -13,26 +13,37 @@
 # /var/lib/diloco (mount a volume there), caches to $HOME=/tmp (mount a tmpfs there).
 ARG BASE_IMAGE=python:3.11-slim
 
-# Installs into a virtual environment that the image copies in one layer: the wheels and the
-# sources stay behind in this stage.
-FROM ${BASE_IMAGE} AS install
+# The dependencies first, into a virtual environment, in a stage whose layers change only with
+# the pins (constraints.txt, pyproject.toml) and the wheelhouse: a change of the sources alone
+# rebuilds in seconds and leaves the image's largest layer as it was.
+FROM ${BASE_IMAGE} AS dependencies
 WORKDIR /src
-# One COPY, one layer: .dockerignore lets in only the wheelhouse and what `pip install .` reads.
-COPY . .
+COPY wheelhouse/ wheelhouse/
+COPY constraints.txt pyproject.toml ./
 # torch==2.13.0 of constraints.txt: the wheelhouse holds only its CPU build. Not needed at run
 # time and a fifth of the image: torch's C++ headers, its test binaries (torch_shm_manager is
-# no test) and its tests. Importing each service's module (and torchrun's) from outside the
-# sources, a broken install fails the build, not a container.
+# no test) and its tests.
 RUN python3 -m venv --without-pip /opt/diloco \
+    && python3 -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"], sep="\n")' \
+       > dependencies.txt \
     && pip_wheel=$(echo wheelhouse/pip-*.whl) \
     && /opt/diloco/bin/python "$pip_wheel/pip" install --quiet --no-index \
-       --find-links wheelhouse --no-compile -c constraints.txt . \
+       --find-links wheelhouse --no-compile -c constraints.txt -r dependencies.txt \
     && site=$(/opt/diloco/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
     && rm -rf "$site/torch/include" "$site/torch/test" \
-    && find "$site/torch/bin" -mindepth 1 ! -name torch_shm_manager -delete \
-    && cd / && /opt/diloco/bin/python -c "import diloco.syncer.main, diloco.learner.trainer.main, torch.distributed.run"
+    && find "$site/torch/bin" -mindepth 1 ! -name torch_shm_manager -delete
 
-FROM ${BASE_IMAGE}
+# The package as a wheel, beside pip's own for the final stage (which has no wheelhouse).
+# One COPY: .dockerignore lets in only the wheelhouse and what `pip install .` reads.
+FROM dependencies AS package
+COPY . .
+RUN pip_wheel=$(echo wheelhouse/pip-*.whl) \
+    && /opt/diloco/bin/python "$pip_wheel/pip" wheel --quiet --no-index \
+       --find-links wheelhouse --no-deps -c constraints.txt --wheel-dir /dist . \
+    && cp -r "$pip_wheel" /dist/pip.whl
+
+# The image less the package: its layers too are the same from one change of the sources to the next.
+FROM ${BASE_IMAGE} AS runtime
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/diloco/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
@@ -46,7 +57,16 @@ RUN groupadd --gid 10001 diloco \
        --shell /usr/sbin/nologin diloco \
     && mkdir -p /var/lib/diloco /etc/diloco/tls \
     && chown 10001:10001 /var/lib/diloco /etc/diloco/tls
-COPY --from=install /opt/diloco /opt/diloco
+COPY --from=dependencies /opt/diloco /opt/diloco
+
+FROM runtime
+COPY --from=package /dist /tmp/dist
+# Importing each service's module (and torchrun's) from outside the sources, a broken install
+# fails the build, not a container.
+RUN /opt/diloco/bin/python /tmp/dist/pip.whl/pip install --quiet --no-index --no-deps --no-compile \
+       /tmp/dist/decoupled_diloco-*.whl \
+    && rm -rf /tmp/dist \
+    && cd / && /opt/diloco/bin/python -c "import diloco.syncer.main, diloco.learner.trainer.main, torch.distributed.run"
 USER 10001:10001
 # Relative state paths (run.state_dir defaults to .diloco) land on the volume too.
 WORKDIR /var/lib/diloco

@@ -13,8 +13,9 @@ commands, networks and volumes are the compose file's.
 
 Needs a Docker daemon: it uses the one that answers, else starts Debian's dockerd as root
 (tests/docker_engine.py); elsewhere it is skipped and says why. It removes every container,
-network, volume and image it made, but not the base images. The first run on a machine makes
-the base images (minutes); later runs build the image and run the cluster.
+network, volume and image it made, but not the base images and the Dockerfile's stages that
+change only with the pins (KEPT_STAGES). The first run on a machine makes the base images
+(minutes) and installs the dependencies; later runs install the package and run the cluster.
 """
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
 BASE_IMAGE = "diloco-base:bookworm"
 PROMETHEUS_IMAGE = "diloco-prometheus:bookworm"
+# The Dockerfile's stages whose layers change only with the pins, kept between runs as these tags.
+KEPT_STAGES = {"dependencies": "diloco-dependencies:bookworm", "runtime": "diloco-runtime:bookworm"}
 MOUNTED_CONFIG = "/etc/diloco/cluster.yaml"
 RESTARTED = "learner-us-west-0"
 # Seconds each stage may take on 2 busy cores. Making the base images is the first run's alone.
@@ -90,6 +93,26 @@ def remove_images(ids: set[str]) -> None:
         created = docker("image", "inspect", "-f", "{{.Created}}", *remaining).stdout.split()
         newest_first = [image for _, image in sorted(zip(created, remaining), reverse=True)]
         docker("rmi", "--force", *newest_first, check=False)
+
+
+def build_kept_stages() -> set[str]:
+    """The Dockerfile's stages that change only with the pins (KEPT_STAGES), kept in the image
+    store as the base images are, so that each run's build takes them from the store's cache;
+    ones made for other pins are removed. Returns the ids of their layers, which the test
+    leaves in place."""
+    layers: set[str] = set()
+    older: set[str] = set()
+    for target, tag in KEPT_STAGES.items():
+        older.add(docker("image", "inspect", "-f", "{{.Id}}", tag, check=False).stdout.strip())
+        docker("build", "--quiet", "--target", target, "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", "--tag", tag,
+               str(ROOT), timeout=BUILD_TIMEOUT)
+        image = docker("image", "inspect", "-f", "{{.Id}}", tag).stdout.strip()
+        while image:
+            layers.add(image)
+            image = docker("image", "inspect", "-f", "{{.Parent}}", image).stdout.strip()
+    for image in older - layers - {""}:
+        docker("rmi", image, check=False)
+    return layers
 
 
 def finished_at(state: dict) -> datetime.datetime:
@@ -231,8 +254,10 @@ def test_docker_compose_up_trains_and_a_restarted_learner_rejoins(tmp_path):
         run_script("fill-wheelhouse.sh", WHEELS_TIMEOUT, sys.executable)
         stages.done("the wheelhouse")
         project = Compose(tmp_path)
-        before = image_ids()
+        before, kept = image_ids(), set()
         try:
+            kept = build_kept_stages()
+            stages.done("the stages kept between runs")
             run_cluster(project, tmp_path, stages)
         except AssertionError as error:
             raise AssertionError(f"{error}\n--- docker-compose logs ---\n{project.logs()}") from None
@@ -241,7 +266,7 @@ def test_docker_compose_up_trains_and_a_restarted_learner_rejoins(tmp_path):
                             "-f", str(project.override), "down", "--volumes", "--remove-orphans", "--timeout", "10"],
                            cwd=ROOT, env=project.env, capture_output=True, timeout=180)
             stages.done("down --volumes")
-            remove_images(image_ids() - before)
+            remove_images(image_ids() - before - kept)
             stages.done("removing the images")
 
 
