@@ -141,12 +141,14 @@ class LocalCluster:
         return self.islands.members if self.islands else self.learners
 
     def stop(self, timeout: float = 30) -> None:
-        """Learners first (they leave cleanly), then shards (they flush state)."""
+        """Learners first (they leave cleanly), then shards (they flush state), all at once."""
         self.stop_learners(timeout)
         if self.islands:
             self.islands.stop(timeout)
         for proc in self.shards:
-            proc.terminate(timeout)
+            proc.request_stop()
+        for proc in self.shards:
+            proc.wait_or_kill(timeout)
 
     def kill_now(self) -> None:
         """SIGKILL to every process, without waiting (a stop() under way reaps them): for a

@@ -9,7 +9,6 @@ import logging
 import pathlib
 import random
 import re
-import subprocess
 import sys
 import time
 
@@ -20,7 +19,8 @@ from diloco.localcluster.interrupt import ends_early
 from diloco.localcluster.islands import recoveries
 from diloco.localcluster.sim_observer import Observer
 from diloco.localcluster.sim_summary import spared_islands, summarise
-from diloco.services.contract.config import Config
+from diloco.learner.trainer.evaluate import WeightsError, evaluate_weights
+from diloco.services.contract.config import Config, ConfigError
 from diloco.services.export import MODEL_FILE, ExportError, fetch_global_model, write_export
 
 log = logging.getLogger(__name__)
@@ -220,20 +220,19 @@ def wait_until_settled(cfg: Config, cluster: LocalCluster, observer: Observer) -
 
 def evaluate_global_model(cluster: LocalCluster) -> float | None:
     """The validation loss of what the run produced: the global model, exported from the shards
-    to <run-dir>/export and evaluated by `diloco evaluate` (the model is learner code, which
-    services/ does not import). None, with a warning, when there is no global model."""
+    to <run-dir>/export and evaluated as `diloco evaluate` does. None, with a warning, when there
+    is no global model."""
     out = cluster.run_dir / "export"
     try:
         write_export(fetch_global_model(cluster.cfg, cluster.operator), out)
     except ExportError as error:
         log.warning("no global model to evaluate: %s", error)
         return None
-    result = subprocess.run([sys.executable, "-m", "diloco", "evaluate", "--config", str(cluster.config_path),
-                             "--weights", str(out / MODEL_FILE), "--json"], capture_output=True, text=True)
-    if result.returncode != 0:
-        log.warning("evaluating the global model failed: %s", result.stderr.strip()[-2000:])
+    try:
+        return evaluate_weights(cluster.cfg, out / MODEL_FILE)
+    except (ConfigError, WeightsError) as error:
+        log.warning("evaluating the global model failed: %s", error)
         return None
-    return json.loads(result.stdout)["eval_loss"]
 
 
 def progress_bar(total: int):

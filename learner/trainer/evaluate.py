@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 
@@ -17,7 +18,7 @@ from safetensors.torch import load_file
 
 from diloco.learner.trainer.train import Trainer
 from diloco.learner.sync.synced_parameters import named_parameters
-from diloco.services.contract.config import ConfigError, load_config
+from diloco.services.contract.config import Config, ConfigError, load_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,23 +43,30 @@ def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> No
             param.copy_(tensors[name])
 
 
+class WeightsError(Exception):
+    """A model file that cannot be read, or that does not fit the config's model."""
+
+
+def evaluate_weights(cfg: Config, weights: str | os.PathLike) -> float:
+    """The validation loss of the model file `weights` in the config's model. Raises ConfigError
+    (data.files that match nothing on this machine) or WeightsError."""
+    trainer = Trainer.from_config(cfg, cfg.learners[0].id)  # every learner has the same validation set
+    try:
+        load_weights(trainer.synced_module, load_file(weights))
+    except (OSError, ValueError, SafetensorError) as error:
+        raise WeightsError(f"{weights}: {error}") from None
+    return trainer.evaluate()
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        cfg = load_config(args.config)
+        loss = evaluate_weights(load_config(args.config), args.weights)
     except ConfigError as error:
         print(f"invalid: {error}", file=sys.stderr)
         return 2
-    try:
-        trainer = Trainer.from_config(cfg, cfg.learners[0].id)  # every learner has the same validation set
-    except ConfigError as error:  # data.files that match nothing on this machine
-        print(f"invalid: {error}", file=sys.stderr)
-        return 2
-    try:
-        load_weights(trainer.synced_module, load_file(args.weights))
-    except (OSError, ValueError, SafetensorError) as error:
-        print(f"{args.weights}: {error}", file=sys.stderr)
+    except WeightsError as error:
+        print(error, file=sys.stderr)
         return 1
-    loss = trainer.evaluate()
     if args.json in (None, "-"):
         print(json.dumps({"eval_loss": loss}) if args.json else f"validation loss {loss:.4f}")
     else:
