@@ -19,8 +19,8 @@ from diloco.localcluster.interrupt import ends_early
 from diloco.localcluster.islands import recoveries
 from diloco.localcluster.sim_observer import Observer
 from diloco.localcluster.sim_summary import spared_islands, summarise
-from diloco.learner.trainer.evaluate import WeightsError, evaluate_weights
-from diloco.services.contract.config import Config, ConfigError
+from diloco.learner.trainer.evaluate import evaluate_weights
+from diloco.services.contract.config import Config
 from diloco.services.export import MODEL_FILE, ExportError, fetch_global_model, write_export
 
 log = logging.getLogger(__name__)
@@ -221,7 +221,7 @@ def wait_until_settled(cfg: Config, cluster: LocalCluster, observer: Observer) -
 def evaluate_global_model(cluster: LocalCluster) -> float | None:
     """The validation loss of what the run produced: the global model, exported from the shards
     to <run-dir>/export and evaluated as `diloco evaluate` does. None, with a warning, when there
-    is no global model."""
+    is no global model or evaluating it fails (the report is written either way)."""
     out = cluster.run_dir / "export"
     try:
         write_export(fetch_global_model(cluster.cfg, cluster.operator), out)
@@ -230,8 +230,8 @@ def evaluate_global_model(cluster: LocalCluster) -> float | None:
         return None
     try:
         return evaluate_weights(cluster.cfg, out / MODEL_FILE)
-    except (ConfigError, WeightsError) as error:
-        log.warning("evaluating the global model failed: %s", error)
+    except Exception as error:  # whatever the model's own code raises: the run's report still matters more
+        log.warning("evaluating the global model failed: %s: %s", type(error).__name__, error)
         return None
 
 
