@@ -30,7 +30,7 @@ PLAN_DEFAULTS = {"sync": {"fragments": 24}, "syncer": {"lease_seconds": 10.0}}
 # The keys of those sections a plan file or flag may give at its top level (--interval-steps),
 # and where each is in the config.
 FLAT_KEYS = {**{key: ("sync", key) for key in ("interval_steps", "fragments", "overlap_steps", "max_block_seconds",
-                                               "wait_for_own_link", "codec", "codec_block_size")},
+                                               "max_block_steps", "wait_for_own_link", "codec", "codec_block_size")},
              **{key: ("syncer", key) for key in ("quorum", "max_staleness", "lease_seconds", "history_versions")},
              "grace_mode": ("syncer", "grace", "mode"), "grace_seconds": ("syncer", "grace", "seconds")}
 

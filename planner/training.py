@@ -61,7 +61,7 @@ class Training:
         self.ledger.kept += learner.full_steps(tokens) * learner.step_seconds
         learner.after_step = self._after_step(learner)
         learner.last_step_end = now
-        actions = learner.schedule.step_done(learner.steps - 1, tokens)
+        actions = learner.schedule.step_done(learner.steps - 1, tokens, learner.step_seconds)
         for sync in actions.start:
             self._push(learner, sync.fragment_id)
         if learner.schedule.run_over(learner.tokens):
@@ -78,7 +78,7 @@ class Training:
             fid = learner.to_apply[0]
             if fid in learner.results:
                 self._apply(learner, fid, learner.results.pop(fid))
-            elif (limit := learner.schedule.wait_limit(fid)) == 0:
+            elif (limit := learner.schedule.wait_limit(fid, learner.step_seconds)) == 0:
                 learner.schedule.fragments[fid].missed()  # trains on; applied at the first step after it arrives
             else:
                 learner.blocked_since = now

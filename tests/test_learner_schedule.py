@@ -21,14 +21,15 @@ class FakeClock:
         return self.now
 
 
-def make_schedule(fragments=2, interval_steps=4, overlap_steps=1, max_block_seconds=2.0, max_run_tokens=None,
-                  wait_for_own_link=True, max_steps=1000, learners=1, quorum=1, grace_seconds=1.0):
+def make_schedule(fragments=2, interval_steps=4, overlap_steps=1, max_block_seconds=2.0, max_block_steps=None,
+                  max_run_tokens=None, wait_for_own_link=True, max_steps=1000, learners=1, quorum=1, grace_seconds=1.0):
     cfg = parse_config({
         "shards": [{"address": "127.0.0.1:1"}],
         "learners": [{"id": f"l{i}", "region": "r"} for i in range(learners)],
         "syncer": {"quorum": quorum, "grace": {"seconds": grace_seconds}},
         "sync": {"fragments": fragments, "interval_steps": interval_steps, "overlap_steps": overlap_steps,
-                 "max_block_seconds": max_block_seconds, "wait_for_own_link": wait_for_own_link},
+                 "max_block_seconds": max_block_seconds, "max_block_steps": max_block_steps,
+                 "wait_for_own_link": wait_for_own_link},
         "trainer": {"max_run_tokens": max_run_tokens, "max_steps": max_steps},
     })
     clock = FakeClock()
@@ -131,6 +132,18 @@ def test_the_wait_for_a_result_is_bounded_by_max_block_seconds_per_sync():
     schedule.result_arrived(0, fragment.apply_at, 0.0, applied=True)
     start_one(schedule)  # the next sync waits afresh
     assert fragment.wait_limit() == 2.0
+
+
+def test_max_block_steps_caps_the_wait_at_that_many_of_the_learners_step_times_per_sync():
+    schedule, _ = make_schedule(fragments=1, max_block_seconds=2.0, max_block_steps=1.5)
+    start_one(schedule)
+    assert schedule.wait_limit(0, step_seconds=0.1) == pytest.approx(0.15)
+    assert schedule.wait_limit(0, step_seconds=10.0) == 2.0  # max_block_seconds still bounds it
+    assert schedule.wait_limit(0, step_seconds=0.0) == 2.0  # no step time measured yet
+    schedule.result_still_out(0, 0.1)
+    assert schedule.wait_limit(0, step_seconds=0.1) == pytest.approx(0.05)
+    step = schedule.fragments[0].apply_at + 1
+    assert schedule.step_done(step, TOKENS, step_seconds=0.2).apply[0].wait_limit == pytest.approx(0.2)
 
 
 def test_a_due_result_comes_with_how_long_to_wait_for_it_and_a_start_with_its_counters():

@@ -7,7 +7,8 @@ sync.mix_alpha and t_p the offset of fragment p in the plan:
     start      after inner step t when (t + sync_offset) % H == t_p, unless a sync of p is
                in flight or the schedule holds (a held step: hold -= 1, sync_offset -= 1)
     apply at   step t + tau; the training thread waits for the result there, tau = 0 as long
-               as it takes, else at most max_block_seconds per sync in all (not at all with
+               as it takes, else at most max_block_seconds per sync in all, and at most
+               max_block_steps times its step time where that is set (not at all with
                wait_for_own_link false while its own transfers outlast the overlap: own >=
                tau, below); a result still out is late: the fragment and its counters are
                kept as they are at that moment
@@ -108,6 +109,7 @@ class FragmentSchedule:
     def __init__(self, sync: SyncConfig):
         self._tau = sync.overlap_steps
         self._max_block_seconds = sync.max_block_seconds
+        self._max_block_steps = sync.max_block_steps
         self.steps_since_sync = 0  # c_steps
         self.tokens_since_sync = 0  # c_tokens
         self.in_flight = False
@@ -133,11 +135,15 @@ class FragmentSchedule:
     def due_for_apply(self, step: int) -> bool:
         return self.in_flight and self.apply_at <= step
 
-    def wait_limit(self) -> float | None:
-        """How long the training thread may wait for the result now (None: as long as it takes)."""
+    def wait_limit(self, step_seconds: float = 0.0) -> float | None:
+        """How long the training thread may wait for the result now (None: as long as it
+        takes), its steps taking `step_seconds` (0: not known yet)."""
         if self._tau == 0:
             return None
-        return max(0.0, self._max_block_seconds - self.blocked_seconds)
+        limit = self._max_block_seconds
+        if self._max_block_steps is not None and step_seconds > 0:
+            limit = min(limit, self._max_block_steps * step_seconds)
+        return max(0.0, limit - self.blocked_seconds)
 
     def waited(self, seconds: float) -> None:
         self.blocked_seconds += seconds
@@ -236,8 +242,9 @@ class LearnerSchedule:
         """Joined in phase with the others and not yet stepped (see heard_again_before_first_step)."""
         return self._phase_heard is not None
 
-    def step_done(self, step: int, tokens: int) -> StepActions:
-        """Inner step `step` (0-based) trained `tokens`: the syncs that start now and the
+    def step_done(self, step: int, tokens: int, step_seconds: float = 0.0) -> StepActions:
+        """Inner step `step` (0-based) trained `tokens`, the learner's steps taking
+        `step_seconds` (a moving average; 0: not known): the syncs that start now and the
         results that are due now."""
         for fragment in self.fragments.values():
             fragment.trained(tokens)
@@ -271,7 +278,8 @@ class LearnerSchedule:
             if starting and self.turns_passed:
                 self.turns_passed = self.turns_passed - {sync.fragment_id for sync in starting}
         self._mark_done_syncing(step)
-        due = tuple(DueResult(fid, self.wait_limit(fid)) for fid, f in self.fragments.items() if f.due_for_apply(step))
+        due = tuple(DueResult(fid, self.wait_limit(fid, step_seconds))
+                    for fid, f in self.fragments.items() if f.due_for_apply(step))
         return StepActions(held, starting, due)
 
     def _mark_done_syncing(self, step: int) -> None:
@@ -286,13 +294,14 @@ class LearnerSchedule:
         """Whether a sync starting after step `start_step` is applied before the step budget ends."""
         return start_step + self._tau + 1 < self._max_steps
 
-    def wait_limit(self, fragment_id: int) -> float | None:
-        """How long the training thread may wait for the fragment's due result now (None: as
-        long as it takes; 0: train on, the result is merged late)."""
+    def wait_limit(self, fragment_id: int, step_seconds: float = 0.0) -> float | None:
+        """How long the training thread may wait for the fragment's due result now, its steps
+        taking `step_seconds` (None: as long as it takes; 0: train on, the result is merged
+        late)."""
         if (not self._wait_for_own_link and self._tau > 0 and self.own_link_steps is not None
                 and self.own_link_steps >= self._tau):
             return 0.0
-        return self.fragments[fragment_id].wait_limit()
+        return self.fragments[fragment_id].wait_limit(step_seconds)
 
     def pushed(self, upload_seconds: float, step_seconds: float) -> None:
         """A push of this learner took `upload_seconds` from its start until the shard held it,

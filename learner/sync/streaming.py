@@ -233,7 +233,7 @@ class StreamingSync:
                       "and dropped its local progress since", self.learner_id, step, why, self.held_versions())
             healed = list(self.fragments)
         done_syncing = self.schedule.done_syncing
-        actions = self.schedule.step_done(step, tokens)
+        actions = self.schedule.step_done(step, tokens, self.step_seconds)
         if self.schedule.done_syncing != done_syncing:  # rounds of those need not wait for this learner
             for session in self.sessions:
                 session.heartbeat_now()

@@ -50,6 +50,9 @@ class SyncConfig(Section):
     # trains on and applies the result when it arrives (tau = 0 always waits: lockstep).
     # Bounded, because learners blocked on each other's rounds could otherwise wait forever.
     max_block_seconds: Annotated[float, Field(ge=0.0)] = 2.0
+    # And at most this many of the learner's own step times (a moving average), where set: a
+    # result late by the learners' jitter is merged a step late rather than waited for.
+    max_block_steps: Annotated[float, Field(ge=0.0)] | None = None
     # A learner whose own push and pull take longer than tau steps (a slow link) cannot have
     # its results in time: true waits for them all the same (late results cost quality,
     # docs/protocol.md); false trains on and merges them late, never idle for its own link.
