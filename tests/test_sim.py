@@ -15,8 +15,10 @@ import sys
 import time
 
 import pytest
+import torch
 
-from diloco.services.contract.config import ConfigError, LinkConfig, parse_config
+from diloco.learner.trainer.evaluate import evaluate_weights
+from diloco.services.contract.config import ConfigError, LinkConfig, load_config, parse_config
 from tests.cluster_config import tiny_cluster
 from tests.cluster_watch import wait_until
 from tests.sim_command import run_sim, sim_command
@@ -60,7 +62,7 @@ def assert_the_final_loss_is_the_exported_global_models(tmp_path, report: dict, 
     """The sim exported the global model to <run>/export: every learner ends at its versions
     (holding the bits the shards served it, which the report's state_hashes_agree checks: the
     shards' own, or one delta's encoding error from them, docs/protocol.md "The downlink"), and
-    evaluated on its own it has the loss the report gives."""
+    evaluated on its own (here, as `diloco evaluate` does) it has the loss the report gives."""
     export = tmp_path / "run" / "export"
     versions = {f["fragment_id"]: f["version"] for f in json.loads((export / "export.json").read_text())["fragments"]}
     state = pathlib.Path(tmp_path / "run" / "state")
@@ -68,10 +70,12 @@ def assert_the_final_loss_is_the_exported_global_models(tmp_path, report: dict, 
     for learner in report["per_learner"]:
         learner_report = json.loads((state / f"learner-{learner}" / "report.json").read_text())
         assert {int(fid): f["version"] for fid, f in learner_report["fragments"].items()} == versions
-    evaluated = subprocess.run([sys.executable, "-m", "diloco", "evaluate", "--config",
-                                str(tmp_path / "run" / "cluster.yaml"), "--weights", str(export / "model.safetensors"),
-                                "--json"], capture_output=True, text=True, timeout=120, check=True)
-    assert json.loads(evaluated.stdout)["eval_loss"] == report["final_eval_loss"]
+    threads = torch.get_num_threads()  # the trainer sets the config's for the evaluation
+    try:
+        loss = evaluate_weights(load_config(tmp_path / "run" / "cluster.yaml"), export / "model.safetensors")
+    finally:
+        torch.set_num_threads(threads)
+    assert loss == report["final_eval_loss"]
     assert (report["final_eval_loss_learners"] is not None) == learners_evaluate
 
 
