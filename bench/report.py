@@ -868,7 +868,7 @@ def summary_rows(results: dict) -> list[list[str]]:
         rows.append(["14. own link", "global loss median (seeds " + ", ".join(map(str, o["seeds"])) + "): "
                      + "; ".join(f"{kind} {loss:.4f} ({pct(o['median_blocked_share'][kind])} blocked)"
                                  for kind, loss in o["median_loss"].items()),
-                     f"{o.get('target_kind', 'mixed, own link late')}: within the uniform runs' spread in "
+                     f"{o['target_kind']}: within the uniform runs' spread in "
                      f"quality and <= {pct(o['blocked_target'])} blocked (issue 53)", verdict(o["met"])])
     if "split_downlink" in results:
         s = results["split_downlink"]

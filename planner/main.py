@@ -33,7 +33,7 @@ from diloco.planner.inputs import FLAT_KEYS, WAN_KEYS, PlanError, PlanInputs, lo
 from diloco.planner.outcome import PlanResult
 from diloco.planner.report import Speed, plot, speed_table, table, time_to_train, write_json
 from diloco.planner.simulate import MODES, simulate
-from diloco.planner.suggest import suggest
+from diloco.planner.suggest import WAIT_STEPS, suggest
 from diloco.planner.suggest import table as suggestion_table
 
 SWEPT = ("chips", "learners", "chips_per_learner", "slices_per_learner")  # keys that take a list of values to sweep
@@ -202,7 +202,7 @@ def run_suggestions(points: list[PlanInputs]) -> int:
         print(suggestion_table(found, max(inputs.step_seconds)))
         best = found[0]
         print(f"suggested: sync: {{interval_steps: {best.interval_steps}, fragments: {best.fragments}, "
-              f"overlap_steps: {best.overlap_steps}, codec: {best.codec}}}\n")
+              f"overlap_steps: {best.overlap_steps}, codec: {best.codec}, max_block_steps: {WAIT_STEPS:g}}}\n")
     return 0
 
 

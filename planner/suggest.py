@@ -1,8 +1,9 @@
 """`diloco plan --suggest`: an operating point from the links. For the plan's model, step time
 and links it proposes the sync settings (H, P, tau, codec) under which every learner's own round
 trip for one fragment (its push up its link, the result down it, a round trip of latency each)
-fits within tau steps with a margin, and ranks them by the goodput and staleness the planner
-then predicts for a failure-free run of the plan's length.
+fits within tau steps with a margin, and a learner waits for a late result one of its steps at
+most; it ranks them by the goodput and staleness the planner then predicts for a failure-free
+run of the plan's length.
 
 Candidates: P fragments in FRAGMENTS (those the model can be cut into), H = P or 2P steps, each
 codec in CODECS; for each, the smallest tau that fits the slowest learner's round trip, kept
@@ -22,6 +23,10 @@ from diloco.services.contract.codecs import get_codec
 FRAGMENTS = (8, 16, 24, 48, 96)
 CODECS = ("int4", "int8")
 MARGIN = 1.25  # a round trip must fit tau steps with this much to spare
+# With tau fitted to the links, a result still out at its apply step is late because the others
+# reached its round later (their steps jitter apart), not for its own link: wait one step for it
+# at most, then merge it late (docs/planning.md).
+WAIT_STEPS = 1.0
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,8 @@ def candidates(inputs: PlanInputs) -> list[PlanInputs]:
             for interval in (fragments, 2 * fragments):
                 if tau < interval:
                     sync = inputs.sync.model_copy(update={"interval_steps": interval, "fragments": fragments,
-                                                          "overlap_steps": tau, "codec": codec})
+                                                          "overlap_steps": tau, "codec": codec,
+                                                          "max_block_steps": WAIT_STEPS})
                     found.append(dataclasses.replace(inputs, sync=sync, chip_mtbf_hours=None, failures=()))
     return found
 

@@ -371,7 +371,7 @@ def test_the_plans_sync_and_syncer_are_the_cluster_configs_own_sections_whicheve
 
 
 def test_suggested_settings_fit_every_learners_round_trip_and_the_best_is_first(capsys):
-    from diloco.planner.suggest import MARGIN, round_trip_seconds, suggest
+    from diloco.planner.suggest import MARGIN, candidates, round_trip_seconds, suggest
     inputs = load_inputs({"chips": 4, "learners": 4, "model_parameters": 20_000_000, "step_seconds": [0.5],
                           "wan_gbps": [0.05, 0.2], "wan_latency_ms": [20.0], "hours": 0.02, "chip_mtbf_hours": None})
     found = suggest(inputs)
@@ -387,7 +387,8 @@ def test_suggested_settings_fit_every_learners_round_trip_and_the_best_is_first(
                  "--wan-gbps", "0.05,0.2", "--hours", "0.02", "--chip-mtbf-hours", "null", "--suggest"]) == 0
     out = capsys.readouterr().out
     assert (f"suggested: sync: {{interval_steps: {best.interval_steps}, fragments: {best.fragments}, "
-            f"overlap_steps: {best.overlap_steps}, codec: {best.codec}}}") in out
+            f"overlap_steps: {best.overlap_steps}, codec: {best.codec}, max_block_steps: 1}}") in out
+    assert all(c.sync.max_block_steps == 1 for c in candidates(inputs))
 
 
 def test_links_too_slow_for_any_setting_are_said_so(capsys):
