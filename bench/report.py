@@ -819,6 +819,14 @@ def summary_rows(results: dict) -> list[list[str]]:
                      "paper at 1.2M chips: " + ", ".join(f"{k} {pct(v)}" for k, v in p["paper"].items())
                      + f"; a day of 2.4M chips in under {PLAN_SPEED_TARGET_SECONDS // 60} minutes",
                      plan_speed_verdict(p)])
+    if "suggest" in results:
+        g = results["suggest"]
+        best = g["suggestions"][0]
+        rows.append(["↳ 9b. suggested settings", "at the seeds' point: " + ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
+                                                         for k, v in best["sync"].items())
+                     + f": goodput {pct(best['goodput'])}, {pct(best['staleness_zero_share'])} of merges at staleness 0",
+                     f">= {pct(g['targets']['goodput'])} goodput, >= {pct(g['targets']['staleness_zero_share'])} of merges "
+                     "at staleness 0 (issue 53)", verdict(g["met"])])
     if "calibration" in results:
         c = results["calibration"]
         goodput = [next(row for row in run["rows"] if row["figure"] == "goodput") for run in c["rows"]]
@@ -1016,6 +1024,24 @@ def own_link(section: dict, out: pathlib.Path) -> list[str]:
                          body)
 
 
+def suggest(section: dict, out: pathlib.Path) -> list[str]:
+    links = ", ".join(f"{region} {link['up_mbps'] / 1e3:g}/{link['down_mbps'] / 1e3:g} Gbit/s {link['latency_ms']:g} ms"
+                      for region, link in section["links"].items())
+    lines = [f"The settings `diloco plan --suggest` proposes for a {section['model_parameters'] / 1e9:g}B model, "
+             f"{section['step_seconds']:g} s steps and M = {section['learners']} learners on the seeds' links ({links}): "
+             "every learner's round trip for one fragment (push up its link, result down it, a round trip of latency "
+             "each way) within tau steps with a quarter to spare, each candidate planned failure-free and ranked by "
+             "goodput, then merges at staleness 0 ([docs/planning.md](docs/planning.md)). "
+             f"{code(section['command'])}.", ""]
+    body = [[str(s["sync"]["interval_steps"]), str(s["sync"]["fragments"]), str(s["sync"]["overlap_steps"]),
+             s["sync"]["codec"], f"{s['sync']['max_block_steps']:g}", f"{s['round_trip_seconds']:.2f}", pct(s["goodput"]),
+             pct(s["staleness_zero_share"]),
+             "/".join(f"{v:.2f}" for v in s["wan_gbps_mean_peak"]) if s["wan_gbps_mean_peak"] else "-"]
+            for s in section["suggestions"]]
+    return lines + table(["H", "P", "tau", "codec", "max_block_steps", "slowest round trip s", "goodput",
+                          "merges at staleness 0", "WAN Gbit/s mean/peak"], body)
+
+
 def split_downlink(section: dict, out: pathlib.Path) -> list[str]:
     lines = [f"The demo's cluster (4 learners, 2 shards, P = 4, int4) with H = 25, quorum 2 and learner 2 slowed, so "
              f"rounds close without it: {section['steps']} steps per learner, with the shards' default anchors (no "
@@ -1051,6 +1077,7 @@ TITLES = {"quality": "1. Quality at equal tokens",
           "user_loop": "7. The API in a user's loop",
           "gpu_user_loop": "7b. The API in a user's loop on a GPU (recorded by hand)", "hf": "8. Hugging Face Llama on the API (CPU)",
           "plan": "9. Planning at datacenter scale (`diloco plan`)",
+          "suggest": "9b. An operating point from the links (`diloco plan --suggest`)",
           "calibration": "10. The planner against the local cluster (`diloco plan --calibrate-from`)",
           "island": "11. Elastic islands: losing replica groups (local)",
           "sick_learner": "12. A diverged learner (`diloco sim --chaos-poison`)",
@@ -1059,7 +1086,7 @@ TITLES = {"quality": "1. Quality at equal tokens",
           "split_downlink": "15. Split rounds' downlink"}
 RENDERERS = {"quality": quality, "user_quality": user_quality, "bandwidth": bandwidth, "goodput": goodput, "overlap": overlap,
              "transport": transport, "recovery": recovery, "user_loop": user_loop, "gpu_user_loop": gpu_user_loop, "hf": hf, "plan": plan,
-             "calibration": calibration, "island": island, "sick_learner": sick_learner,
+             "suggest": suggest, "calibration": calibration, "island": island, "sick_learner": sick_learner,
              "kernel_links": kernel_links, "own_link": own_link, "split_downlink": split_downlink}
 
 

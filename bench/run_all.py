@@ -17,7 +17,8 @@ Twelve sections (issues #8, #17, #34, #35 and #55), all but the ninth from real 
 6. recovery: bench/recovery.py; 7. user loop: bench/user_loop.py (the API in a plain PyTorch
 loop against the same loop with sync off); 8. hf: bench/hf_overlap.py (a Hugging Face Llama); 9. plan: `diloco plan`'s
 goodput at 150k to 2.4M chips (dp, elastic, Decoupled DiLoCo M = 2 to 16, two failure models; about
-half an hour, never in CI) and its own speed on one day of 2.4M chips; 10. calibration: `diloco sim`
+half an hour, never in CI) and its own speed on one day of 2.4M chips; 9b. suggest: `diloco plan
+--suggest` at the seeds' point (the settings it proposes and what it plans for them); 10. calibration: `diloco sim`
 runs of the demo's cluster at three failure rates, with shard kills and with mixed links, each
 beside `diloco plan --calibrate-from` its report; 11. islands: bench/island.py (learner islands of
 torchft replica groups losing groups, their leaders too, against the same run without kills);
@@ -58,7 +59,7 @@ from diloco.services.contract.config import load_config  # noqa: E402
 from diloco.localcluster.chaos import Chaos  # noqa: E402
 
 SECTIONS = ("quality", "user_quality", "bandwidth", "goodput", "overlap", "transport", "recovery", "user_loop", "hf", "plan",
-            "calibration", "island", "sick_learner", "kernel_links", "own_link",
+            "suggest", "calibration", "island", "sick_learner", "kernel_links", "own_link",
             "split_downlink")
 # The global model within this of data parallel at equal tokens, by M, for H <= 50 (issue 28).
 QUALITY_TARGETS = {4: 0.03, 8: 0.05}
@@ -81,6 +82,11 @@ PLAN_FAILURE_MODELS = {"example": (), "milder": ("--chip-mtbf-hours", "200000")}
 PAPER_POINT = ("--modes", "dp,elastic,diloco", "--chips", "16384", "--learners", "4", "--chip-mtbf-hours", "null",
                "--hours", "0.25", "--wan-gbps", "2,5,2,5", "--interval-steps", "48", "--overlap-steps", "4")
 PAPER_SPEEDUP = 20
+# `diloco plan --suggest` at that point, failure-free (a tenth of an hour each candidate), and what
+# issue 53 asks of its suggestion there.
+SUGGEST_POINT = ("--chips", "16384", "--learners", "4", "--chip-mtbf-hours", "null", "--hours", "0.1",
+                 "--wan-gbps", "2,5,2,5", "--suggest")
+SUGGEST_TARGETS = {"goodput": 0.95, "staleness_zero_share": 0.99}
 # At 1.2M chips, as docs/planning.md quotes the paper (its failure model is not public).
 PAPER_PLAN = {"dp": 0.27, "elastic": 0.58, "diloco M=8": 0.88, "diloco M=16": 0.93}
 # The calibration runs: the demo as it is (checkpoints every 10 steps, an evaluation every 50), links
@@ -475,6 +481,16 @@ def plan_section(runner: Runner, profile: Profile) -> dict:
                             "rows": [plan_figures(result) for result in point["results"]]}}
 
 
+def suggest_section(runner: Runner) -> dict:
+    """The settings `diloco plan --suggest` proposes at the seeds' point, every candidate with
+    what the planner predicts for it, best first."""
+    run = runner.plan("plan-suggest", list(SUGGEST_POINT))
+    (point,) = run["results"]
+    best = point["suggestions"][0]
+    return {**point, "command": run["command"], "targets": SUGGEST_TARGETS,
+            "met": all(best[key] >= target for key, target in SUGGEST_TARGETS.items())}
+
+
 # ---- 10: the planner against the local cluster ----------------------------------------------
 
 def calibration_runs(profile: Profile) -> list[tuple[str, list[str]]]:
@@ -596,6 +612,8 @@ def main() -> int:
         results["hf"] = runner.script("hf", "bench/hf_overlap.py", profile.hf)
     if "plan" in wanted:
         results["plan"] = plan_section(runner, profile)
+    if "suggest" in wanted:
+        results["suggest"] = suggest_section(runner)
     if "calibration" in wanted:
         results["calibration"] = calibration_section(runner, profile)
     if "island" in wanted:

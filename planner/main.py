@@ -33,7 +33,7 @@ from diloco.planner.inputs import FLAT_KEYS, WAN_KEYS, PlanError, PlanInputs, lo
 from diloco.planner.outcome import PlanResult
 from diloco.planner.report import Speed, plot, speed_table, table, time_to_train, write_json
 from diloco.planner.simulate import MODES, simulate
-from diloco.planner.suggest import WAIT_STEPS, suggest
+from diloco.planner.suggest import suggest
 from diloco.planner.suggest import table as suggestion_table
 
 SWEPT = ("chips", "learners", "chips_per_learner", "slices_per_learner")  # keys that take a list of values to sweep
@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "times, links, kills) and print the prediction beside what it measured; with --json")
     parser.add_argument("--suggest", action="store_true",
                         help="propose H, P, tau and codec for the plan's model, step time and links: every "
-                             "learner's round trip within tau steps, ranked by the goodput planned (planner/suggest.py)")
+                             "learner's round trip within tau steps, ranked by the goodput planned (planner/suggest.py); "
+                             "with --json, every candidate with its settings and figures")
     parser.add_argument("--json", metavar="PATH", help="write every result as JSON here ('-': stdout)")
     parser.add_argument("--plot", metavar="PNG", help="plot goodput against chips, one line per mode and M")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -164,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"invalid: {error}", file=sys.stderr)
         return 2
     if args.suggest:
-        return run_suggestions(points)
+        return run_suggestions(points, args.json)
     results: list[PlanResult] = []
     speeds: list[Speed] = []
     for inputs, mode in itertools.product(points, modes):
@@ -189,20 +190,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_suggestions(points: list[PlanInputs]) -> int:
+def run_suggestions(points: list[PlanInputs], json_path: str | None) -> int:
+    written = []
     for inputs in points:
         found = suggest(inputs)
+        links = {inputs.region(i): inputs.link(i) for i in range(inputs.num_learners)}
         print(f"{inputs.model_parameters:.3g} parameters, {max(inputs.step_seconds):g} s steps, M={inputs.num_learners}, "
               f"links (Mbit/s up/down, ms): " + ", ".join(
-                  f"{region} {link.up_mbps:g}/{link.down_mbps:g} {link.latency_ms:g}"
-                  for region, link in {inputs.region(i): inputs.link(i) for i in range(inputs.num_learners)}.items()))
+                  f"{region} {link.up_mbps:g}/{link.down_mbps:g} {link.latency_ms:g}" for region, link in links.items()))
+        written.append({"model_parameters": inputs.model_parameters, "step_seconds": max(inputs.step_seconds),
+                        "learners": inputs.num_learners,
+                        "links": {region: link.model_dump() for region, link in links.items()},
+                        "suggestions": [s.as_json() for s in found]})
         if not found:
             print("no H, P, tau and codec fit these links: a fragment's round trip outlasts every H tried")
             continue
         print(suggestion_table(found, max(inputs.step_seconds)))
-        best = found[0]
-        print(f"suggested: sync: {{interval_steps: {best.interval_steps}, fragments: {best.fragments}, "
-              f"overlap_steps: {best.overlap_steps}, codec: {best.codec}, max_block_steps: {WAIT_STEPS:g}}}\n")
+        print("suggested: sync: {" + ", ".join(f"{key}: {value:g}" if isinstance(value, float) else f"{key}: {value}"
+                                               for key, value in found[0].settings().items()) + "}\n")
+    if json_path:
+        pathlib.Path("/dev/stdout" if json_path == "-" else json_path).write_text(json.dumps(written, indent=1))
     return 0
 
 

@@ -43,6 +43,18 @@ class Suggestion:
         merged = {k: v for k, v in self.result.staleness.items() if k != "refused"}
         return merged.get("0", 0) / sum(merged.values()) if merged and sum(merged.values()) else 0.0
 
+    def settings(self) -> dict:
+        """The sync section's settings it suggests, as a cluster config writes them."""
+        return {"interval_steps": self.interval_steps, "fragments": self.fragments, "overlap_steps": self.overlap_steps,
+                "codec": self.codec, "max_block_steps": WAIT_STEPS}
+
+    def as_json(self) -> dict:
+        bandwidth = self.result.bandwidth
+        return {"sync": self.settings(), "round_trip_seconds": self.round_trip_seconds,
+                "goodput": self.result.goodput.share, "staleness_zero_share": self.staleness_zero_share,
+                "staleness": dict(self.result.staleness),
+                "wan_gbps_mean_peak": [bandwidth.mean_gbps, bandwidth.peak_gbps] if bandwidth else None}
+
 
 def round_trip_seconds(inputs: PlanInputs, fragments: int, codec: str) -> float:
     """The slowest learner's push and pull of one fragment over its own link."""

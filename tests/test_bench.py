@@ -74,6 +74,9 @@ def test_committed_results_hold_every_section_with_dp_beside_diloco():
             (mode, m, chips) for mode in ("dp", "elastic", "diloco") for m in (2, 4, 8, 16)
             for chips in (153600, 307200, 614400, 1228800, 2457600)}
         assert all(is_number(r["goodput"]) for r in model["rows"])
+    suggested = results["suggest"]["suggestions"]  # issue 53: best first, each with what the planner predicts
+    assert suggested and all(is_number(s["goodput"]) and is_number(s["staleness_zero_share"]) for s in suggested)
+    assert suggested[0]["goodput"] == max(s["goodput"] for s in suggested)
     speed = plan["speed"]["rows"]
     assert [(r["mode"], r["chips"], r["learners"], r["hours"]) for r in speed] == [
         (mode, 2457600, 16, 24.0) for mode in ("dp", "elastic", "diloco")]

@@ -370,7 +370,7 @@ def test_the_plans_sync_and_syncer_are_the_cluster_configs_own_sections_whicheve
         load_inputs({"syncer": {"qorum": 2}})
 
 
-def test_suggested_settings_fit_every_learners_round_trip_and_the_best_is_first(capsys):
+def test_suggested_settings_fit_every_learners_round_trip_and_the_best_is_first(capsys, tmp_path):
     from diloco.planner.suggest import MARGIN, candidates, round_trip_seconds, suggest
     inputs = load_inputs({"chips": 4, "learners": 4, "model_parameters": 20_000_000, "step_seconds": [0.5],
                           "wan_gbps": [0.05, 0.2], "wan_latency_ms": [20.0], "hours": 0.02, "chip_mtbf_hours": None})
@@ -384,8 +384,13 @@ def test_suggested_settings_fit_every_learners_round_trip_and_the_best_is_first(
     assert best.result.goodput.share >= max(s.result.goodput.share for s in found) - 0.005
     assert best.result.goodput.share > 0.9
     assert main(["plan", "--chips", "4", "--learners", "4", "--model-parameters", "20000000", "--step-seconds", "0.5",
-                 "--wan-gbps", "0.05,0.2", "--hours", "0.02", "--chip-mtbf-hours", "null", "--suggest"]) == 0
+                 "--wan-gbps", "0.05,0.2", "--wan-latency-ms", "20", "--hours", "0.02", "--chip-mtbf-hours", "null",
+                 "--suggest", "--json", str(tmp_path / "suggested.json")]) == 0
     out = capsys.readouterr().out
+    (written,) = json.loads((tmp_path / "suggested.json").read_text())
+    assert written["suggestions"][0] == best.as_json()
+    assert written["suggestions"][0]["sync"]["overlap_steps"] == best.overlap_steps
+    assert written["links"]["region-0"]["up_mbps"] == 50
     assert (f"suggested: sync: {{interval_steps: {best.interval_steps}, fragments: {best.fragments}, "
             f"overlap_steps: {best.overlap_steps}, codec: {best.codec}, max_block_steps: 1}}") in out
     assert all(c.sync.max_block_steps == 1 for c in candidates(inputs))
