@@ -478,7 +478,7 @@ def test_the_install_built_the_compiled_kernels_where_a_c_compiler_is():
 @pytest.mark.skipif(codecs._codec_kernels is None, reason="the compiled kernels are not built")
 @pytest.mark.parametrize("name", QUANTISED)
 @pytest.mark.parametrize("numel", [1, 2, 255, 1001, 4097, (1 << 20) + 3])
-@pytest.mark.parametrize("block_size", [1, 3, 7, 128, 5000])
+@pytest.mark.parametrize("block_size", [1, 3, 7, 65, 128, 5000])
 def test_the_compiled_kernels_give_torchs_bytes_and_decoded_values(name, numel, block_size, monkeypatch):
     codec, values = get_codec(name), awkward_values(numel, block_size)
     residual = torch.randn(numel, generator=torch.Generator().manual_seed(2))

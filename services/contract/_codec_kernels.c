@@ -7,7 +7,9 @@
  *   decode(kind, payload, out, block_size, subtract, threads=1)     out = decoded, or out -= decoded
  *
  * threads > 1 splits the values into that many ranges of whole blocks, each on its own thread
- * (a shard's close and a pull's decode are on the round trip a learner waits for).
+ * (a shard's close and a pull's decode are on the round trip a learner waits for). int4's decode,
+ * the default codec's and on every round trip twice, has an AVX2 pass of its own (half the time
+ * of unpacking and scaling in two loops); the other loops are vectorised by the compiler.
  *
  * kind: INT8, INT4 or FP4_E3M0. values and out: fp32 buffers; payload: the codec's layout
  * (block scales, then codes), of exactly the encoded size for len(values) or len(out).
@@ -20,6 +22,11 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define INT4_AVX2 1
+#endif
 
 enum { INT8 = 0, INT4 = 1, FP4_E3M0 = 2 };
 
@@ -165,12 +172,74 @@ VECTORISED static void scale_into(const float *unscaled, Py_ssize_t count, float
         for (Py_ssize_t i = 0; i < count; i++) out[i] = unscaled[i] * scale;
 }
 
+#ifdef INT4_AVX2
+/* int4's decode of values [from, to) of one block, one at a time. */
+static void int4_scaled(const uint8_t *codes, Py_ssize_t from, Py_ssize_t to, float scale, float *out, int subtract) {
+    for (Py_ssize_t i = from; i < to; i++) {
+        float value = int4_value((uint8_t)(codes[i / 2] >> (4 * (i % 2))) & 0x0F) * scale;
+        if (subtract) out[i] -= value;
+        else out[i] = value;
+    }
+}
+
+/* int4's decode of one block's values in one pass, 32 at a time from 16 bytes of codes (the
+ * first value in a low nibble): out = code * scale, or out -= that; the same products and
+ * differences as int4_values and scale_into, so the same bits. Returns how many it did (count
+ * rounded down to 32); the caller does the rest. */
+__attribute__((target("avx2"))) static Py_ssize_t int4_block_avx2(const uint8_t *packed, Py_ssize_t count,
+                                                                   float scale, float *out, int subtract) {
+    const __m128i low_nibbles = _mm_set1_epi8(0x0F), sign = _mm_set1_epi8(8);
+    const __m256 scales = _mm256_set1_ps(scale);
+    Py_ssize_t done = 0;
+    for (; done + 32 <= count; done += 32) {
+        __m128i bytes = _mm_loadu_si128((const __m128i *)(packed + done / 2));
+        __m128i low = _mm_and_si128(bytes, low_nibbles);
+        __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
+        /* in value order, each nibble sign-extended: (x ^ 8) - 8 */
+        __m128i halves[2] = {_mm_sub_epi8(_mm_xor_si128(_mm_unpacklo_epi8(low, high), sign), sign),
+                             _mm_sub_epi8(_mm_xor_si128(_mm_unpackhi_epi8(low, high), sign), sign)};
+        for (int h = 0; h < 2; h++) {
+            __m128i eights[2] = {halves[h], _mm_srli_si128(halves[h], 8)};
+            for (int e = 0; e < 2; e++) {
+                float *at = out + done + 16 * h + 8 * e;
+                __m256 product = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eights[e])), scales);
+                _mm256_storeu_ps(at, subtract ? _mm256_sub_ps(_mm256_loadu_ps(at), product) : product);
+            }
+        }
+    }
+    return done;
+}
+
+static int has_avx2(void) {
+    static int known = -1;
+    if (known < 0) known = __builtin_cpu_supports("avx2");
+    return known;
+}
+#endif
+
 /* Decodes values [first, last), bounded as encode_range's. */
 static void decode_range(int kind, const uint8_t *payload, float *out, Py_ssize_t numel, Py_ssize_t block_size,
                          int subtract, Py_ssize_t first, Py_ssize_t last) {
     Py_ssize_t blocks = (numel + block_size - 1) / block_size;
     const uint8_t *codes = payload + 4 * blocks;
     float unscaled[CHUNK];
+#ifdef INT4_AVX2
+    if (kind == INT4 && has_avx2()) { /* block by block, in one pass; each block's odd start and tail as below */
+        for (Py_ssize_t at = first; at < last;) {
+            Py_ssize_t block = at / block_size;
+            Py_ssize_t stop = (block + 1) * block_size < last ? (block + 1) * block_size : last;
+            float scale;
+            memcpy(&scale, payload + 4 * block, 4);
+            Py_ssize_t lead = at % 2; /* a value in a high nibble: the vector loop starts at a byte */
+            Py_ssize_t done = lead + int4_block_avx2(codes + (at + lead) / 2, stop - at - lead, scale, out + at + lead,
+                                                     subtract);
+            int4_scaled(codes, at, at + lead, scale, out, subtract);
+            int4_scaled(codes, at + done, stop, scale, out, subtract);
+            at = stop;
+        }
+        return;
+    }
+#endif
     for (Py_ssize_t start = first; start < last; start += CHUNK) {
         Py_ssize_t end = last - start < CHUNK ? last : start + CHUNK;
         if (kind == INT8) int8_values(codes + start, end - start, unscaled);
