@@ -299,8 +299,8 @@ ANCHORS_TARGET = 24.0  # B per owned parameter at M = 16 (issue 53)
 def scale(section: dict) -> list[str]:
     """bench/syncer_scale.py: one shard at model scale, now and before, and the capacity table."""
     lines = ["One shard process owning every fragment (P = 4), M = 4 synthetic pushers of int4 outer gradients, rounds "
-             "closed by the last push; RSS at rest is measured after the shard idles for a moment, as between a run's "
-             "rounds; durable bytes are what the process wrote (its log, snapshots and push replies).", ""]
+             "closed by the last push; RSS at rest is measured once the shard, idle after its last round, has given "
+             "its freed memory back; durable bytes are what the process wrote (its log, snapshots and push replies).", ""]
     lines += table(["shard code", "parameters", "s per round", "RSS B/param at rest", "peak RSS B/param",
                     "durable MB per round per fragment", "vs received", "command"],
                    [[r["label"], f"{r['params'] / 1e6:.0f}M", f"{r['round_seconds']:.2f}", f"{r['rss_bytes_per_param']:.1f}",

@@ -11,9 +11,9 @@ its state on disk as it would in a run (--state-dir, default a temporary folder)
 
 Figures, from the shard process itself:
 - seconds per round: from the first push to the last fragment's new version (median);
-- RSS bytes per owned parameter: VmRSS at rest (the shard idle for a moment after a round, as
-  between a run's rounds) less VmRSS before the first join (the interpreter, torch, gRPC), over
-  the parameters; and the peak (VmHWM) the same way;
+- RSS bytes per owned parameter: VmRSS at rest (the shard idle after its last round for long
+  enough to give its freed memory back; between rounds it keeps it) less VmRSS before the first
+  join (the interpreter, torch, gRPC), over the parameters; and the peak (VmHWM) the same way;
 - durable bytes per round per fragment: bytes the process wrote (/proc/<pid>/io wchar: files,
   and the small push replies) over the rounds, per round and fragment, against the encoded bytes
   a fragment receives per round. Enough rounds run to include the periodic full snapshot.
@@ -50,11 +50,14 @@ from diloco.services.contract.payload import describe, iter_chunks  # noqa: E402
 from diloco.syncer.core import ShardCore  # noqa: E402
 from diloco.syncer.snapshot import SNAPSHOT_BYTES_PER_PARAM  # noqa: E402
 from diloco.services.contract.wire import pb  # noqa: E402
-from diloco.syncer.service import IDLE_RELEASE_SECONDS  # noqa: E402
+from diloco.syncer.memory import IdleRelease  # noqa: E402
 
 PACKAGES = ("services", "learner", "syncer", "localcluster", "integrations", "planner")
 FRAGMENTS, PUSHERS = 4, 4
 FP32 = get_codec("fp32")
+BETWEEN_ROUNDS_SECONDS = 1.5  # in a run, a fragment's rounds are H steps apart
+# Idle long enough for a shard to give its freed memory back after such pauses (syncer/memory.py)
+REST_SECONDS = IdleRelease().factor * (BETWEEN_ROUNDS_SECONDS + 0.5) + 0.5
 
 
 def shard_code(commit: str | None, work: Path) -> Path:
@@ -153,11 +156,12 @@ def measure(params: int, rounds: int, code: Path, state_dir: Path, label: str) -
             seconds.append(in_parallel([lambda i=i: push_all(i, version) for i in range(PUSHERS)]))
             status = clients[0].status()
             assert all(f.version == version + 1 for f in status.fragments), status.fragments
-            time.sleep(IDLE_RELEASE_SECONDS + 0.5)  # at rest: in a run, a fragment's rounds are H steps apart
-            print(f"  round {version + 1}: {seconds[-1]:.2f} s, shard RSS at rest "
+            time.sleep(BETWEEN_ROUNDS_SECONDS)
+            print(f"  round {version + 1}: {seconds[-1]:.2f} s, shard RSS between rounds "
                   f"{(proc(process.pid, 'status', 'VmRSS') - baseline_rss) / params:.1f} B per parameter, "
                   f"peak so far {(proc(process.pid, 'status', 'VmHWM') - baseline_rss) / params:.1f}", flush=True)
         written = proc(process.pid, "io", "wchar") - written_before
+        time.sleep(REST_SECONDS)
         rss, peak = proc(process.pid, "status", "VmRSS"), proc(process.pid, "status", "VmHWM")
         return {"label": label, "params": params, "rounds": rounds, "round_seconds": statistics.median(seconds),
                 "received_bytes_per_round_per_fragment": received_per_fragment,
@@ -201,7 +205,7 @@ def measure_anchors(params: int, kept: int, spill: bool, code: Path, state_dir: 
                         for client, (version, anchor_hash) in zip(clients[1:], anchors)]
         seconds = time.perf_counter() - started
         after = pusher.status().counters
-        time.sleep(IDLE_RELEASE_SECONDS + 0.5)
+        time.sleep(REST_SECONDS)
         rss = proc(process.pid, "status", "VmRSS")
         answers = {key.removeprefix("pulls."): after[key] - before.get(key, 0) for key in after
                    if key.startswith("pulls.") and after[key] != before.get(key, 0)}

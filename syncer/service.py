@@ -34,7 +34,7 @@ from diloco.syncer.certificates import ShardCertificates
 from diloco.syncer.core import ShardCore
 from diloco.syncer.counters import Counters
 from diloco.syncer.guard import CallGuard
-from diloco.syncer.memory import release_freed_memory
+from diloco.syncer.memory import IdleRelease, release_freed_memory
 from diloco.syncer.refusal import Refusal
 from diloco.syncer.store import ShardStore
 from diloco.syncer.store_format import shard_state_dir
@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Syncer"].full_name
 TICK_SECONDS = 0.05
 REVOCATION_POLL_SECONDS = 1.0
-IDLE_RELEASE_SECONDS = 1.0
 
 
 def _answer_refusals(method):
@@ -286,11 +285,11 @@ def _fragment_info(f: FragmentView) -> pb.FragmentInfo:
 class Ticker:
     """A thread that closes the rounds due by time alone (the core tells its round listeners),
     writes the snapshots due, and gives the memory of the last rounds back to the system once
-    pushes and pulls have stopped for IDLE_RELEASE_SECONDS (syncer/memory.py)."""
+    pushes and pulls have paused for longer than between rounds (syncer/memory.py)."""
 
     def __init__(self, core: ShardCore, interval: float = TICK_SECONDS):
         self.core, self.interval = core, interval
-        self._released_after: float | None = None  # the last push or pull before the last release
+        self.idle_release = IdleRelease()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"shard-{core.shard_index}-ticker", daemon=True)
         self._thread.start()
@@ -301,10 +300,8 @@ class Ticker:
                 self.core.tick()
             except Exception:  # a bug: a full disk is the core's to report (syncer/disk.py), once
                 log.exception("closing a round failed")
-            last_busy = self.core.last_busy_at
-            if last_busy != self._released_after and self.core.clock() - last_busy >= IDLE_RELEASE_SECONDS:
+            if self.idle_release.due(self.core.clock(), self.core.last_busy_at):
                 release_freed_memory()
-                self._released_after = last_busy
 
     def stop(self) -> None:
         self._stopping.set()
