@@ -422,13 +422,14 @@ def user_loop(section: dict, out: pathlib.Path) -> list[str]:
                   + f". On this machine one pair's ratio moves by more than the target's margin: a verdict holds "
                   f"as a median of {section['pairs']} pairs, not for every pair.", ""]
     if "gpu_shaped" in section:
-        lines += gpu_shaped(section["gpu_shaped"])
+        lines += gpu_shaped(section["gpu_shaped"], section.get("gpu_shaped_kept"))
     return lines
 
 
-def gpu_shaped(section: dict) -> list[str]:
-    """The same loop with a GPU's step as the host sees it (issue 51)."""
-    sizes = section["sizes"]
+def gpu_shaped(section: dict, kept: dict | None = None) -> list[str]:
+    """The same loop with a GPU's step as the host sees it (issue 51); `kept`: the same runs
+    with the learner process keeping its freed memory."""
+    runs = [(section, "glibc's default")] + ([(kept, "kept")] if kept else [])
     lines = ["### A GPU-shaped step on this machine", "",
              "The same loop and shard, the step replaced by what a GPU step looks like to the host: a 20 ms wait "
              "that releases the interpreter and holds no core, then every parameter changed in place "
@@ -436,16 +437,18 @@ def gpu_shaped(section: dict) -> list[str]:
              "user's step: its own time with the sync on and off (what the sync's threads cost it through the "
              "interpreter lock and the cores). CPU ms per sync: the CPU time a sync costs the training thread, "
              "the sync's threads and the shard, against the time between two syncs' starts (P syncs every H "
-             "steps); learner and shard share this machine's 2 cores.", ""]
-    lines += table([*LOOP_COLUMNS, "user's step off / on ms",
+             "steps); learner and shard share this machine's 2 cores. Freed memory: the learner process as "
+             "glibc leaves it, or keeping what it frees (`--keep-freed-memory`, what GLIBC_TUNABLES does for a "
+             "learner process: docs/gpus.md; the shard and the built-in learner always do).", ""]
+    lines += table([*LOOP_COLUMNS, "freed memory", "user's step off / on ms",
                     "CPU ms per sync: training thread / sync threads / shard", "a sync starts every",
                     "a sync's round trip ms (push) / tau steps' ms", "command"],
-                   [[*loop_cells(s),
+                   [[*loop_cells(s), memory,
                      f"{s['user_step_seconds']['off'] * 1e3:.2f} / {s['user_step_seconds']['on'] * 1e3:.2f}",
                      " / ".join(f"{s['cpu_seconds_per_sync'][k] * 1e3:.0f}"
                                 for k in ("training_thread", "sync_threads", "shards")),
-                     f"{s['seconds_between_syncs'] * 1e3:.0f} ms", round_trip(s), code(section["command"])]
-                    for s in sizes])
+                     f"{s['seconds_between_syncs'] * 1e3:.0f} ms", round_trip(s), code(run["command"])]
+                    for run, memory in runs for s in run["sizes"]])
     return lines
 
 
@@ -786,9 +789,12 @@ def summary_rows(results: dict) -> list[list[str]]:
                          max(s["pair_ratios"]) > u["target_ratio"] for s in u["sizes"]) else "")])
         if "gpu_shaped" in u:
             shaped = u["gpu_shaped"]["sizes"]
+            kept = {s["size"]: s for s in u.get("gpu_shaped_kept", {}).get("sizes", [])}
             rows.append(["↳ 7. GPU-shaped step", "; ".join(
                 f"{s['model_parameters'] / 1e6:.0f}M: sync on / off {s['ratio']:.2f}, blocked "
-                f"{s['blocked_seconds_per_step'] * 1e3:.0f} ms/step" for s in shaped),
+                f"{s['blocked_seconds_per_step'] * 1e3:.0f} ms/step"
+                + (f" ({kept[s['size']]['ratio']:.2f} and {kept[s['size']]['blocked_seconds_per_step'] * 1e3:.0f} "
+                   "keeping freed memory)" if s["size"] in kept else "") for s in shaped),
                          ", ".join(f"{s['size']} <= {s['target_ratio']}" for s in shaped) + " (issue 51)",
                          verdict(all(s["ratio"] <= s["target_ratio"] for s in shaped))])
     if "gpu_user_loop" in results:

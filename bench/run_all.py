@@ -122,7 +122,7 @@ class Profile:
     scale: tuple[str, ...]  # of bench/syncer_scale.py
     recovery: tuple[str, ...]  # of bench/recovery.py
     user_loop: tuple[str, ...]  # of bench/user_loop.py
-    gpu_shaped: tuple[str, ...]  # of bench/user_loop.py with the GPU-shaped step
+    gpu_shaped: tuple[str, ...]  # of bench/user_loop.py with the GPU-shaped step (also run with --keep-freed-memory)
     hf: tuple[str, ...]  # of bench/hf_overlap.py
     plan: tuple[str, ...]  # of `diloco plan` for the goodput table, besides the config and failure model
     plan_speed: tuple[str, ...]  # of `diloco plan` for its speed figure
@@ -152,7 +152,7 @@ FULL = Profile("full", steps=3000, quality=(
                transport=("--params", "16000000", "--rounds", "8", "--shards", "1", "2", "--memory-state"), scale=(),
                recovery=("--sizes", "2x64", "4x256", "4x512", "--kills", "3"),
                user_loop=("--pairs", "3"),
-               gpu_shaped=("--step", "gpu-shaped", "--sizes", "25M", "85M", "--steps", "96", "--pairs", "3"),
+               gpu_shaped=("--step", "gpu-shaped", "--sizes", "25M", "85M", "--steps", "300", "--pairs", "3"),
                hf=("--steps", "300", "--repeats", "3"),
                plan=("--chips", "153600,307200,614400,1228800,2457600", "--learners", "2,4,8,16", "--hours", "6",
                      "--wan-gbps", "20"),
@@ -607,7 +607,9 @@ def main() -> int:
     if "user_loop" in wanted:
         results["user_loop"] = {**runner.script("user_loop", "bench/user_loop.py", profile.user_loop),
                                 "gpu_shaped": runner.script("user_loop-gpu-shaped", "bench/user_loop.py",
-                                                            profile.gpu_shaped)}
+                                                            profile.gpu_shaped),
+                                "gpu_shaped_kept": runner.script("user_loop-gpu-shaped-kept", "bench/user_loop.py",
+                                                                 (*profile.gpu_shaped, "--keep-freed-memory"))}
     if "hf" in wanted:
         results["hf"] = runner.script("hf", "bench/hf_overlap.py", profile.hf)
     if "plan" in wanted:

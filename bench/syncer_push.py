@@ -82,7 +82,7 @@ from diloco.services.contract.config import RpcConfig, load_config  # noqa: E402
 from diloco.services.contract.payload import Reassembler, iter_chunks  # noqa: E402
 from diloco.services.contract.rpc import Server  # noqa: E402
 from diloco.services.contract.wire import pb, pb_grpc  # noqa: E402
-from diloco.syncer.memory import keep_freed_memory  # noqa: E402
+from diloco.services.memory import keep_freed_memory  # noqa: E402
 from diloco.syncer.merge import RoundAccumulator  # noqa: E402
 from diloco.syncer.outer import OuterOptimizer  # noqa: E402
 

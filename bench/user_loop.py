@@ -5,6 +5,7 @@ AdamW, batches of random bytes) with `DecoupledDiLoCo` syncing, against the same
     python bench/user_loop.py [--pairs 3] [--sizes demo 25M] [--device cuda] [--json PATH]
     python bench/user_loop.py --step gpu-shaped --sizes 25M 85M --steps 96   # a GPU's step, on the CPU
     python bench/user_loop.py --device cuda --sizes 85M --tau 3 --set sync.wait_for_own_link=false
+    python bench/user_loop.py --step gpu-shaped --keep-freed-memory   # as GLIBC_TUNABLES (docs/gpus.md) does
 
 Sizes: the demo's model and sync settings (examples/local-4-regions.yaml: 446k parameters,
 H=50, P=4, tau=3, int4), and GPTs of 25M, 85M and 350M parameters with H=16, so that short runs
@@ -54,6 +55,7 @@ from diloco.localcluster.sim import apply_override  # noqa: E402
 from diloco.services.contract.codecs import get_codec  # noqa: E402
 from diloco.services.contract.fragments import plan_for_config  # noqa: E402
 from diloco.services.contract.config import Config  # noqa: E402
+from diloco.services.memory import keep_freed_memory  # noqa: E402
 
 TARGET_RATIO = 1.01  # the model's own step on the CPU: the API's share of a CPU step
 # A step that leaves the host's cores to the sync (issue 51): a GPU's, and the GPU-shaped step on
@@ -287,15 +289,21 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="a config key for every size's runs, as diloco sim takes it, e.g. "
                              "sync.wait_for_own_link=false (repeatable)")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="this process keeps freed memory (services/memory.py), as GLIBC_TUNABLES does for a "
+                             "learner process (docs/gpus.md); both runs of a pair alike")
     parser.add_argument("--json", help="also write the figures here (bench/run_all.py reads them)")
     args = parser.parse_args()
+    if args.keep_freed_memory:
+        keep_freed_memory()  # before the first thread
     torch.set_num_threads(1)
     device = torch.device(args.device)
     load_before = os.getloadavg()[0]
     overrides = [*args.overrides, *([f"sync.overlap_steps={args.tau}"] if args.tau is not None else [])]
     rows = [measure(SIZES[name], args.pairs, device, args.step, args.steps, overrides) for name in args.sizes]
     load_after = os.getloadavg()[0]
-    print(f"user loop on {device}, {args.step} step: sync on vs enabled=False, median of {args.pairs} alternating pairs, 1 torch thread; "
+    print(f"user loop on {device}, {args.step} step: sync on vs enabled=False, median of {args.pairs} alternating pairs, 1 torch thread"
+          f"{', freed memory kept' if args.keep_freed_memory else ''}; "
           f"load average {load_before:.2f} at the start, {load_after:.2f} at the end")
     for r in rows:
         verdict = "no target" if r["target_ratio"] is None else "met" if met(r) else "MISSED"
@@ -319,6 +327,7 @@ def main() -> int:
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({
             "target_ratio": TARGET_RATIO, "step": args.step, "pairs": args.pairs, "torch_threads": 1,
+            "keep_freed_memory": args.keep_freed_memory,
             "load_average": {"start": load_before, "end": load_after}, "sizes": rows}, indent=1))
     return 0 if all(met(r) for r in rows) else 1
 

@@ -17,7 +17,7 @@ import time
 from diloco.services.contract.config import ConfigError, load_config
 from diloco.services.metrics import serve
 from diloco.syncer.metrics import SyncerMetrics
-from diloco.syncer.memory import keep_freed_memory
+from diloco.services.memory import keep_freed_memory
 from diloco.syncer.service import start_shard
 from diloco.syncer.store_format import StoreError, shard_state_dir
 

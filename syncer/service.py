@@ -34,7 +34,8 @@ from diloco.syncer.certificates import ShardCertificates
 from diloco.syncer.core import ShardCore
 from diloco.syncer.counters import Counters
 from diloco.syncer.guard import CallGuard
-from diloco.syncer.memory import IdleRelease, release_freed_memory
+from diloco.services.memory import release_freed_memory
+from diloco.syncer.memory import IdleRelease
 from diloco.syncer.refusal import Refusal
 from diloco.syncer.store import ShardStore
 from diloco.syncer.store_format import shard_state_dir

@@ -42,6 +42,7 @@ from diloco.learner.trainer.wan_allreduce import PacedAllReduce
 from diloco.services.client import emulated_link
 from diloco.learner.trainer.train import Trainer
 from diloco.services.contract.config import ConfigError, load_config
+from diloco.services.memory import keep_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     except DeviceUnavailable as error:  # the config is valid; this machine lacks the device
         log.error("learner %s: %s", learner.id, error)
         return FAILED
+    keep_freed_memory()  # before any thread: every sync allocates its fragment-sized buffers again
     state_dir = pathlib.Path(args.state_dir or pathlib.Path(cfg.run.state_dir) / f"learner-{learner.id}")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if args.data_parallel and world_size != len(cfg.learners):
