@@ -210,11 +210,6 @@ __attribute__((target("avx2"))) static Py_ssize_t int4_block_avx2(const uint8_t 
     return done;
 }
 
-static int has_avx2(void) {
-    static int known = -1;
-    if (known < 0) known = __builtin_cpu_supports("avx2");
-    return known;
-}
 #endif
 
 /* Decodes values [first, last), bounded as encode_range's. */
@@ -224,7 +219,7 @@ static void decode_range(int kind, const uint8_t *payload, float *out, Py_ssize_
     const uint8_t *codes = payload + 4 * blocks;
     float unscaled[CHUNK];
 #ifdef INT4_AVX2
-    if (kind == INT4 && has_avx2()) { /* block by block, in one pass; each block's odd start and tail as below */
+    if (kind == INT4 && __builtin_cpu_supports("avx2")) { /* block by block, in one pass; each block's odd start and tail as below */
         for (Py_ssize_t at = first; at < last;) {
             Py_ssize_t block = at / block_size;
             Py_ssize_t stop = (block + 1) * block_size < last ? (block + 1) * block_size : last;
