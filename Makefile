@@ -20,18 +20,22 @@ $(VENV)/.installed: pyproject.toml constraints.txt scripts/install-helm.sh servi
 	scripts/install-helm.sh $(VENV)/bin
 	touch $@
 
+# Two pytest workers: most tests wait on the processes they start, so two keep 2 cores busy.
+# Tests that change the host's network share one worker (xdist_group "host_network").
+PYTEST := $(PY) -m pytest -n 2 --dist loadgroup
+
 # Debian packages the tests use (docker-compose validates docker-compose.yml, docker.io and
 # debootstrap run it: tests/test_compose_up.py); a no-op when they are installed, else it
 # needs root or sudo.
 test: install
 	scripts/install-debian-packages.sh
-	$(PY) -m pytest
+	$(PYTEST)
 
 # The suite without the tests that start clusters of real processes (marked slow): under 3
 # minutes on 2 cores, for between edits. `make test` is the whole suite, what CI runs.
 test-fast: install
 	scripts/install-debian-packages.sh
-	$(PY) -m pytest -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # 2 shards and 4 learners in four regions as local processes; prints a summary and
 # writes .diloco/sim/report.json and .diloco/sim/demo.png.

@@ -44,7 +44,8 @@ from tests.test_compose import CLUSTER_CONFIG, COMPOSE_FILE, ROOT, compose, deep
     parse_command
 from tests.test_compose import FAST as LOCAL_RUN
 
-pytestmark = [pytest.mark.slow, pytest.mark.docker]
+# xdist_group: one test at a time shapes links with tc on the host's network (make test runs two workers).
+pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.xdist_group("host_network")]
 
 BASE_IMAGE = "diloco-base:bookworm"
 PROMETHEUS_IMAGE = "diloco-prometheus:bookworm"

@@ -27,7 +27,8 @@ from diloco.services.contract.tls import read_identity
 from tests.cluster_config import tiny_cluster
 from tests.cluster_watch import wait_until
 
-pytestmark = pytest.mark.slow
+# xdist_group: one test at a time adds namespaces and bridges to the host's network (make test runs two workers).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("host_network")]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "deploy-machines.md"

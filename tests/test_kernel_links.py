@@ -9,7 +9,8 @@ import pytest
 from tests.sim_command import run_sim, sim_command
 from tests.test_deploy_machines import can_make_namespaces
 
-pytestmark = pytest.mark.slow
+# xdist_group: one test at a time adds namespaces and bridges to the host's network (make test runs two workers).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("host_network")]
 
 
 def test_a_sim_with_kernel_links_trains_through_the_shaped_links_and_ends_with_the_shards_bits(tmp_path):
