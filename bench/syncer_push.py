@@ -225,9 +225,8 @@ class InProcessRound:
         started = time.perf_counter()
         for fragment, n in self.fragments:
             accumulator = RoundAccumulator(n, "rda")
-            delta = torch.empty(n)  # every contribution decoded into one buffer, as the shards do
-            for per_pusher in self.payloads:
-                INT4.decode(per_pusher[fragment], n, BLOCK, out=delta)
+            for per_pusher in self.payloads:  # decoded into the accumulator's buffer, as the shards do
+                delta = INT4.decode(per_pusher[fragment], n, BLOCK, out=accumulator.scratch())
                 accumulator.add(delta, 1.0, float(torch.linalg.vector_norm(delta)))
             merged = accumulator.merged()
             update = self.optimizer.end_period(self.momentum[fragment], merged, merged)

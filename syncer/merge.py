@@ -38,21 +38,37 @@ class RoundAccumulator:
         self._sum: torch.Tensor | None = None  # rda: sum of w * unit vector; mean: sum of w * delta
         self._weight = 0.0  # sum of w
         self._norm = 0.0  # rda: sum of w * |delta|
+        self._scratch: torch.Tensor | None = None
+
+    def scratch(self) -> torch.Tensor:
+        """A buffer to decode the next outer gradient into before add(): one allocation for
+        the round, which the first contribution's add() keeps as the running sum."""
+        if self._scratch is None:
+            self._scratch = torch.empty(self.numel)
+        return self._scratch
 
     def add(self, delta: torch.Tensor, weight: float, norm: float) -> None:
         """Folds in one outer gradient with its weight (normalised: at most 1) and L2 norm.
-        May overwrite `delta`."""
-        if self._sum is None:
-            self._sum = torch.zeros(self.numel)
+        Takes `delta`: it may be overwritten or kept, so pass scratch() or a buffer of your own."""
         if self.method == "rda":
             # A zero outer gradient has no direction: it adds only its (zero) norm, which
             # pulls the merged norm down, as a learner that made no progress should.
             if norm > 0:  # divided first: weight / norm overflows float32 for a tiny norm
-                self._sum.add_(delta.div_(norm), alpha=weight)
+                self._fold(delta.div_(norm), weight)
             self._norm += weight * norm
         else:
-            self._sum.add_(delta, alpha=weight)
+            self._fold(delta, weight)
         self._weight += weight
+
+    def _fold(self, term: torch.Tensor, weight: float) -> None:
+        if self._sum is not None:
+            self._sum.add_(term, alpha=weight)
+            return
+        # The first term becomes the sum in place: the same bits as adding it to zeros, two
+        # passes over the fragment fewer (a round of one learner is common).
+        self._sum = term if weight == 1 else term.mul_(weight)
+        if term is self._scratch:
+            self._scratch = None
 
     def merged(self) -> torch.Tensor:
         """The running sum's own memory, scaled (call it once); zeros when nothing with a

@@ -151,9 +151,8 @@ class OpenRound:
         total = math.fsum(c.weight for c in chosen.values())
         if total == 0:  # every weight decayed to nothing
             return torch.zeros(self.numel)
-        delta = torch.empty(self.numel)  # every contribution is decoded into this one buffer
         for key in sorted(chosen):
             contribution = chosen[key]
-            decode_payload(contribution.header, b"".join(contribution.chunks), out=delta)
+            delta = decode_payload(contribution.header, b"".join(contribution.chunks), out=accumulator.scratch())
             accumulator.add(delta, contribution.weight / total, float(torch.linalg.vector_norm(delta)))
         return accumulator.merged()

@@ -410,6 +410,24 @@ def test_rda_keeps_the_norm_of_orthogonal_inputs_and_the_mean_shrinks_it():
     assert torch.allclose(merged["rda"] / merged["rda"].norm(), merged["mean"] / merged["mean"].norm())
 
 
+def test_a_merge_decoded_into_the_accumulators_scratch_has_the_bits_of_a_sum_from_zeros():
+    numel, generator = 1000, torch.Generator().manual_seed(7)
+    deltas = [torch.randn(numel, generator=generator) for _ in range(3)]
+    for method in ("rda", "mean"):
+        for weights in ([1.0], [0.5, 0.3, 0.2]):
+            accumulator, expected = RoundAccumulator(numel, method), torch.zeros(numel)
+            for x, w in zip(deltas, weights):
+                norm = float(x.norm())
+                expected.add_(x / norm if method == "rda" else x, alpha=w)
+                accumulator.add(accumulator.scratch().copy_(x), weight=w, norm=norm)
+            if method == "rda":
+                expected.mul_(sum(w * float(x.norm()) for x, w in zip(deltas, weights))
+                              / sum(weights) / float(expected.norm()))
+            else:
+                expected.div_(sum(weights))
+            assert torch.equal(accumulator.merged(), expected), (method, weights)
+
+
 def test_rda_counts_a_zero_outer_gradient_in_the_norm_without_nan():
     zero_only, accumulator = RoundAccumulator(8, "rda"), RoundAccumulator(8, "rda")
     for a in (zero_only, accumulator):
