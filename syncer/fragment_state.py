@@ -185,9 +185,9 @@ class FragmentState:
             self._feedback.residual = committed.residual
             payload, decoded = self._feedback.compress(update, in_place=True)
             del update
-            # Into a new tensor: pulls read the old one without a lock. The same call learners
-            # use: same bits on both sides.
-            value = apply_update(committed.value, decoded, out=torch.empty_like(committed.value))
+            # Into a new tensor, the decoded update's own (one fragment-sized allocation fewer):
+            # pulls read the old one without a lock. The same call learners use: same bits.
+            value = apply_update(committed.value, decoded, out=decoded)
             del decoded
         version = committed.version + 1
         update_record = Encoded(version, describe(self.codec, self.fragment.numel, payload, self.block_size),
