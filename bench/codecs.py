@@ -9,7 +9,9 @@ the same run, so the machine's memory speed cancels out. Targets: int8 and int4 
 1/8 of clone; every codec stays within 10% of its ideal bytes per parameter. The speed target
 is meant for the default size: a small tensor fits in cache, where clone is many times faster.
 Also each of int4's encode and decode on its own against a clone's time (issue 51, on one
-thread: encode <= 1.7x, decode <= 1.0x). Exits 1 if a target is missed.
+thread: encode <= 1.7x, decode <= 1.0x), and int4 with error feedback as a learner compresses its
+outer gradient (anchor - snapshot + residual, encoded, the residual kept: Codec.compress_outer) in
+one pass against the same as separate passes, printed. Exits 1 if a target is missed.
 """
 
 import argparse
@@ -22,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from diloco.services.contract.codecs import CODEC_NAMES, DEFAULT_BLOCK_SIZE, get_codec  # noqa: E402
+from diloco.services.contract.codecs import CODEC_NAMES, DEFAULT_BLOCK_SIZE, Codec, get_codec  # noqa: E402
 
 INT4_VS_CLONE = {"encode": 1.7, "decode": 1.0}  # at most this many clones' time (issue 51)
 IDEAL_BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5, "fp4_e3m0": 0.5}
@@ -61,6 +63,11 @@ def main() -> int:
         codec = get_codec(name)
         jobs[name, "encode"] = lambda codec=codec: codec.encode(values, args.block_size)
         jobs[name, "decode"] = lambda codec=codec, data=payload: codec.decode(data, args.numel, args.block_size)
+    # Each call leaves its new residual in the snapshot's buffer, which the next call takes as its snapshot.
+    int4, residual, snapshots = get_codec("int4"), values * 1e-3, [values.flip(0), values.flip(0)]
+    jobs["int4", "outer"] = lambda: int4.compress_outer(values, snapshots[0], residual, args.block_size)
+    jobs["int4", "outer, in passes"] = lambda: Codec.compress_outer(int4, values, snapshots[1], residual,
+                                                                     args.block_size)
     seconds = median_seconds(jobs, args.repeats)
 
     gigabytes = args.numel * 4 / 1e9
@@ -91,6 +98,8 @@ def main() -> int:
         ratio = seconds["int4", step] / seconds["clone"]
         failed = failed or ratio > target
         print(f"int4 {step}: {ratio:.2f}x a clone's time (target <= {target}) {'PASS' if ratio <= target else 'FAIL'}")
+    print(f"int4 with error feedback, a learner's outer gradient: {seconds['int4', 'outer'] / seconds['clone']:.2f}x "
+          f"a clone's time in one pass, {seconds['int4', 'outer, in passes'] / seconds['clone']:.2f}x in separate passes")
     return 1 if failed else 0
 
 

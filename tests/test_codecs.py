@@ -451,7 +451,7 @@ def test_error_feedback_on_a_device_sends_and_keeps_what_it_does_on_the_host(dev
     for _ in range(3):
         values = torch.randn(1001, generator=generator)
         payload, _ = host.compress(values)
-        on_device, finite = there.compress_in_place(values.to(device, copy=True))
+        on_device, finite = there.compress_outer(torch.zeros(1001, device=device), -values.to(device))
         assert bool(finite) and codecs.payload_bytes(on_device) == payload
         assert there.residual.device.type == device
         assert torch.equal(there.residual.cpu(), host.residual)
@@ -513,6 +513,39 @@ def test_the_compiled_kernels_split_over_threads_give_one_threads_bytes(name, nu
 
 
 @pytest.mark.skipif(codecs._codec_kernels is None, reason="the compiled kernels are not built")
+@pytest.mark.parametrize("name", QUANTISED)
+@pytest.mark.parametrize("numel", [1, 255, 1001, 4097, (1 << 18) + 3])
+@pytest.mark.parametrize("block_size", [1, 7, 128, 5000])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_compiled_outer_gradient_compression_gives_torchs_payload_and_residual(name, numel, block_size, threads,
+                                                                                 monkeypatch):
+    codec, values = get_codec(name), awkward_values(numel, block_size)
+    generator = torch.Generator().manual_seed(3)
+    anchor, residual = torch.randn(numel, generator=generator), torch.randn(numel, generator=generator) * 1e-3
+    if numel >= 2 * block_size + 4:
+        anchor[block_size : 2 * block_size] = values[block_size : 2 * block_size] + 0.0  # an outer gradient of zeros
+        residual[block_size : 2 * block_size] = 0.0
+    monkeypatch.setattr(codecs, "_KERNEL_VALUES_PER_THREAD", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    compiled = values.clone()
+    payload, finite = codec.compress_outer(anchor, compiled, residual, block_size)
+    monkeypatch.setattr(codecs, "_codec_kernels", None)
+    expected, expected_finite = codec.compress_outer(anchor, values, residual, block_size)
+    assert bool(finite) and bool(expected_finite)
+    assert torch.equal(payload, expected) and torch.equal(compiled, values)
+
+
+@pytest.mark.skipif(codecs._codec_kernels is None, reason="the compiled kernels are not built")
+@pytest.mark.parametrize("name", QUANTISED)
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_the_compiled_outer_gradient_compression_flags_a_non_finite_value(name, bad):
+    anchor, values = torch.zeros(1001), torch.randn(1001)
+    anchor[700] = bad
+    _, finite = get_codec(name).compress_outer(anchor, values, torch.zeros(1001), 64)
+    assert not bool(finite)
+
+
+@pytest.mark.skipif(codecs._codec_kernels is None, reason="the compiled kernels are not built")
 def test_the_compiled_kernels_refuse_a_payload_of_the_wrong_length():
     kernels = codecs._codec_kernels
     with pytest.raises(ValueError, match="payload of 9 bytes for 10 values: expected 13"):
@@ -521,3 +554,6 @@ def test_the_compiled_kernels_refuse_a_payload_of_the_wrong_length():
         kernels.decode(kernels.INT8, bytes(14), torch.zeros(10).numpy(), 0, False)
     with pytest.raises(ValueError, match="unknown codec kind 9"):
         kernels.decode(9, bytes(14), torch.zeros(10).numpy(), 7, False)
+    with pytest.raises(ValueError, match=r"anchor \(36 bytes\), values \(40\) and residual \(40\) differ in length"):
+        kernels.compress_outer(kernels.INT4, torch.zeros(9).numpy(), torch.zeros(10).numpy(), torch.zeros(10).numpy(),
+                               bytearray(13), 7)

@@ -127,6 +127,8 @@ def test_a_gpu_shaped_loop_leaves_the_codec_off_the_training_thread_and_hands_ov
     monkeypatch.setattr(Codec, "encode_to_tensor",
                         spied(Codec.encode_to_tensor, lambda: codec_threads.append(threading.get_ident())))
     monkeypatch.setattr(Codec, "decode", spied(Codec.decode, lambda: codec_threads.append(threading.get_ident())))
+    monkeypatch.setattr(ErrorFeedback, "compress_outer",
+                        spied(ErrorFeedback.compress_outer, lambda: codec_threads.append(threading.get_ident())))
     monkeypatch.setattr(outer_gradient, "gather",
                         spied(outer_gradient.gather, lambda: snapshots.append(threading.get_ident())))
     payload = OuterGradient.payload
@@ -163,8 +165,8 @@ def test_the_gpus_schedule_compressing_as_the_snapshot_is_taken_ends_on_the_shar
                        syncer={"max_tokens_per_step": STEP_TOKENS})
     training_thread = threading.get_ident()
     encoded_on = []
-    monkeypatch.setattr(Codec, "encode_to_tensor", spied(Codec.encode_to_tensor,
-                                                         lambda: encoded_on.append(threading.get_ident())))
+    monkeypatch.setattr(ErrorFeedback, "compress_outer", spied(ErrorFeedback.compress_outer,
+                                                               lambda: encoded_on.append(threading.get_ident())))
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     with running_shards(cfg, tmp_path / "run"):

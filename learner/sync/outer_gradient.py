@@ -15,7 +15,8 @@ lives decides who runs them:
   optimizer's next in-place update) without waiting for the device, against the anchor's copy
   and the residual there; only the payload and one flag saying whether every value was finite
   are copied into pinned host memory, on a side stream. The sync thread waits for that copy.
-- on the CPU the training thread copies the fragment and the sync thread does the rest.
+- on the CPU the training thread copies the fragment and the sync thread does the rest, in one
+  pass of the compiled kernels where they are built (Codec.compress_outer): the same bits.
 """
 from __future__ import annotations
 
@@ -52,9 +53,8 @@ class OuterGradient:
 
     def _compress(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(payload, finite): the outer gradient compressed in the snapshot's buffer, which
-        becomes the new residual (ErrorFeedback.compress_in_place)."""
-        outer = torch.sub(self._anchor, self._snapshot, out=self._snapshot)
-        payload, finite = self.feedback.compress_in_place(outer)
+        becomes the new residual (ErrorFeedback.compress_outer)."""
+        payload, finite = self.feedback.compress_outer(self._anchor, self._snapshot)
         return payload, finite.reshape(1)
 
     def payload(self) -> bytes:

@@ -5,6 +5,9 @@
  *
  *   encode(kind, values, payload, block_size, threads=1) -> bool   every value finite
  *   decode(kind, payload, out, block_size, subtract, threads=1)     out = decoded, or out -= decoded
+ *   compress_outer(kind, anchor, values, residual, payload, block_size, threads=1) -> bool
+ *       error feedback's compression of the outer gradient in one pass: values = anchor - values
+ *       + residual, encoded into payload, then values -= decoded (the new residual)
  *
  * threads > 1 splits the values into that many ranges of whole blocks, each on its own thread
  * (a shard's close and a pull's decode are on the round trip a learner waits for). int4's decode,
@@ -254,7 +257,7 @@ static void decode_range(int kind, const uint8_t *payload, float *out, Py_ssize_
 /* One thread's share of an encode or a decode. */
 typedef struct {
     int kind, subtract, finite;
-    const float *values;
+    const float *values, *anchor, *residual;
     float *out;
     const uint8_t *source;
     uint8_t *payload;
@@ -270,6 +273,23 @@ static void *encode_thread(void *arg) {
 static void *decode_thread(void *arg) {
     Range *r = arg;
     decode_range(r->kind, r->source, r->out, r->numel, r->block_size, r->subtract, r->first, r->last);
+    return NULL;
+}
+
+/* compress_outer's share: a group of whole pairs of blocks at a time, so that the sum, the
+ * encode and the decode work on values still in cache, with the same arithmetic as the torch
+ * path's three passes (anchor - values, + residual, then encode and decode's difference). */
+static void *compress_outer_thread(void *arg) {
+    Range *r = arg;
+    Py_ssize_t unit = 2 * r->block_size, group = unit * (CHUNK / unit > 1 ? CHUNK / unit : 1);
+    float *values = r->out;
+    r->finite = 1;
+    for (Py_ssize_t start = r->first; start < r->last; start += group) {
+        Py_ssize_t end = r->last - start < group ? r->last : start + group;
+        for (Py_ssize_t i = start; i < end; i++) values[i] = (r->anchor[i] - values[i]) + r->residual[i];
+        r->finite &= encode_range(r->kind, values, r->numel, r->block_size, r->payload, start, end);
+        decode_range(r->kind, r->payload, values, r->numel, r->block_size, 1, start, end);
+    }
     return NULL;
 }
 
@@ -364,9 +384,38 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *compress_outer(PyObject *self, PyObject *args) {
+    int kind, threads = 1, finite = 1;
+    Py_ssize_t block_size;
+    Py_buffer anchor, values, residual, payload;
+    if (!PyArg_ParseTuple(args, "iy*w*y*w*n|i", &kind, &anchor, &values, &residual, &payload, &block_size, &threads))
+        return NULL;
+    int ok = check(kind, block_size, values.len, payload.len);
+    if (ok && (anchor.len != values.len || residual.len != values.len)) {
+        PyErr_Format(PyExc_ValueError, "anchor (%zd bytes), values (%zd) and residual (%zd) differ in length",
+                     anchor.len, values.len, residual.len);
+        ok = 0;
+    }
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        Range ranges[MAX_THREADS] = {{.kind = kind, .anchor = anchor.buf, .out = values.buf, .residual = residual.buf,
+                                      .payload = payload.buf, .numel = values.len / 4, .block_size = block_size}};
+        run_ranges(ranges, threads, compress_outer_thread);
+        for (int t = 0; t < MAX_THREADS; t++) finite &= ranges[t].finite;
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&anchor);
+    PyBuffer_Release(&values);
+    PyBuffer_Release(&residual);
+    PyBuffer_Release(&payload);
+    return ok ? PyBool_FromLong(finite) : NULL;
+}
+
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS, "encode(kind, values, payload, block_size, threads=1) -> every value finite"},
     {"decode", decode, METH_VARARGS, "decode(kind, payload, out, block_size, subtract, threads=1)"},
+    {"compress_outer", compress_outer, METH_VARARGS,
+     "compress_outer(kind, anchor, values, residual, payload, block_size, threads=1) -> every value finite"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -51,15 +51,13 @@ class ErrorFeedback:
         self._residual = total.sub_(decoded)
         return sent, decoded
 
-    def compress_in_place(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(payload, finite) as Codec.encode_to_tensor gives them, for `values` on the
-        residual's device, without waiting for the device (a GPU's payload is then copied to
-        the host once) and without a buffer of the fragment's size beside `values`, which is
-        consumed: it becomes the new residual. Where `finite` turns out false the new residual
-        is garbage: the caller assigns back the residual it held before."""
-        total = values.add_(self._residual)
-        payload, finite = self.codec.encode_to_tensor(total, self.block_size)
-        if payload.untyped_storage().data_ptr() == total.untyped_storage().data_ptr():  # fp32: total itself
-            payload = payload.clone()
-        self._residual = self.codec.decode(payload, self.numel, self.block_size, out=total, subtract=True)
+    def compress_outer(self, anchor: torch.Tensor, snapshot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(payload, finite) as Codec.encode_to_tensor gives them for the outer gradient
+        anchor - snapshot plus the residual, all on the residual's device, without waiting for
+        the device (a GPU's payload is then copied to the host once) and without a buffer of
+        the fragment's size beside `snapshot`, which is consumed: it becomes the new residual
+        (Codec.compress_outer). Where `finite` turns out false the new residual is garbage: the
+        caller assigns back the residual it held before."""
+        payload, finite = self.codec.compress_outer(anchor, snapshot, self._residual, self.block_size)
+        self._residual = snapshot
         return payload, finite
