@@ -64,8 +64,8 @@ class RoundAccumulator:
         if self._sum is not None:
             self._sum.add_(term, alpha=weight)
             return
-        # The first term becomes the sum in place: the same bits as adding it to zeros, two
-        # passes over the fragment fewer (a round of one learner is common).
+        # The first term becomes the sum in place: the values of adding it to zeros (only a
+        # -0.0 keeps its sign), two passes over the fragment fewer (one-learner rounds are common).
         self._sum = term if weight == 1 else term.mul_(weight)
         if term is self._scratch:
             self._scratch = None
