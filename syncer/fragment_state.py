@@ -166,19 +166,19 @@ class FragmentState:
                 step = round_.merged()
                 if closed.share != 1.0:  # times 1.0 changes no bit: a pass saved on every full round
                     step.mul_(closed.share)
-                if period_share == 0 and closed.share >= 1.0 - 1e-9:
-                    # The whole period in one round, the common case: period_sum, zero, would
-                    # only be added to and zeroed again (two passes over the fragment).
-                    update = self.optimizer.end_period(committed.momentum, step, step)
+                # A round that starts its period finds period_sum zero: adding step to it and
+                # zeroing it again would be two passes over the fragment for nothing.
+                starts_period = period_share == 0
+                period_share += closed.share
+                if period_share >= 1.0 - 1e-9:
+                    delta = step if starts_period else period_sum.add_(step)
+                    update = self.optimizer.end_period(committed.momentum, delta, step)
+                    if not starts_period:
+                        period_sum.zero_()
+                    period_share = 0.0
                 else:
                     period_sum.add_(step)
-                    period_share += closed.share
-                    if period_share >= 1.0 - 1e-9:
-                        update = self.optimizer.end_period(committed.momentum, period_sum, step)
-                        period_sum.zero_()
-                        period_share = 0.0
-                    else:
-                        update = step.mul_(-self.optimizer.lr)
+                    update = step.mul_(-self.optimizer.lr)
             if closed.final_share > 0:
                 last = round_.merged(final=True).mul_(-closed.final_share)
                 update = last if update is None else update.add_(last)

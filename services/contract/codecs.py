@@ -329,9 +329,8 @@ class BlockCodec(Codec):
         tensors = (anchor, values, residual)
         if kernel is None or any(t.dtype != torch.float32 or t.dim() != 1 or not t.is_contiguous() for t in tensors):
             return super().compress_outer(anchor, values, residual, block_size)
-        _check_block_size(block_size)
         numel = values.numel()
-        payload = torch.empty(self._encoded_size(numel, block_size), dtype=torch.uint8)
+        payload = torch.empty(self.encoded_size(numel, block_size), dtype=torch.uint8)
         # One pass in cache where the torch path takes four over the fragment: the same bits.
         finite = _codec_kernels.compress_outer(kernel, *(t.detach().numpy() for t in tensors), payload.numpy(),
                                                block_size, _kernel_threads(numel))
