@@ -27,7 +27,9 @@ fdatasync has covered both. On replay the payload's crc32 (verified on receipt, 
 record's header) is checked again; a mismatch stops the restart with StoreError naming the
 file. A space no record names (a push refused, cut off, or still streaming at a crash) holds
 nothing of the state. A snapshot starts the log over under the spaces of pushes still
-streaming: those pushes' records carry their payload in full instead.
+streaming (once the chunks being written are done: they are written outside the log's lock,
+so that a fragment's pushes fill their spaces at once): those pushes' records carry their
+payload in full instead.
 
 A log that lost bytes must not pass for a log whose tail a crash tore: the first drops what
 was never acknowledged, the second may have lost acknowledged contributions and closed rounds,
@@ -122,6 +124,8 @@ class ShardStore:
 
     def commit(self, snapshot: FragmentSnapshot) -> None:
         with self._files(snapshot.fragment_id) as files:
+            files.drain()  # the next log goes over the spaces being written
+            files.check_open()  # close() may have come meanwhile
             digests = {}  # of the history's update files, by version
             for update in snapshot.history:
                 digest = files.committed_updates.get(update.version)
@@ -146,6 +150,7 @@ class ShardStore:
             fragments = list(self._fragments.values())
         for files in fragments:
             with files.lock:
+                files.drain()
                 files.close()
 
     def _written(self, nbytes: int) -> int:
@@ -260,6 +265,10 @@ class _FragmentFiles:
         self.log_tag = os.urandom(TAG_BYTES)  # the log's; the committed snapshot names it
         self.allocated = 0  # the log file's size: records are written only below it
         self._log_fd: int | None = None
+        # Spaces' chunks written outside self.lock, and what waits for them to be done.
+        self.writing = 0
+        self.written = threading.Condition(self.lock)
+        self.draining = False  # a wait for them: the chunks that come meanwhile are not written
 
     def write_record(self, record: list, then_leave: int = 0) -> int:
         """Writes the framed record at the log's end, and leaves `then_leave` bytes after it
@@ -297,7 +306,9 @@ class _FragmentFiles:
         if end <= self.allocated:
             return
         size = max(end, self.allocated + max(_LOG_GROWTH, self.allocated // 8))
-        os.ftruncate(fd, size)
+        # Allocated, not only sized: records then fill blocks already on disk (a full disk
+        # refuses the growth, not a write below it), and a filesystem writes them for less.
+        os.posix_fallocate(fd, self.allocated, size - self.allocated)
         sync_data(fd)
         self.note_size(size)
         self.allocated = size
@@ -313,6 +324,15 @@ class _FragmentFiles:
 
     def note_size(self, size: int) -> None:
         atomic_write(self.folder / "log-size", str(size).encode())
+
+    def drain(self) -> None:
+        """Waits until no space's chunk is being written; called with self.lock held, which
+        the wait releases."""
+        self.draining = True
+        try:
+            self.written.wait_for(lambda: self.writing == 0)
+        finally:
+            self.draining = False
 
     def check_open(self) -> None:
         if self.closed:
@@ -389,19 +409,30 @@ class _LogSpace:
         self._void = False  # a write failed: the payload goes in its record instead
 
     def write(self, chunk: bytes) -> None:
+        """Writes the chunk outside the log's lock, so that the pushes of a fragment fill their
+        spaces at once; the log does not start over or close while a write is in flight."""
         files = self.files
         with files.lock:
+            if files.draining:  # the log starts over or closes: the record will hold the payload
+                self._void = True
             if self._void or files.closed or files.log_tag != self.tag:
                 return
-            try:
-                written = write_parts_at(files.log(), [chunk], self._next)
-            except OSError:  # the record written at admission will hold the payload, or refuse the push
-                self._void = True
-                return
-            self._next += written
-            files.appended += written
-        self.flusher.request(files)
-        self.counters.add("journal_bytes", written)
+            files.writing += 1
+            fd = files.log()
+        written = 0
+        try:
+            written = write_parts_at(fd, [chunk], self._next)
+        except OSError:  # the record written at admission will hold the payload, or refuse the push
+            self._void = True
+        finally:
+            with files.lock:
+                files.writing -= 1
+                self._next += written
+                files.appended += written
+                files.written.notify_all()
+        if written:
+            self.flusher.request(files)
+            self.counters.add("journal_bytes", written)
 
     def holds_payload(self) -> bool:
         """Whether the space, still part of the log, holds the whole payload; called with

@@ -149,6 +149,78 @@ def test_a_push_that_streams_in_across_a_snapshot_is_logged_whole_with_its_paylo
     assert b"".join(pending.chunks) == values.numpy().tobytes()
 
 
+class HeldChunkWrite:
+    """Holds the first chunk a push thread named `pusher` writes into its space (a write of
+    one part: records are written in several) until release() is called."""
+
+    def __init__(self, monkeypatch, pusher: str):
+        self.in_flight, self.released = threading.Event(), threading.Event()
+        write = store.write_parts_at
+
+        def held(fd, parts, offset):
+            if threading.current_thread().name == pusher and len(parts) == 1 and not self.in_flight.is_set():
+                self.in_flight.set()
+                self.released.wait(10)
+            return write(fd, parts, offset)
+
+        monkeypatch.setattr(store, "write_parts_at", held)
+
+    def release(self):
+        self.released.set()
+
+
+def pushing(name: str, shard: Shard, header, chunks) -> tuple[threading.Thread, list]:
+    replies = []
+    thread = threading.Thread(target=lambda: replies.append(shard.core.push(header, chunks)), name=name)
+    thread.start()
+    return thread, replies
+
+
+def test_the_pushes_of_a_fragment_write_their_chunks_at_once(tmp_path, monkeypatch):
+    """c's chunk is being written (held here, as a slow disk would): a's push meanwhile writes
+    its own chunks and is acknowledged."""
+    shard = Shard(make_config(quorum=3), journal=ShardStore(tmp_path))
+    n = shard.numel()
+    held = HeldChunkWrite(monkeypatch, "c-push")
+    c, _ = pushing("c-push", shard, *shard.push_parts("c", 0, delta(3, n), chunk_bytes=64))
+    assert held.in_flight.wait(10)
+    a, replies = pushing("a-push", shard, *shard.push_parts("a", 0, delta(1, n), chunk_bytes=64))
+    a.join(10)
+    acknowledged = [reply.result for reply in replies]  # before c's chunk is written
+    held.release()
+    c.join(10)
+    assert acknowledged == [pb.PUSH_RESULT_ACCEPTED]
+    assert sorted(key.learner_id for key in restarted(shard, tmp_path).fragments[0].round.contributions) == ["a", "c"]
+
+
+def test_a_snapshot_waits_for_the_chunk_being_written_and_the_push_is_logged_with_its_payload(tmp_path, monkeypatch):
+    """The snapshot that starts the log over under c's space waits until c's chunk in flight
+    is written (else the chunk could land on the new log's records); c's later chunks are not
+    written into the old log, and its record carries its payload."""
+    shard = Shard(make_config(quorum=2, snapshot_log_ratio=0), journal=ShardStore(tmp_path))
+    n = shard.numel()
+    shard.push("a", 0, delta(1, n))
+    shard.push("b", 0, delta(2, n))
+    held = HeldChunkWrite(monkeypatch, "c-push")
+    values = delta(3, n)
+    c, replies = pushing("c-push", shard, *shard.push_parts("c", 0, values, chunk_bytes=64))
+    assert held.in_flight.wait(10)
+    shard.clock.advance(2.0)  # past the grace window
+    ticks = []
+    ticking = threading.Thread(target=lambda: ticks.append(shard.core.tick()))
+    ticking.start()
+    ticking.join(0.3)
+    assert ticking.is_alive()  # the snapshot waits for c's chunk
+    held.release()
+    ticking.join(10)
+    c.join(10)
+    assert ticks == [[0]] and shard.core.counters.snapshot()["snapshots"] == 1
+    assert [(reply.result, reply.round) for reply in replies] == [(pb.PUSH_RESULT_STALE_MERGED, 2)]
+    assert [kind for _, _, kind in log_frames(tmp_path / "fragment-0")] == [store_format.CONTRIBUTION]
+    (pending,) = restarted(shard, tmp_path, rejoin=LEARNERS).fragments[0].round.contributions.values()
+    assert b"".join(pending.chunks) == values.numpy().tobytes()
+
+
 @pytest.mark.parametrize("how", ["cut off", "refused"])
 def test_a_space_no_record_names_is_stepped_over_by_the_restart(tmp_path, how):
     """b's push streamed into a space of the log, then was cut off (or refused once all of it
