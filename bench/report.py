@@ -269,6 +269,14 @@ def transport(section: dict, out: pathlib.Path) -> list[str]:
               f"memory bandwidth allows ({section['memory_bytes_per_second'] / 1e9:.1f} GB/s measured by a large torch "
               f"copy, {section['round_bytes_per_parameter']:.1f} bytes a round must touch per parameter): the int4 "
               f"encode and decode are compute-bound, not memory-bound.", ""]
+    if "cpu" in runs[0]:
+        lines += ["CPU per MB pushed all at once (user and system time): " + "; ".join(
+            f"{r['shards']} shard(s) ({state}): the push path {r['cpu']['push']['server_ms_per_mb']:.2f} ms, the raw "
+            f"server {r['cpu']['raw']['server_ms_per_mb']:.2f} ms, their pushers {r['cpu']['push']['pushers_ms_per_mb']:.2f} "
+            f"and {r['cpu']['raw']['pushers_ms_per_mb']:.2f} ms, the {section['cores']} cores "
+            f"{r['cpu']['push']['cores_busy']:.0%} and {r['cpu']['raw']['cores_busy']:.0%} busy" for r, state in rows)
+            + ". Pushers and servers share the cores, so the ratio to raw follows the CPU each MB costs; the push "
+            "path's extra is mostly the durable write (the kernel's copy into the page cache and its writeback).", ""]
     if "shared_pulls" in runs[0]:
         lines += ["Shared pulls (issue 53: one encode per (anchor, value) pair): " + "; ".join(
             f"{r['shards']} shard(s): {r['shared_pulls']['learners']} learners holding the same value pull a "

@@ -48,6 +48,9 @@ second and fp32 parameters per second (contributions x parameters per contributi
 the in-process arithmetic (target >= 0.5 x). The in-process arithmetic is also reported as a
 fraction of what the machine's memory bandwidth (measured in the same run: a large torch copy)
 allows for the bytes a round must touch, round_bytes_per_parameter() of them per parameter.
+Also the CPU that pushing all at once costs per MB (user and system time from /proc): the
+servers' (the shards', the raw servers'), the pushers' (this process), and how busy that kept
+the machine's cores, since pushers and servers share them here.
 Medians over the iterations. Exits 1 if a target is missed.
 """
 
@@ -62,6 +65,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import grpc
 import torch
@@ -135,6 +139,15 @@ def wait_serving(address: str, process: subprocess.Popen, timeout: float = 60) -
             except grpc.RpcError:
                 time.sleep(0.1)
     raise SystemExit(f"server at {address} not serving after {timeout}s")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User and system CPU seconds the processes have used (this one's included if named)."""
+    total = 0.0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def in_parallel(jobs) -> float:
@@ -364,9 +377,17 @@ def measure_shards(args: argparse.Namespace, num_shards: int, in_process: InProc
 
         times = {name: [] for name in ("raw", "push", "raw_sequential", "push_sequential", "raw_pull", "pull",
                                        "served", "round")}
+        servers = {"raw": [p.pid for p in processes[num_shards:]], "push": [p.pid for p in processes[:num_shards]]}
+        cpu = {"raw": [], "push": []}  # CPU seconds of (the servers, the pushers' process) per phase
+
+        def measured_cpu(phase: str, run: Callable[[], float]) -> float:
+            before = cpu_seconds(servers[phase]), cpu_seconds([os.getpid()])
+            seconds = run()
+            cpu[phase].append((cpu_seconds(servers[phase]) - before[0], cpu_seconds([os.getpid()]) - before[1]))
+            return seconds
         for version in range(0, ROUNDS_PER_ITERATION * args.rounds, ROUNDS_PER_ITERATION):
-            times["raw"].append(concurrently(sinks, version))
-            times["push"].append(concurrently(pushers, version))
+            times["raw"].append(measured_cpu("raw", lambda: concurrently(sinks, version)))
+            times["push"].append(measured_cpu("push", lambda: concurrently(pushers, version)))
             close_rounds(version)
             times["raw_pull"].append(in_parallel([lambda i=i: pull_raw(i) for i in range(args.pushers)]))
             times["pull"].append(in_parallel([lambda i=i: pull_all(i, version) for i in range(args.pushers)]))
@@ -413,6 +434,12 @@ def measure_shards(args: argparse.Namespace, num_shards: int, in_process: InProc
         raw_pull_s, pull_s, served_s, round_s = (median[name] for name in ("raw_pull", "pull", "served", "round"))
         # every pushed byte crosses gRPC and is made durable: neither rate can be beaten
         bound = min(payload_bytes / raw_s, disk)
+        megabytes = payload_bytes / 1e6
+        cpu_figures = {phase: {"server_ms_per_mb": 1e3 * statistics.median(c[0] for c in cpu[phase]) / megabytes,
+                               "pushers_ms_per_mb": 1e3 * statistics.median(c[1] for c in cpu[phase]) / megabytes,
+                               "cores_busy": statistics.median((c[0] + c[1]) / t for c, t in zip(cpu[phase], times[phase]))
+                               / os.cpu_count()}
+                       for phase in cpu}
         return {"shards": num_shards, "bytes_per_round": payload_bytes,
                 "raw_push_mbytes_per_second": payload_bytes / raw_s / 1e6,
                 "push_mbytes_per_second": payload_bytes / push_s / 1e6, "push_vs_raw": raw_s / push_s,
@@ -425,7 +452,7 @@ def measure_shards(args: argparse.Namespace, num_shards: int, in_process: InProc
                 "pull_served_mbytes_per_second": payload_bytes / served_s / 1e6, "pull_vs_raw": raw_pull_s / served_s,
                 "state_dir": str(state_root or "a temporary folder"), "log_mbytes_per_second": disk / 1e6,
                 "push_bound_mbytes_per_second": bound / 1e6, "push_vs_bound": payload_bytes / push_s / bound,
-                "push_seconds": push_s, "round_seconds": round_s,
+                "push_seconds": push_s, "round_seconds": round_s, "cpu": cpu_figures,
                 "contributions_per_second": contributions / round_s,
                 "params_per_second": contributions * args.params / len(fragments) / round_s,
                 "shared_pulls": {"learners": PULLERS, "encodes": encodes, "reuses": reuses, "seconds": shared_s,
@@ -478,6 +505,11 @@ def main() -> int:
               f"push-sized records (fdatasync each), so at most {run['push_bound_mbytes_per_second']:.0f} MB/s: "
               f"{run['push_vs_bound']:.2f} of that; {min(run['push_vs_raw_by_iteration']):.2f} to "
               f"{max(run['push_vs_raw_by_iteration']):.2f} x raw in single iterations")
+        cpu = run["cpu"]
+        print(f"  CPU per MB, all at once  the servers: push path {cpu['push']['server_ms_per_mb']:.2f} ms, raw "
+              f"{cpu['raw']['server_ms_per_mb']:.2f} ms; the pushers {cpu['push']['pushers_ms_per_mb']:.2f} and "
+              f"{cpu['raw']['pushers_ms_per_mb']:.2f} ms; the machine's {os.cpu_count()} cores "
+              f"{cpu['push']['cores_busy']:.0%} and {cpu['raw']['cores_busy']:.0%} busy")
         print(f"  raw, one at a time     {run['raw_push_sequential_mbytes_per_second']:8.0f} MB/s, each pusher's "
               f"streams one after another")
         print(f"  push path, the same    {run['push_sequential_mbytes_per_second']:8.0f} MB/s = "
@@ -502,7 +534,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "params": args.params, "pushers": args.pushers, "fragments": args.fragments, "rounds": args.rounds,
-            "codec": "int4", "target_push_vs_raw": TARGET_PUSH_VS_RAW, "target_pull_vs_raw": TARGET_PULL_VS_RAW,
+            "codec": "int4", "cores": os.cpu_count(), "target_push_vs_raw": TARGET_PUSH_VS_RAW, "target_pull_vs_raw": TARGET_PULL_VS_RAW,
             "target_round_vs_in_process": TARGET_ROUND_VS_IN_PROCESS, "runs": runs, "memory_run": memory_run,
             "in_process_round_seconds": in_process_s, "in_process_params_per_second": in_process_rate,
             "memory_bytes_per_second": bandwidth, "round_bytes_per_parameter": bytes_per_parameter,
