@@ -78,7 +78,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from diloco.learner.sync.pulled import value_after  # noqa: E402
 from diloco.services.client import ShardClient  # noqa: E402
-from diloco.services.contract.state import apply_update, state_hash  # noqa: E402
+from diloco.services.contract.state import state_hash  # noqa: E402
 from diloco.localcluster.processes import free_ports  # noqa: E402
 from diloco.services.contract.codecs import get_codec  # noqa: E402
 from diloco.services.contract.error_feedback import ErrorFeedback  # noqa: E402
@@ -243,8 +243,7 @@ class InProcessRound:
                 accumulator.add(delta, 1.0, float(torch.linalg.vector_norm(delta)))
             merged = accumulator.merged()
             update = self.optimizer.end_period(self.momentum[fragment], merged, merged)
-            _, decoded = self.feedback[fragment].compress(update)
-            apply_update(self.value[fragment], decoded)
+            _, self.value[fragment] = self.feedback[fragment].compress_apply(update, self.value[fragment])
         self.seconds.append(time.perf_counter() - started)
 
 

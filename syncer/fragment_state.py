@@ -19,7 +19,7 @@ from typing import Iterable
 
 import torch
 
-from diloco.services.contract.state import apply_update, state_hash
+from diloco.services.contract.state import state_hash
 from diloco.services.contract.codecs import get_codec
 from diloco.services.contract.error_feedback import ErrorFeedback
 from diloco.services.contract.config import SyncConfig, SyncerConfig
@@ -183,12 +183,10 @@ class FragmentState:
                 last = round_.merged(final=True).mul_(-closed.final_share)
                 update = last if update is None else update.add_(last)
             self._feedback.residual = committed.residual
-            payload, decoded = self._feedback.compress(update, in_place=True)
+            # Into a new tensor: pulls read the old one without a lock. Applied as learners
+            # apply the decoded update (apply_update): the same bits.
+            payload, value = self._feedback.compress_apply(update, committed.value)
             del update
-            # Into a new tensor, the decoded update's own (one fragment-sized allocation fewer):
-            # pulls read the old one without a lock. The same call learners use: same bits.
-            value = apply_update(committed.value, decoded, out=decoded)
-            del decoded
         version = committed.version + 1
         update_record = Encoded(version, describe(self.codec, self.fragment.numel, payload, self.block_size),
                                 payload)

@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 from diloco.services.contract import codecs
 from diloco.services.contract.codecs import CODEC_NAMES, DEFAULT_BLOCK_SIZE, get_codec
 from diloco.services.contract.error_feedback import ErrorFeedback
+from diloco.services.contract.state import apply_update
 from diloco.services.contract.wire import pb
 
 QUANTISED = ("int8", "int4", "fp4_e3m0")
@@ -546,6 +547,49 @@ def test_the_compiled_outer_gradient_compression_flags_a_non_finite_value(name, 
 
 
 @pytest.mark.skipif(codecs._codec_kernels is None, reason="the compiled kernels are not built")
+@pytest.mark.parametrize("name", QUANTISED)
+@pytest.mark.parametrize("numel", [1, 255, 1001, 4097, (1 << 18) + 3])
+@pytest.mark.parametrize("block_size", [1, 7, 128, 5000])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_compiled_update_compression_gives_torchs_payload_residual_and_value(name, numel, block_size, threads,
+                                                                                monkeypatch):
+    """A shard's close: residual + update encoded, the residual advanced, the decoded update
+    applied to the value; the same bits as error feedback's compress and apply_update."""
+    codec, update = get_codec(name), awkward_values(numel, block_size)
+    generator = torch.Generator().manual_seed(4)
+    residual, value = torch.randn(numel, generator=generator) * 1e-3, torch.randn(numel, generator=generator)
+    if numel >= 2 * block_size + 4:
+        residual[block_size : 2 * block_size] = -update[block_size : 2 * block_size]  # a block that sums to zeros
+    feedback = ErrorFeedback(codec, numel, block_size)
+    feedback.residual = residual.clone()
+    expected_payload, decoded = feedback.compress(update)
+    expected_value = apply_update(value.clone(), decoded)
+    results = {}
+    for built in (True, False):
+        with monkeypatch.context() as patch:
+            patch.setattr(codecs, "_KERNEL_VALUES_PER_THREAD", 1)
+            patch.setattr(torch, "get_num_threads", lambda: threads)
+            if not built:
+                patch.setattr(codecs, "_codec_kernels", None)
+            advanced, before = residual.clone(), value.clone()
+            payload, new_value, finite = codec.compress_apply(update, advanced, value, block_size)
+            assert bool(finite) and torch.equal(value, before)  # the value itself is left as it was
+            results[built] = codecs.payload_bytes(payload), advanced, new_value
+    for payload, advanced, new_value in results.values():
+        assert payload == expected_payload
+        assert torch.equal(advanced, feedback.residual) and torch.equal(new_value, expected_value)
+
+
+@pytest.mark.parametrize("name", QUANTISED)
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_shards_non_finite_update_is_refused(name, bad):
+    update = torch.randn(1001)
+    update[700] = bad
+    with pytest.raises(ValueError, match="1 non-finite value"):
+        ErrorFeedback(get_codec(name), 1001, 64).compress_apply(update, torch.zeros(1001))
+
+
+@pytest.mark.skipif(codecs._codec_kernels is None, reason="the compiled kernels are not built")
 def test_the_compiled_kernels_refuse_a_payload_of_the_wrong_length():
     kernels = codecs._codec_kernels
     with pytest.raises(ValueError, match="payload of 9 bytes for 10 values: expected 13"):
@@ -557,3 +601,5 @@ def test_the_compiled_kernels_refuse_a_payload_of_the_wrong_length():
     with pytest.raises(ValueError, match=r"anchor \(36 bytes\), values \(40\) and residual \(40\) differ in length"):
         kernels.compress_outer(kernels.INT4, torch.zeros(9).numpy(), torch.zeros(10).numpy(), torch.zeros(10).numpy(),
                                bytearray(13), 7)
+    with pytest.raises(ValueError, match=r"update \(40 bytes\), residual \(40\), value \(36\) and out \(40\)"):
+        kernels.compress_update(kernels.INT4, *(torch.zeros(n).numpy() for n in (10, 10, 9, 10)), bytearray(13), 7)

@@ -8,6 +8,9 @@
  *   compress_outer(kind, anchor, values, residual, payload, block_size, threads=1) -> bool
  *       error feedback's compression of the outer gradient in one pass: values = anchor - values
  *       + residual, encoded into payload, then values -= decoded (the new residual)
+ *   compress_update(kind, update, residual, value, out, payload, block_size, threads=1) -> bool
+ *       a shard's: residual += update, encoded into payload, then residual -= decoded (the new
+ *       residual) and out = value + decoded (the new value)
  *
  * threads > 1 splits the values into that many ranges of whole blocks, each on its own thread
  * (a shard's close and a pull's decode are on the round trip a learner waits for). int4's decode,
@@ -258,7 +261,7 @@ static void decode_range(int kind, const uint8_t *payload, float *out, Py_ssize_
 typedef struct {
     int kind, subtract, finite;
     const float *values, *anchor, *residual;
-    float *out;
+    float *out, *carry; /* carry: compress_update's residual, advanced in place */
     const uint8_t *source;
     uint8_t *payload;
     Py_ssize_t numel, block_size, first, last;
@@ -289,6 +292,27 @@ static void *compress_outer_thread(void *arg) {
         for (Py_ssize_t i = start; i < end; i++) values[i] = (r->anchor[i] - values[i]) + r->residual[i];
         r->finite &= encode_range(r->kind, values, r->numel, r->block_size, r->payload, start, end);
         decode_range(r->kind, r->payload, values, r->numel, r->block_size, 1, start, end);
+    }
+    return NULL;
+}
+
+/* compress_update's share, grouped as compress_outer's: the torch path's arithmetic of
+ * ErrorFeedback.compress and apply_update (residual + update, encode, residual - decoded,
+ * value + decoded) on values still in cache. */
+static void *compress_update_thread(void *arg) {
+    Range *r = arg;
+    Py_ssize_t unit = 2 * r->block_size, group = unit * (CHUNK / unit > 1 ? CHUNK / unit : 1);
+    float *residual = r->carry, *out = r->out;
+    r->finite = 1;
+    for (Py_ssize_t start = r->first; start < r->last; start += group) {
+        Py_ssize_t end = r->last - start < group ? r->last : start + group;
+        for (Py_ssize_t i = start; i < end; i++) residual[i] = residual[i] + r->values[i];
+        r->finite &= encode_range(r->kind, residual, r->numel, r->block_size, r->payload, start, end);
+        decode_range(r->kind, r->payload, out, r->numel, r->block_size, 0, start, end);
+        for (Py_ssize_t i = start; i < end; i++) {
+            residual[i] = residual[i] - out[i];
+            out[i] = r->anchor[i] + out[i];
+        }
     }
     return NULL;
 }
@@ -411,11 +435,43 @@ static PyObject *compress_outer(PyObject *self, PyObject *args) {
     return ok ? PyBool_FromLong(finite) : NULL;
 }
 
+static PyObject *compress_update(PyObject *self, PyObject *args) {
+    int kind, threads = 1, finite = 1;
+    Py_ssize_t block_size;
+    Py_buffer update, residual, value, out, payload;
+    if (!PyArg_ParseTuple(args, "iy*w*y*w*w*n|i", &kind, &update, &residual, &value, &out, &payload, &block_size,
+                          &threads))
+        return NULL;
+    int ok = check(kind, block_size, update.len, payload.len);
+    if (ok && (residual.len != update.len || value.len != update.len || out.len != update.len)) {
+        PyErr_Format(PyExc_ValueError, "update (%zd bytes), residual (%zd), value (%zd) and out (%zd) differ in length",
+                     update.len, residual.len, value.len, out.len);
+        ok = 0;
+    }
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        Range ranges[MAX_THREADS] = {{.kind = kind, .values = update.buf, .carry = residual.buf, .anchor = value.buf,
+                                      .out = out.buf, .payload = payload.buf, .numel = update.len / 4,
+                                      .block_size = block_size}};
+        run_ranges(ranges, threads, compress_update_thread);
+        for (int t = 0; t < MAX_THREADS; t++) finite &= ranges[t].finite;
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&update);
+    PyBuffer_Release(&residual);
+    PyBuffer_Release(&value);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&payload);
+    return ok ? PyBool_FromLong(finite) : NULL;
+}
+
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS, "encode(kind, values, payload, block_size, threads=1) -> every value finite"},
     {"decode", decode, METH_VARARGS, "decode(kind, payload, out, block_size, subtract, threads=1)"},
     {"compress_outer", compress_outer, METH_VARARGS,
      "compress_outer(kind, anchor, values, residual, payload, block_size, threads=1) -> every value finite"},
+    {"compress_update", compress_update, METH_VARARGS,
+     "compress_update(kind, update, residual, value, out, payload, block_size, threads=1) -> every value finite"},
     {NULL, NULL, 0, NULL},
 };
 

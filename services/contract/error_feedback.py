@@ -34,15 +34,14 @@ class ErrorFeedback:
             raise ValueError(f"residual must be {expected}, got {got}")
         self._residual = value.to(self.device)
 
-    def compress(self, values: torch.Tensor, *, in_place: bool = False) -> tuple[bytes, torch.Tensor]:
+    def compress(self, values: torch.Tensor) -> tuple[bytes, torch.Tensor]:
         """(payload, decoded): the payload to send and exactly what the receiver will decode.
 
         The residual is replaced by a new tensor, never modified in place, so a caller may keep
         the old one to roll back a push that was lost. If encoding fails (a non-finite value)
-        the residual is left as it was. With in_place, the residual tensor itself is advanced
-        (a syncer shard, which never rolls back, saves a copy of it).
+        the residual is left as it was.
         """
-        total = self._residual.add_(values) if in_place else values + self._residual
+        total = values + self._residual
         payload, finite = self.codec.encode_to_tensor(total, self.block_size)
         if not finite:
             raise non_finite_error(self.codec, total)
@@ -50,6 +49,16 @@ class ErrorFeedback:
         decoded = self.codec.decode(payload, self.numel, self.block_size)
         self._residual = total.sub_(decoded)
         return sent, decoded
+
+    def compress_apply(self, update: torch.Tensor, value: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+        """(payload, value + decoded) for a syncer shard's update: the payload to send, and
+        `value` with exactly what receivers decode applied as apply_update does, in a new
+        tensor (`value` is left as it was). The residual tensor itself is advanced (a shard
+        never rolls back, and saves a copy of it); after a non-finite update it is garbage."""
+        payload, new_value, finite = self.codec.compress_apply(update, self._residual, value, self.block_size)
+        if not finite:
+            raise non_finite_error(self.codec, update)
+        return payload_bytes(payload), new_value
 
     def compress_outer(self, anchor: torch.Tensor, snapshot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(payload, finite) as Codec.encode_to_tensor gives them for the outer gradient
