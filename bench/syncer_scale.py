@@ -11,8 +11,9 @@ its state on disk as it would in a run (--state-dir, default a temporary folder)
 
 Figures, from the shard process itself:
 - seconds per round: from the first push to the last fragment's new version (median);
-- RSS bytes per owned parameter: VmRSS at rest (the shard idle after its last round for long
-  enough to give its freed memory back; between rounds it keeps it) less VmRSS before the first
+- RSS bytes per owned parameter: VmRSS at rest (the shard idle after its last round until it
+  has given its freed memory back, as its memory_releases counter says; between rounds it
+  keeps it) less VmRSS before the first
   join (the interpreter, torch, gRPC), over the parameters; and the peak (VmHWM) the same way;
 - durable bytes per round per fragment: bytes the process wrote (/proc/<pid>/io wchar: files,
   and the small push replies) over the rounds, per round and fragment, against the encoded bytes
@@ -56,7 +57,7 @@ PACKAGES = ("services", "learner", "syncer", "localcluster", "integrations", "pl
 FRAGMENTS, PUSHERS = 4, 4
 FP32 = get_codec("fp32")
 BETWEEN_ROUNDS_SECONDS = 1.5  # in a run, a fragment's rounds are H steps apart
-# Idle long enough for a shard to give its freed memory back after such pauses (syncer/memory.py)
+# Idle long enough for a shard without memory_releases (an earlier commit's) to rest after such pauses
 REST_SECONDS = IdleRelease().factor * (BETWEEN_ROUNDS_SECONDS + 0.5) + 0.5
 
 
@@ -124,7 +125,22 @@ def running_shard(code: Path, state_dir: Path, learners: list[str], fragments: i
         shutil.rmtree(work, ignore_errors=True)
 
 
-def measure(params: int, rounds: int, code: Path, state_dir: Path, label: str) -> dict:
+def at_rest(client: ShardClient, releases: float | None) -> None:
+    """Returns once the idle shard has given its freed memory back since its memory_releases
+    counter said `releases` (syncer/memory.py: after a pause twice the longest it saw between
+    rounds, at most IdleRelease's max_seconds); None: a shard that does not count them rests
+    REST_SECONDS."""
+    if releases is None:
+        time.sleep(REST_SECONDS)
+        return
+    deadline = time.monotonic() + IdleRelease().max_seconds + 10
+    while client.status().counters.get("memory_releases", 0) <= releases:
+        if time.monotonic() > deadline:
+            raise SystemExit("the shard did not give its freed memory back while idle")
+        time.sleep(0.5)
+
+
+def measure(params: int, rounds: int, code: Path, state_dir: Path, label: str, counts_releases: bool = True) -> dict:
     learners = [f"pusher-{i}" for i in range(PUSHERS)]
     with running_shard(code, state_dir, learners, FRAGMENTS, PUSHERS) as (address, cfg, process, clients):
         baseline_rss = proc(process.pid, "status", "VmRSS")
@@ -161,7 +177,7 @@ def measure(params: int, rounds: int, code: Path, state_dir: Path, label: str) -
                   f"{(proc(process.pid, 'status', 'VmRSS') - baseline_rss) / params:.1f} B per parameter, "
                   f"peak so far {(proc(process.pid, 'status', 'VmHWM') - baseline_rss) / params:.1f}", flush=True)
         written = proc(process.pid, "io", "wchar") - written_before
-        time.sleep(REST_SECONDS)
+        at_rest(clients[0], status.counters.get("memory_releases", 0) if counts_releases else None)
         rss, peak = proc(process.pid, "status", "VmRSS"), proc(process.pid, "status", "VmHWM")
         return {"label": label, "params": params, "rounds": rounds, "round_seconds": statistics.median(seconds),
                 "received_bytes_per_round_per_fragment": received_per_fragment,
@@ -205,7 +221,7 @@ def measure_anchors(params: int, kept: int, spill: bool, code: Path, state_dir: 
                         for client, (version, anchor_hash) in zip(clients[1:], anchors)]
         seconds = time.perf_counter() - started
         after = pusher.status().counters
-        time.sleep(REST_SECONDS)
+        at_rest(pusher, after.get("memory_releases", 0))
         rss = proc(process.pid, "status", "VmRSS")
         answers = {key.removeprefix("pulls."): after[key] - before.get(key, 0) for key in after
                    if key.startswith("pulls.") and after[key] != before.get(key, 0)}
@@ -372,7 +388,8 @@ def main() -> int:
         runs = []
         if args.compare_params:
             before = shard_code(args.compare, work)
-            runs.append(measure(args.compare_params, args.rounds, before, state_root / "before", f"before ({args.compare})"))
+            runs.append(measure(args.compare_params, args.rounds, before, state_root / "before", f"before ({args.compare})",
+                                counts_releases=False))
             runs.append(measure(args.compare_params, args.rounds, head, state_root / "now-small", "now"))
         runs.append(measure(args.params, args.rounds, head, state_root / "now", "now"))
         for run in runs:

@@ -17,7 +17,8 @@ encoding work the downlink cost), pull_bytes.<answer> (their payload bytes: wher
 goes), anchor_values_missed (pulls from an anchor whose value was dropped, syncer.spill_anchors:
 the updates since or a snapshot where one delta would have done), anchor_values_spilled and
 anchor_spill_bytes (anchors' values written to the state folder as they left memory),
-anchor_values_loaded (read back from it for a pull: syncer/anchor_spill.py).
+anchor_values_loaded (read back from it for a pull: syncer/anchor_spill.py), memory_releases
+(an idle shard gave the memory of its last rounds back: syncer/memory.py).
 """
 from __future__ import annotations
 

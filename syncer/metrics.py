@@ -32,6 +32,7 @@ SYNCER_COUNTER_FAMILIES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "anchor_values_spilled": (None, ()),
     "anchor_spill_bytes": (None, ()),
     "anchor_values_loaded": (None, ()),
+    "memory_releases": (None, ()),
 }
 SYNCER_COUNTER_HELP = {
     "contributions": "Outer-gradient pushes by what the shard did with them.",
@@ -58,6 +59,8 @@ SYNCER_COUNTER_HELP = {
                              "(syncer.kept_anchors, syncer.spill_anchors).",
     "anchor_spill_bytes": "Bytes of those values written to the state folder.",
     "anchor_values_loaded": "Anchors' values read back from the state folder for a pull's delta.",
+    "memory_releases": "Times the shard, idle for longer than between its rounds, gave the memory of its last "
+                       "rounds back to the system.",
 }
 
 

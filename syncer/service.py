@@ -303,6 +303,7 @@ class Ticker:
                 log.exception("closing a round failed")
             if self.idle_release.due(self.core.clock(), self.core.last_busy_at):
                 release_freed_memory()
+                self.core.counters.add("memory_releases")
 
     def stop(self) -> None:
         self._stopping.set()

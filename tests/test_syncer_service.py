@@ -704,6 +704,22 @@ def test_a_full_disk_refuses_pushes_with_resource_exhausted_naming_the_state_fol
     assert not any(r.exc_info for r in caplog.records)
 
 
+def test_an_idle_shard_counts_the_time_it_gives_its_freed_memory_back(tmp_path):
+    """Once a pause has lasted long enough (syncer/memory.py, on a fake clock in
+    test_syncer_memory.py), and not again while the pause goes on."""
+    _, cfg = write_config(tmp_path, lease_seconds=3600.0)
+    handle = start_shard(cfg, 0)
+    try:
+        with ShardClient(f"127.0.0.1:{handle.port}", cfg.rpc, "a", 1, identity=identity(cfg, "a")) as a:
+            fragment, numel = next((f.fragment_id, f.numel) for f in a.join("r", MANIFEST).fragments)
+            a.push(fragment, torch.zeros(numel), codec="fp32", block_size=BLOCK, kind=pb.PUSH_KIND_SEED)
+            wait_until(lambda: a.status().counters.get("memory_releases") == 1, 10, "a release once idle")
+            time.sleep(2.5)  # idle on: no second release
+            assert a.status().counters.get("memory_releases") == 1
+    finally:
+        handle.stop()
+
+
 def _start_fails(config_path, *args):
     result = subprocess.run([sys.executable, "-m", "diloco", "syncer", "--config", str(config_path),
                              "--shard-index", "0", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
