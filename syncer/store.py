@@ -60,7 +60,7 @@ from diloco.syncer.journal import LoggedClose, LoggedContribution, Manifest, Res
 from diloco.syncer.counters import Counters
 from diloco.syncer.snapshot import ClosedRound, ContributionKey, FragmentSnapshot
 from diloco.syncer.store_format import (CLOSE, CONTRIBUTION, FRAME, LENGTH, OFFSET, READABLE_FORMATS, ROUND,
-                                        SPACE, SPOOLED, TAG_BYTES, StoreError, frame, has_a_record,
+                                        SPACE, SPOOLED, TAG_BYTES, StoreError, frame, grow_file, has_a_record,
                                         load_history, read_frames, read_log, sha256, snapshot_body, sync_data,
                                         update_body, write_atomically, write_file, write_parts_at)
 
@@ -308,7 +308,7 @@ class _FragmentFiles:
         size = max(end, self.allocated + max(_LOG_GROWTH, self.allocated // 8))
         # Allocated, not only sized: records then fill blocks already on disk (a full disk
         # refuses the growth, not a write below it), and a filesystem writes them for less.
-        os.posix_fallocate(fd, self.allocated, size - self.allocated)
+        grow_file(fd, self.allocated, size)
         sync_data(fd)
         self.note_size(size)
         self.allocated = size

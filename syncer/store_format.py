@@ -264,3 +264,12 @@ def write_atomically(path: pathlib.Path, parts: list) -> int:
 
 sync_data = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
 
+
+
+def grow_file(fd: int, size: int, to: int) -> None:
+    """Extends the file from `size` to `to` bytes, its blocks allocated where the system can
+    (macOS has no posix_fallocate: sized only)."""
+    if hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, size, to - size)
+    else:
+        os.ftruncate(fd, to)

@@ -221,6 +221,15 @@ def test_a_snapshot_waits_for_the_chunk_being_written_and_the_push_is_logged_wit
     assert b"".join(pending.chunks) == values.numpy().tobytes()
 
 
+def test_on_a_system_without_posix_fallocate_the_log_grows_by_its_size_alone(tmp_path, monkeypatch):
+    monkeypatch.delattr(os, "posix_fallocate")  # macOS
+    shard = Shard(make_config(quorum=3), journal=ShardStore(tmp_path))
+    shard.push("a", 0, delta(1, shard.numel()))
+    log = tmp_path / "fragment-0" / "round.log"
+    assert log.stat().st_size == int((log.parent / "log-size").read_text()) > 0
+    assert [key.learner_id for key in restarted(shard, tmp_path).fragments[0].round.contributions] == ["a"]
+
+
 @pytest.mark.parametrize("how", ["cut off", "refused"])
 def test_a_space_no_record_names_is_stepped_over_by_the_restart(tmp_path, how):
     """b's push streamed into a space of the log, then was cut off (or refused once all of it
