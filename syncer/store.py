@@ -417,8 +417,8 @@ class _LogSpace:
                 self._void = True
             if self._void or files.closed or files.log_tag != self.tag:
                 return
-            files.writing += 1
             fd = files.log()
+            files.writing += 1  # from here on the finally below counts it out
         written = 0
         try:
             written = write_parts_at(fd, [chunk], self._next)
