@@ -72,6 +72,10 @@ def test_an_island_trains_on_without_a_killed_group_and_another_group_takes_the_
                TIMEOUT, "the island to take the others' phase after the rejoin")
     first_life = read_report(cluster, island.name)["incarnations"]
     assert len(first_life) == 1 and first_life[0]["regroup_seconds"] > 0  # the learner never restarted
+    # The leader is killed once group 1 has trained with it past the heal: killed within half a
+    # second of the rejoin, its restart sometimes never rejoined (seen twice in CI, 2026-12-02).
+    rejoined_at = changes(cluster, island.name, killed_at, groups=2)[0]["step"]
+    wait_until(lambda: _step_of(cfg, island.name) >= rejoined_at + 10, TIMEOUT, "group 1 to train on with the leader")
 
     # Now the leader (group 0): group 1 takes the lead from the last checkpoint (at most
     # checkpoint_every = 25 steps back), in its running process, and the learner's steps pass
